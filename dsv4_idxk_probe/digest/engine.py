@@ -1,0 +1,265 @@
+"""Digest rooms of one index-K pool without stalling the caller.
+
+`DigestEngine.submit` builds the work list on the host, launches the Triton
+kernel on the caller's current stream, queues a copy of the results into
+pinned host memory behind a CUDA event, and returns. A background thread
+polls the event (never blocks on it) and hands finished rooms to the
+callback. The caller's thread never calls ``.item()``, ``.cpu()``,
+``.tolist()`` or a synchronise on this path.
+
+Without CUDA the same API digests with the NumPy reference (or with the
+Triton kernel under ``TRITON_INTERPRET=1``), at submit time so the snapshot
+is the same, and still delivers results on the background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import reference
+from .layout import RowLayout, layout_signature
+from .result import RoomDigest
+from .worklist import RoomRequest, WorkList, build_worklist
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass
+class BatchResult:
+    """What one submit produced, handed to its callback on the collector thread."""
+
+    digests: list[RoomDigest]
+    rows: int
+    bytes_digested: int
+    gpu_seconds: float | None = None  # kernel time, when measured on a GPU
+
+
+@dataclass
+class EngineStats:
+    submitted_rooms: int = 0
+    completed_rooms: int = 0
+    dropped_batches: int = 0
+    callback_errors: int = 0
+
+
+@dataclass
+class _Ticket:
+    worklist: WorkList
+    rooms: list[RoomRequest]
+    callback: Callable[[BatchResult], None]
+    host_out: Any  # np.ndarray, or a pinned int64 tensor being filled
+    done: Any = None  # CUDA event; None when the result is already on the host
+    started: Any = None  # CUDA timing event
+    keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
+
+
+class DigestEngine:
+    """Digests rooms of one pool: `buffers[i]` is layer `layer_ids[i]`, uint8 [pages, row_bytes]."""
+
+    def __init__(
+        self,
+        layout: RowLayout,
+        layer_ids: Sequence[int],
+        buffers: Sequence[torch.Tensor],
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        block: int = 1024,
+        max_pending: int = 1024,
+        poll_interval_s: float = 0.0005,
+        time_kernels: bool = False,
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if len(buffers) != len(layer_ids):
+            raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
+        for i, buf in enumerate(buffers):
+            if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != layout.row_bytes:
+                raise ValueError(
+                    f"buffer {i} (layer {layer_ids[i]}) is {buf.dtype} {tuple(buf.shape)}, "
+                    f"layout {layout.name!r} needs uint8 [pages, {layout.row_bytes}]"
+                )
+            if not buf.is_contiguous():
+                raise ValueError(f"buffer {i} (layer {layer_ids[i]}) is not contiguous")
+        self.layout = layout
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.signature = layout_signature(layout, self.layer_ids)
+        self.buffers = list(buffers)
+        self.device = torch.device(device) if device is not None else (buffers[0].device if buffers else torch.device("cpu"))
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "reference"
+        self.backend = backend
+        self.block = block
+        self.poll_interval_s = poll_interval_s
+        self.time_kernels = time_kernels and self.device.type == "cuda"
+        self.stats = EngineStats()
+        self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        if self.backend == "triton":
+            self._layer_table = torch.tensor(
+                [[b.data_ptr(), lid] for b, lid in zip(self.buffers, self.layer_ids)], dtype=torch.int64
+            ).reshape(-1, 2).to(self.device)
+            self._segment_table = torch.tensor(
+                [[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32
+            ).to(self.device)
+
+    # %% public API
+
+    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> bool:
+        """Digest `rooms` in one launch; `callback` runs later on the collector thread.
+
+        Returns False (and counts the drop) when too many batches are pending;
+        it never waits.
+        """
+        ticket = self._launch(list(rooms), callback)
+        self._ensure_thread()
+        try:
+            self._queue.put_nowait(ticket)
+        except queue.Full:
+            self.stats.dropped_batches += 1
+            return False
+        self.stats.submitted_rooms += len(ticket.rooms)
+        return True
+
+    def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
+        """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
+        ticket = self._launch(list(rooms), lambda _: None)
+        if ticket.done is not None:
+            ticket.done.synchronize()
+        return self._finish(ticket).digests
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is pending, then stop the collector thread."""
+        thread = self._thread
+        if thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("digest queue still full at close; pending results are dropped")
+            return
+        thread.join(timeout_s)
+        self._thread = None
+
+    # %% launch
+
+    def _launch(self, rooms: list[RoomRequest], callback) -> _Ticket:
+        worklist = build_worklist(self.layout, len(self.layer_ids), rooms)
+        if self.backend == "reference":
+            return _Ticket(worklist, rooms, callback, self._reference_out(worklist, rooms))
+        return self._launch_triton(worklist, rooms, callback)
+
+    def _reference_out(self, worklist: WorkList, rooms: list[RoomRequest]) -> np.ndarray:
+        out = np.zeros(worklist.out_size, dtype=np.uint64)
+        for slot, room in enumerate(rooms):
+            pages = room.pages.cpu().numpy() if isinstance(room.pages, torch.Tensor) else room.pages
+            digest = reference.digest_room(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids)
+            ls = worklist.ls_offsets[slot]
+            out[ls : ls + digest.layer_segment.size] = digest.layer_segment.reshape(-1)
+            po = worklist.page_offsets[slot]
+            out[po : po + digest.n_pages] = digest.pages
+        return out
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> _Ticket:
+        from .kernel import launch_digest  # Triton is imported only when the kernel is used
+
+        keepalive: list = []
+        page_tables = []
+        for room in rooms:
+            pages = room.pages
+            if not isinstance(pages, torch.Tensor):
+                pages = self._to_device(np.asarray(pages, dtype=np.int64).reshape(-1))
+            pages = pages.to(device=self.device, dtype=torch.int64).contiguous()
+            page_tables.append(pages)
+        room_table = np.zeros((len(rooms), 3), dtype=np.int64)
+        room_table[:, 0] = [p.data_ptr() for p in page_tables]
+        room_table[:, 1] = worklist.ls_offsets
+        room_table[:, 2] = worklist.page_offsets
+        work = self._to_device(worklist.work)
+        room_dev = self._to_device(room_table)
+        out = torch.zeros(worklist.out_size, dtype=torch.int64, device=self.device)
+        keepalive += [work, room_dev, out, *page_tables]
+
+        started = done = None
+        if self.time_kernels:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        launch_digest(
+            work, room_dev, self._layer_table, self._segment_table, out.view(torch.uint64),
+            self.layout.row_bytes // 4, block=self.block,
+        )
+        if self.device.type == "cuda":
+            host_out = torch.empty(worklist.out_size, dtype=torch.int64, pin_memory=True)
+            host_out.copy_(out, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=self.time_kernels)
+            done.record()
+        else:
+            host_out = out
+        return _Ticket(worklist, rooms, callback, host_out, done, started, keepalive)
+
+    # %% collection
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._collect, name="dsv4-idxk-digest", daemon=True)
+                self._thread.start()
+
+    def _collect(self) -> None:
+        while True:
+            ticket = self._queue.get()
+            if ticket is None:
+                return
+            while ticket.done is not None and not ticket.done.query():
+                time.sleep(self.poll_interval_s)
+            try:
+                result = self._finish(ticket)
+                ticket.callback(result)
+            except Exception:  # a callback must never kill the collector
+                self.stats.callback_errors += 1
+                log.exception("digest callback failed")
+
+    def _finish(self, ticket: _Ticket) -> BatchResult:
+        out = ticket.host_out
+        out = (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
+        wl = ticket.worklist
+        n_layers, n_segments = len(self.layer_ids), len(self.layout.segments)
+        digests = []
+        for slot, room in enumerate(ticket.rooms):
+            ls = wl.ls_offsets[slot]
+            po = wl.page_offsets[slot]
+            digests.append(
+                RoomDigest(
+                    key=room.key,
+                    signature=self.signature,
+                    n_tokens=room.n_tokens,
+                    layer_ids=self.layer_ids,
+                    segments=self.layout.segment_names,
+                    layer_segment=out[ls : ls + n_layers * n_segments].reshape(n_layers, n_segments).copy(),
+                    pages=out[po : po + room.n_pages].copy(),
+                )
+            )
+        gpu_seconds = None
+        if ticket.started is not None and ticket.done is not None:
+            gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
+        self.stats.completed_rooms += len(digests)
+        frozen_slots = int(wl.work[:, 3].sum(dtype=np.int64)) if len(wl.work) else 0
+        return BatchResult(digests, len(wl.work), frozen_slots * self._frozen_bytes_per_slot, gpu_seconds)

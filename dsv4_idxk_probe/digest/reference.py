@@ -1,0 +1,142 @@
+"""The digest, defined in NumPy.
+
+This module *is* the definition written out in docs/digest.md; the Triton
+kernel must agree with it bit for bit. It also digests host memory (HiCache
+host pools, the CPU rig) where no GPU is involved.
+
+Arithmetic, per row:
+  * the row is read as little-endian 32-bit words; word j sits at byte 4*j;
+  * each frozen word w of segment s is salted by its position,
+    x = w ^ (j * SALT_MUL + SALT_ADD), and mixed into two lanes by two
+    bijections of x:  a = m(x * MIX_A), b = (x ^ (x >> 15)) * MIX_B,
+    with m(v) = v ^ (v >> 16), all mod 2^32;
+  * lane sums are taken mod 2^32 (order-free, so any tiling gives the same
+    value) and the segment digest is d = (sum_b << 32) | sum_a;
+  * the cell (layer id, logical page, segment) contributes
+    c = fmix64(d ^ cell_salt), folded by sums mod 2^64.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .layout import RowLayout, layout_signature
+from .result import RoomDigest
+
+# 32-bit word mixing (docs/digest.md, "Words").
+SALT_MUL = 0x9E3779B1
+SALT_ADD = 0x7F4A7C15
+MIX_A = 0x85EBCA6B
+MIX_B = 0xC2B2AE35
+# 64-bit cell salting and finalisation (docs/digest.md, "Cells").
+CELL_LAYER = 0x9E3779B97F4A7C15
+CELL_PAGE = 0xC2B2AE3D27D4EB4F
+CELL_SEGMENT = 0x165667B19E3779F9
+FMIX_1 = 0xFF51AFD7ED558CCD
+FMIX_2 = 0xC4CEB9FE1A85EC53
+
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def _as_rows(rows) -> np.ndarray:
+    array = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
+    if array.dtype != np.uint8 or array.ndim != 2:
+        raise ValueError(f"rows must be a 2-D uint8 array, got {array.dtype} {array.shape}")
+    return np.ascontiguousarray(array)
+
+
+def segment_digests(rows, frozen_slots, layout: RowLayout) -> np.ndarray:
+    """Digest of each (row, segment) over its frozen slots: uint64 [n_rows, n_segments]."""
+    rows = _as_rows(rows)
+    if rows.shape[1] != layout.row_bytes:
+        raise ValueError(f"rows have {rows.shape[1]} bytes, layout {layout.name!r} has {layout.row_bytes}")
+    frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1, 1)
+    if frozen.shape[0] != rows.shape[0]:
+        raise ValueError(f"{frozen.shape[0]} frozen counts for {rows.shape[0]} rows")
+    words = rows.view("<u4").astype(np.uint64)
+    out = np.zeros((rows.shape[0], len(layout.segments)), dtype=np.uint64)
+    for s, seg in enumerate(layout.segments):
+        n_words = layout.slots * seg.slot_words
+        j = np.arange(seg.word_offset, seg.word_offset + n_words, dtype=np.uint64)
+        salt = (j * np.uint64(SALT_MUL) + np.uint64(SALT_ADD)) & _U32
+        x = words[:, seg.word_offset : seg.word_offset + n_words] ^ salt
+        a = (x * np.uint64(MIX_A)) & _U32
+        a ^= a >> np.uint64(16)
+        b = ((x ^ (x >> np.uint64(15))) * np.uint64(MIX_B)) & _U32
+        keep = (np.arange(n_words) < frozen * seg.slot_words).astype(np.uint64)
+        sum_a = (a * keep).sum(axis=1) & _U32
+        sum_b = (b * keep).sum(axis=1) & _U32
+        out[:, s] = (sum_b << np.uint64(32)) | sum_a
+    return out
+
+
+def fmix64(values: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser: a bijection, so distinct inputs stay distinct."""
+    k = np.asarray(values, dtype=np.uint64).copy()
+    k ^= k >> np.uint64(33)
+    k *= np.uint64(FMIX_1)
+    k ^= k >> np.uint64(33)
+    k *= np.uint64(FMIX_2)
+    k ^= k >> np.uint64(33)
+    return k
+
+
+def cell_contributions(digests: np.ndarray, layer_ids, logical_pages) -> np.ndarray:
+    """c = fmix64(d ^ salt(layer id, logical page, segment)) for each (row, segment)."""
+    layer_ids = np.asarray(layer_ids, dtype=np.uint64).reshape(-1, 1)
+    pages = np.asarray(logical_pages, dtype=np.uint64).reshape(-1, 1)
+    segs = np.arange(1, digests.shape[1] + 1, dtype=np.uint64).reshape(1, -1)
+    salt = layer_ids * np.uint64(CELL_LAYER) + pages * np.uint64(CELL_PAGE) + segs * np.uint64(CELL_SEGMENT)
+    return fmix64(digests ^ salt)
+
+
+def fold_room(
+    cells: np.ndarray, layer_index, logical_pages, n_layers: int, n_pages: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fold cell contributions into the (layer, segment) matrix and the page vector (sums mod 2^64)."""
+    n_segments = cells.shape[1]
+    layer_segment = np.zeros((n_layers, n_segments), dtype=np.uint64)
+    pages = np.zeros(n_pages, dtype=np.uint64)
+    np.add.at(layer_segment, np.asarray(layer_index, dtype=np.int64), cells)
+    np.add.at(pages, np.asarray(logical_pages, dtype=np.int64), cells.sum(axis=1, dtype=np.uint64))
+    return layer_segment, pages
+
+
+def digest_room(
+    buffers: Sequence,
+    physical_pages,
+    n_tokens: int,
+    layout: RowLayout,
+    layer_ids: Sequence[int],
+    key: str = "",
+) -> RoomDigest:
+    """Reference digest of one room.
+
+    `buffers[i]` is layer `layer_ids[i]`'s index-K buffer, uint8 [pages, row_bytes];
+    logical page k of the room is physical page `physical_pages[k]`; the room
+    holds `n_tokens` tokens from the start of logical page 0.
+    """
+    if len(buffers) != len(layer_ids):
+        raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
+    pages = np.asarray(physical_pages, dtype=np.int64).reshape(-1)
+    n_pages = len(pages)
+    frozen = np.array([layout.frozen_slots(n_tokens, k) for k in range(n_pages)], dtype=np.int64)
+    layer_segment = np.zeros((len(layer_ids), len(layout.segments)), dtype=np.uint64)
+    page_vector = np.zeros(n_pages, dtype=np.uint64)
+    for li, (buf, layer_id) in enumerate(zip(buffers, layer_ids)):
+        rows = _as_rows(buf)[pages] if n_pages else np.zeros((0, layout.row_bytes), np.uint8)
+        cells = cell_contributions(segment_digests(rows, frozen, layout), [layer_id] * n_pages, np.arange(n_pages))
+        ls, pv = fold_room(cells, np.zeros(n_pages, np.int64), np.arange(n_pages), 1, n_pages)
+        layer_segment[li] = ls[0]
+        page_vector += pv
+    return RoomDigest(
+        key=key,
+        signature=layout_signature(layout, layer_ids),
+        n_tokens=n_tokens,
+        layer_ids=tuple(int(i) for i in layer_ids),
+        segments=layout.segment_names,
+        layer_segment=layer_segment,
+        pages=page_vector,
+    )
