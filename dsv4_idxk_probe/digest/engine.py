@@ -53,14 +53,28 @@ class EngineStats:
 
 
 @dataclass
-class _Ticket:
+class PendingDigest:
+    """A submitted batch. `room_digests` is readable once `ready()`, or once the
+    submitting stream has been synchronised by someone else (SGLang's NIXL path
+    blocks on it before sending, which is how the in-band slot is filled)."""
+
     worklist: WorkList
     rooms: list[RoomRequest]
     callback: Callable[[BatchResult], None]
     host_out: Any  # np.ndarray, or a pinned int64 tensor being filled
+    host_rooms: Any  # the room digests alone, likewise
     done: Any = None  # CUDA event; None when the result is already on the host
     started: Any = None  # CUDA timing event
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    @property
+    def room_digests(self) -> np.ndarray:
+        """uint64 [n_rooms], in submit order."""
+        out = self.host_rooms
+        return (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
 
 
 class DigestEngine:
@@ -117,10 +131,10 @@ class DigestEngine:
 
     # %% public API
 
-    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> bool:
+    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> PendingDigest | None:
         """Digest `rooms` in one launch; `callback` runs later on the collector thread.
 
-        Returns False (and counts the drop) when too many batches are pending;
+        Returns None (and counts the drop) when too many batches are pending;
         it never waits.
         """
         ticket = self._launch(list(rooms), callback)
@@ -129,9 +143,9 @@ class DigestEngine:
             self._queue.put_nowait(ticket)
         except queue.Full:
             self.stats.dropped_batches += 1
-            return False
+            return None
         self.stats.submitted_rooms += len(ticket.rooms)
-        return True
+        return ticket
 
     def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
         """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
@@ -155,10 +169,12 @@ class DigestEngine:
 
     # %% launch
 
-    def _launch(self, rooms: list[RoomRequest], callback) -> _Ticket:
+    def _launch(self, rooms: list[RoomRequest], callback) -> PendingDigest:
         worklist = build_worklist(self.layout, len(self.layer_ids), rooms)
         if self.backend == "reference":
-            return _Ticket(worklist, rooms, callback, self._reference_out(worklist, rooms))
+            out = self._reference_out(worklist, rooms)
+            room_sums = out[: worklist.ls_offsets.size * worklist.ls_size].reshape(len(rooms), -1).sum(axis=1, dtype=np.uint64)
+            return PendingDigest(worklist, rooms, callback, out, room_sums)
         return self._launch_triton(worklist, rooms, callback)
 
     def _reference_out(self, worklist: WorkList, rooms: list[RoomRequest]) -> np.ndarray:
@@ -178,7 +194,7 @@ class DigestEngine:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> _Ticket:
+    def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> PendingDigest:
         from .kernel import launch_digest  # Triton is imported only when the kernel is used
 
         keepalive: list = []
@@ -206,14 +222,18 @@ class DigestEngine:
             work, room_dev, self._layer_table, self._segment_table, out.view(torch.uint64),
             self.layout.row_bytes // 4, block=self.block,
         )
+        # Room digest = every cell folded = sum of the room's (layer, segment) block, mod 2^64.
+        room_sums = out[: len(rooms) * worklist.ls_size].view(len(rooms), worklist.ls_size).sum(dim=1)
         if self.device.type == "cuda":
             host_out = torch.empty(worklist.out_size, dtype=torch.int64, pin_memory=True)
             host_out.copy_(out, non_blocking=True)
+            host_rooms = torch.empty(len(rooms), dtype=torch.int64, pin_memory=True)
+            host_rooms.copy_(room_sums, non_blocking=True)
             done = torch.cuda.Event(enable_timing=self.time_kernels)
             done.record()
         else:
-            host_out = out
-        return _Ticket(worklist, rooms, callback, host_out, done, started, keepalive)
+            host_out, host_rooms = out, room_sums
+        return PendingDigest(worklist, rooms, callback, host_out, host_rooms, done, started, keepalive)
 
     # %% collection
 
@@ -237,7 +257,7 @@ class DigestEngine:
                 self.stats.callback_errors += 1
                 log.exception("digest callback failed")
 
-    def _finish(self, ticket: _Ticket) -> BatchResult:
+    def _finish(self, ticket: PendingDigest) -> BatchResult:
         out = ticket.host_out
         out = (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
         wl = ticket.worklist

@@ -43,22 +43,26 @@ def frozen_slots_per_page(layout: RowLayout, n_pages: int, n_tokens: int) -> np.
 
 @dataclass
 class WorkList:
-    """Host-side tables for one launch."""
+    """Host-side tables for one launch.
+
+    Output layout (uint64 words): every room's (layer, segment) block, room
+    after room, then every room's page vector. Keeping the blocks adjacent
+    lets one device op fold them into the room digests.
+    """
 
     work: np.ndarray  # int32 [n_items, 4]: room slot, layer index, logical page, frozen slots
     ls_offsets: np.ndarray  # int64 [n_rooms]: start of each room's (layer, segment) block in `out`
     page_offsets: np.ndarray  # int64 [n_rooms]: start of each room's page vector in `out`
+    ls_size: int  # uint64 words per (layer, segment) block
     out_size: int  # uint64 words of output
 
 
 def build_worklist(layout: RowLayout, n_layers: int, rooms: Sequence[RoomRequest]) -> WorkList:
-    """Room-major, then layer, then page; outputs laid out room after room."""
-    n_segments = len(layout.segments)
+    """Room-major, then layer, then page."""
+    ls_size = n_layers * len(layout.segments)
     pages_per_room = np.array([r.n_pages for r in rooms], dtype=np.int64)
-    block_sizes = n_layers * n_segments + pages_per_room
-    starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1])).astype(np.int64)
-    ls_offsets = starts
-    page_offsets = starts + n_layers * n_segments
+    ls_offsets = np.arange(len(rooms), dtype=np.int64) * ls_size
+    page_offsets = len(rooms) * ls_size + np.concatenate(([0], np.cumsum(pages_per_room)[:-1])).astype(np.int64)
 
     chunks = []
     for slot, room in enumerate(rooms):
@@ -73,4 +77,4 @@ def build_worklist(layout: RowLayout, n_layers: int, rooms: Sequence[RoomRequest
         chunk[:, 3] = np.tile(frozen, n_layers)
         chunks.append(chunk)
     work = np.concatenate(chunks) if chunks else np.zeros((0, 4), dtype=np.int32)
-    return WorkList(work, ls_offsets, page_offsets, int(block_sizes.sum()))
+    return WorkList(work, ls_offsets, page_offsets, ls_size, len(rooms) * ls_size + int(pages_per_room.sum()))

@@ -1,0 +1,41 @@
+# `make demo` and `make test` each create .venv when missing, install what
+# they need (pinned by requirements/constraints.txt) and run. Re-running is
+# cheap: installs are skipped while the stamps are newer than their inputs.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+CONSTRAINTS := requirements/constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: demo test install install-test clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first and alone: pinned to the build the machine's wheel cache holds.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	touch $@
+
+# The real SGLang, without its CUDA-only dependency tree, plus the modules
+# its PD and host-pool code imports; then the services the tests talk to.
+$(VENV)/.installed-test: $(VENV)/.installed requirements/sglang-imports.txt .ci/install-test-services.sh
+	$(PIP) install -q -c $(CONSTRAINTS) --no-deps sglang==0.5.23
+	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/sglang-imports.txt -e '.[test]'
+	bash .ci/install-test-services.sh
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	$(PY) -m dsv4_idxk_probe demo
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) probe-logs .pytest_cache .hypothesis

@@ -1,0 +1,109 @@
+"""Every metric the probe exports, declared in one place.
+
+Names are built under the ``dsv4_idxk_probe`` namespace; counters get
+``_total`` from the client library; units are suffixes. Labels come only from
+a small fixed set (never room or page). Each metric also carries the
+process-wide base labels (role, model, rank) so one dashboard serves every
+pod. The registry is injected: tests pass a fresh one, activation passes the
+default (which SGLang's multiprocess collector reads).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+NAMESPACE = "dsv4_idxk_probe"
+BASE_LABELS = ("role", "model", "rank")
+
+STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
+VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
+HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
+
+_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class _Bound:
+    """A metric whose base labels are already filled in."""
+
+    def __init__(self, metric, base: Mapping[str, str]):
+        self._metric = metric
+        self._base = dict(base)
+
+    def labels(self, **labels):
+        return self._metric.labels(**self._base, **labels)
+
+
+class ProbeMetrics:
+    """The probe's instruments, registered once into `registry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY, *, role: str = "", model: str = "", rank: str = ""):
+        base = {"role": role, "model": model, "rank": str(rank)}
+
+        def counter(name, doc, labels=()):
+            return _Bound(Counter(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry), base)
+
+        def histogram(name, doc, labels=(), buckets=_SECONDS_BUCKETS):
+            return _Bound(
+                Histogram(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry, buckets=buckets),
+                base,
+            )
+
+        def gauge(name, doc, labels=(), mode="max"):
+            return _Bound(
+                Gauge(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry, multiprocess_mode=mode),
+                base,
+            )
+
+        # PD verification
+        self.rooms_digested = counter("rooms_digested", "Rooms whose index-K was digested", ("stage",))
+        self.rooms_verified = counter("rooms_verified", "Room verdicts at each decode stage", ("stage", "verdict"))
+        self.mismatch_cells = counter(
+            "mismatch_cells", "Differing (layer, page) cells, bounded by the localisation", ("stage", "segment")
+        )
+        self.first_divergence = counter(
+            "first_divergence", "Mismatching rooms by the first stage that saw the difference", ("stage",)
+        )
+        self.digest_bytes = counter("digest_bytes", "Index-K bytes digested", ("stage",))
+        self.digest_gpu_seconds = histogram("digest_gpu_seconds", "GPU time of one digest launch", ("stage",))
+        self.verify_latency_seconds = histogram(
+            "verify_latency_seconds", "From enqueue of a decode-side digest to its verdict", ("stage",)
+        )
+        self.exchange_errors = counter("exchange_errors", "Failed side-channel requests for digest vectors", ("kind",))
+        self.records_dropped = counter("records_dropped", "Records dropped because a bounded queue was full", ("sink",))
+        self.probe_errors = counter("probe_errors", "Exceptions inside the probe, caught and logged", ("site",))
+        self.patch_target_status = gauge(
+            "patch_target_status", "1 for the status of each patch target", ("target", "status")
+        )
+        # HiCache host pools
+        self.hicache_copies = counter(
+            "hicache_copies", "Host-pool copy calls by branch taken", ("pool", "direction", "io_backend", "layout", "branch")
+        )
+        self.hicache_pages = counter("hicache_pages", "Pages moved by host-pool copies", ("pool", "direction"))
+        self.hicache_tokens = counter("hicache_tokens", "Tokens moved by host-pool copies", ("pool", "direction"))
+        self.hicache_index_violations = counter(
+            "hicache_index_violations", "Index groups that are not whole, aligned, in-range pages", ("pool", "direction", "check")
+        )
+        self.hicache_guard = counter(
+            "hicache_guard", "Token-granular copies on a pool whose rows are not the C4 latent row", ("pool", "action")
+        )
+        self.hicache_roundtrip = counter(
+            "hicache_roundtrip", "Round-trip digest checks of host-pool rows", ("pool", "leg", "verdict")
+        )
+        self.hicache_pool_info = gauge(
+            "hicache_pool_info", "1 per host pool, with its geometry", ("pool", "layout", "page_aligned_only", "token_path_eligible")
+        )
+        self.hicache_invariant_violations = counter(
+            "hicache_invariant_violations", "Host-pool construction invariants that failed", ("pool", "invariant")
+        )
+
+    def zero_pd_series(self) -> None:
+        """Create every (stage, verdict) series so a zero is visible from the start."""
+        for stage in STAGES:
+            self.rooms_digested.labels(stage=stage)
+            self.digest_bytes.labels(stage=stage)
+            self.first_divergence.labels(stage=stage)
+            if stage != "prefill_send":
+                for verdict in VERDICTS:
+                    self.rooms_verified.labels(stage=stage, verdict=verdict)

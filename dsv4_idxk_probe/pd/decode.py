@@ -1,0 +1,194 @@
+"""Decode side: digest each room when it lands and later in its life, and judge it.
+
+Stages: `decode_recv` (transfer complete, before the first decode forward),
+`decode_step` (every N steps, frozen bytes only), `decode_finish` (before the
+pages are released). Each is compared with the prefill digest: the in-band
+room digest decides match/mismatch; the full vectors, fetched from the
+prefill side's exchange on mismatch (or always, if configured), localise it.
+The first stage that mismatches is remembered, so a room reads as
+"intact at receipt, corrupt by step 40".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..digest.engine import BatchResult, DigestEngine, PendingDigest
+from ..digest.result import Comparison, RoomDigest, compare
+from ..digest.worklist import RoomRequest
+from ..metrics.definitions import ProbeMetrics
+from ..safety import record_error, safe_invoke
+from .inband import InbandDigest
+from .records import room_record
+from .rooms import RoomId
+
+Emit = Callable[[dict], Any]
+FetchVectors = Callable[[str], "RoomDigest | None"]
+
+
+@dataclass
+class _Room:
+    room: RoomId
+    pages: Any
+    n_tokens: int
+    inband: InbandDigest | None
+    expected: RoomDigest | None = None  # full prefill digest, once fetched
+    fetch_failed: bool = False
+    first_divergence: str | None = None
+    finished: bool = False
+    in_flight: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class DecodeMonitor:
+    """Tracks received rooms and turns decode-side digests into verdicts."""
+
+    def __init__(
+        self,
+        engine: DigestEngine,
+        emit: Emit,
+        metrics: ProbeMetrics | None = None,
+        *,
+        fetch_vectors: FetchVectors | None = None,
+        fetch_always: bool = False,
+        step_interval: int = 0,
+        on_verdict: Callable[[RoomId, str, str, Comparison | None], Any] | None = None,
+    ):
+        self.engine = engine
+        self.emit = emit
+        self.metrics = metrics
+        self.fetch_vectors = fetch_vectors
+        self.fetch_always = fetch_always
+        self.step_interval = step_interval
+        self.on_verdict = on_verdict
+        self._rooms: dict[str, _Room] = {}
+        self._lock = threading.Lock()
+
+    # %% events from the serving side (scheduler thread: enqueue only)
+
+    def room_received(
+        self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None
+    ) -> PendingDigest | None:
+        """Transfer complete: start tracking and digest at `decode_recv`."""
+        state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
+        with self._lock:
+            self._rooms[room.key] = state
+        return self._submit(state, "decode_recv", None)
+
+    def decode_step(self, room: RoomId, step: int) -> PendingDigest | None:
+        """Called every decode step; digests every `step_interval` steps."""
+        if self.step_interval <= 0 or step <= 0 or step % self.step_interval:
+            return None
+        state = self._get(room)
+        return self._submit(state, "decode_step", step) if state else None
+
+    def room_finished(self, room: RoomId) -> PendingDigest | None:
+        """Before the room's pages are released: last digest, then forget the room."""
+        state = self._get(room)
+        if state is None:
+            return None
+        state.finished = True
+        return self._submit(state, "decode_finish", None)
+
+    def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv") -> None:
+        """Aborted, retracted or health-check rooms: record `skipped` and forget them."""
+        with self._lock:
+            self._rooms.pop(room.key, None)
+        self._publish(room, stage, None, "skipped", reason, None, None, None)
+
+    def tracked(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    # %% digest results (collector thread)
+
+    def _get(self, room: RoomId) -> _Room | None:
+        with self._lock:
+            return self._rooms.get(room.key)
+
+    def _submit(self, state: _Room, stage: str, step: int | None) -> PendingDigest | None:
+        state.in_flight += 1
+        enqueued = time.monotonic()
+        request = RoomRequest(state.room.key, state.pages, state.n_tokens)
+        pending = self.engine.submit([request], lambda batch: self._on_result(state, stage, step, enqueued, batch))
+        if pending is None:
+            state.in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.records_dropped.labels(sink="digest_queue").inc()
+        return pending
+
+    def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, batch: BatchResult) -> None:
+        state.in_flight -= 1
+        digest = batch.digests[0]
+        verdict, reason, comparison = self._judge(state, digest)
+        if verdict == "mismatch" and state.first_divergence is None:
+            state.first_divergence = stage
+            if self.metrics is not None:
+                self.metrics.first_divergence.labels(stage=stage).inc()
+        self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, batch, enqueued)
+        if state.finished and state.in_flight <= 0:
+            with self._lock:
+                if self._rooms.get(state.room.key) is state:
+                    del self._rooms[state.room.key]
+
+    def _judge(self, state: _Room, digest: RoomDigest) -> tuple[str, str, Comparison | None]:
+        """Verdict against the best prefill evidence we have."""
+        inband = state.inband
+        if inband is not None and inband.signature != digest.signature:
+            return "not_comparable", "layout signature differs from prefill's", None
+        if inband is not None and inband.n_tokens != digest.n_tokens:
+            return "not_comparable", f"prefill digested {inband.n_tokens} tokens, decode {digest.n_tokens}", None
+        need_vectors = self.fetch_always or inband is None or inband.room_digest != digest.room
+        if need_vectors and state.expected is None and not state.fetch_failed:
+            state.expected = self._fetch(state.room)
+            state.fetch_failed = state.expected is None
+        if state.expected is not None:
+            comparison = compare(state.expected, digest)
+            return comparison.verdict, comparison.reason, comparison
+        if inband is None:
+            return "unverified", "no prefill digest (none in band, none from the exchange)", None
+        if inband.room_digest == digest.room:
+            return "match", "", None
+        return "mismatch", "room digest differs; vectors unavailable, not localised", None
+
+    def _fetch(self, room: RoomId) -> RoomDigest | None:
+        if self.fetch_vectors is None:
+            return None
+        try:
+            return self.fetch_vectors(room.key)
+        except Exception:
+            record_error("decode.fetch_vectors")
+            if self.metrics is not None:
+                self.metrics.exchange_errors.labels(kind="fetch").inc()
+            return None
+
+    def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, batch=None, enqueued=None):
+        record = room_record(
+            role="decode", stage=stage, room=room.room, attempt=room.attempt, digest=digest,
+            layout=self.engine.layout.name, step=step, verdict=verdict, reason=reason,
+            expected_room=state.inband.room_digest if state is not None and state.inband is not None else None,
+            comparison=comparison,
+            first_divergence=state.first_divergence if state is not None else None,
+            extra=state.extra if state is not None and state.extra else None,
+        )
+        safe_invoke("decode.emit", self.emit, record)
+        if self.on_verdict is not None:
+            safe_invoke("decode.on_verdict", self.on_verdict, room, stage, verdict, comparison)
+        m = self.metrics
+        if m is None:
+            return
+        m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
+        if batch is not None:
+            m.rooms_digested.labels(stage=stage).inc()
+            m.digest_bytes.labels(stage=stage).inc(batch.bytes_digested)
+            if batch.gpu_seconds is not None:
+                m.digest_gpu_seconds.labels(stage=stage).observe(batch.gpu_seconds)
+        if enqueued is not None:
+            m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
+        if comparison is not None and comparison.verdict == "mismatch":
+            for segment in comparison.segments:
+                per_segment = sum(1 for _, s in comparison.layer_segments if s == segment)
+                m.mismatch_cells.labels(stage=stage, segment=segment).inc(per_segment * len(comparison.pages))

@@ -1,0 +1,73 @@
+"""Room-log records: what each stage of a room's life writes.
+
+One record per (room, attempt, stage[, step]). The schema is versioned
+(``v``) and documented in docs/roomlog.md; the room log writer adds a
+per-line checksum. Prefill records carry the full digest (room value, the
+(layer, segment) matrix and the page vector) so `diff` can localise from the
+logs alone; decode records carry their own digest plus the verdict they
+reached live.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from ..digest.result import Comparison, RoomDigest
+
+SCHEMA_VERSION = 1
+
+STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
+DECODE_STAGES = STAGES[1:]
+VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
+
+
+def instance_id() -> str:
+    """host:pid, to tell processes apart in merged logs."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def room_record(
+    *,
+    role: str,
+    stage: str,
+    room: int | str,
+    attempt: int,
+    digest: RoomDigest | None,
+    layout: str,
+    step: int | None = None,
+    verdict: str | None = None,
+    reason: str = "",
+    expected_room: int | None = None,
+    comparison: Comparison | None = None,
+    first_divergence: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build one ``kind: room`` record (plain JSON types only)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+    if verdict is not None and verdict not in VERDICTS:
+        raise ValueError(f"unknown verdict {verdict!r}")
+    record: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "kind": "room",
+        "ts": time.time(),
+        "role": role,
+        "instance": instance_id(),
+        "room": str(room),
+        "attempt": int(attempt),
+        "stage": stage,
+        "step": step,
+        "layout": layout,
+        "digest": digest.to_record() if digest is not None else None,
+        "verdict": verdict,
+        "reason": reason,
+        "expected_room": f"{expected_room:016x}" if expected_room is not None else None,
+        "localisation": comparison.to_record() if comparison is not None and comparison.verdict == "mismatch" else None,
+        "first_divergence": first_divergence,
+    }
+    if extra:
+        record["extra"] = extra
+    return record

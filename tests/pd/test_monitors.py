@@ -1,0 +1,161 @@
+"""PrefillMonitor and DecodeMonitor over host buffers (reference backend).
+
+Prefill and decode hold the same room in different physical pages; a byte
+changed in decode memory must be reported at the first stage that sees it,
+localised to its (layer, page, segment), with earlier stages shown as match.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
+
+LAYER_IDS = [0, 2, 4]
+LAYOUT = get_layout("fp8")
+
+
+class Sink:
+    """Collects emitted records; lets a test wait for a number of them."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, record: dict) -> None:
+        with self.cond:
+            self.records.append(record)
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> list[dict]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.records) >= n, timeout), f"got {len(self.records)} of {n} records"
+            return list(self.records)
+
+
+def _buffers(seed: int, pages: int = 12) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (pages, LAYOUT.row_bytes), dtype=torch.uint8, generator=g) for _ in LAYER_IDS]
+
+
+def _copy_room(src, src_pages, dst, dst_pages):
+    for s, d in zip(src, dst):
+        d[dst_pages] = s[src_pages]
+
+
+@pytest.fixture
+def pair():
+    """A prefill and a decode monitor wired through an in-memory 'exchange'."""
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, role="decode")
+    pre_bufs, dec_bufs = _buffers(1), _buffers(2)
+    pre_sink, dec_sink = Sink(), Sink()
+    prefill = PrefillMonitor(DigestEngine(LAYOUT, LAYER_IDS, pre_bufs), pre_sink)
+    decode = DecodeMonitor(
+        DigestEngine(LAYOUT, LAYER_IDS, dec_bufs), dec_sink, metrics, fetch_vectors=prefill.lookup, step_interval=10
+    )
+    yield prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry
+    prefill.engine.close()
+    decode.engine.close()
+
+
+def _send(prefill, pre_sink, room, pages, n_tokens) -> InbandDigest:
+    pending = prefill.room_sent(room, pages, n_tokens)
+    pre_sink.wait_for(1)
+    assert pending.ready()
+    return InbandDigest(int(pending.room_digests[0]), prefill.engine.signature, n_tokens)
+
+
+def test_clean_room_matches_at_every_stage(pair):
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(77)
+    src, dst = [5, 1, 9], [0, 7, 3]
+    _copy_room(pre_bufs, src, dec_bufs, dst)
+    inband = _send(prefill, pre_sink, room, src, 600)
+    decode.room_received(room, dst, 600, inband)
+    decode.decode_step(room, 10)
+    decode.room_finished(room)
+    records = dec_sink.wait_for(3)
+    assert [(r["stage"], r["verdict"]) for r in records] == [
+        ("decode_recv", "match"), ("decode_step", "match"), ("decode_finish", "match")
+    ]
+    assert decode.tracked() == 0
+    value = registry.get_sample_value(
+        "dsv4_idxk_probe_rooms_verified_total",
+        {"role": "decode", "model": "", "rank": "", "stage": "decode_recv", "verdict": "match"},
+    )
+    assert value == 1.0
+
+
+def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    room = RoomId(5, attempt=1)
+    src, dst = [2, 4, 6], [8, 9, 10]
+    _copy_room(pre_bufs, src, dec_bufs, dst)
+    inband = _send(prefill, pre_sink, room, src, 3 * 256)
+    decode.room_received(room, dst, 3 * 256, inband)
+    dec_sink.wait_for(1)
+    dec_bufs[1][dst[2], 8192 + 7] ^= 0x10  # layer id 2, logical page 2, scale segment
+    decode.decode_step(room, 10)
+    records = dec_sink.wait_for(2)
+    assert records[0]["verdict"] == "match"
+    bad = records[1]
+    assert (bad["stage"], bad["verdict"], bad["first_divergence"]) == ("decode_step", "mismatch", "decode_step")
+    assert bad["localisation"]["layer_segments"] == [[2, "scale"]]
+    assert bad["localisation"]["pages"] == [2]
+
+
+def test_non_frozen_tail_bytes_never_matter(pair):
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    room = RoomId(9)
+    n_tokens = 256 + 41  # logical page 1 has 10 frozen slots
+    _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
+    inband = _send(prefill, pre_sink, room, [0, 1], n_tokens)
+    dec_bufs[0][5, 10 * 128] ^= 0xFF  # payload of slot 10: written later by decode
+    dec_bufs[0][5, 8192 + 10 * 4] ^= 0xFF  # its scale
+    decode.room_received(room, [4, 5], n_tokens, inband)
+    assert dec_sink.wait_for(1)[0]["verdict"] == "match"
+
+
+def test_missing_inband_and_exchange_gives_unverified(pair):
+    _, decode, _, _, _, dec_sink, _ = pair
+    decode.fetch_vectors = lambda key: None
+    decode.room_received(RoomId(1), [0], 256, None)
+    record = dec_sink.wait_for(1)[0]
+    assert record["verdict"] == "unverified"
+
+
+def test_failing_exchange_is_counted_and_room_unverified(pair):
+    _, decode, _, _, _, dec_sink, registry = pair
+
+    def broken(key):
+        raise TimeoutError("peer did not answer")
+
+    decode.fetch_vectors = broken
+    decode.room_received(RoomId(2), [0], 256, None)
+    assert dec_sink.wait_for(1)[0]["verdict"] == "unverified"
+    assert registry.get_sample_value(
+        "dsv4_idxk_probe_exchange_errors_total", {"role": "decode", "model": "", "rank": "", "kind": "fetch"}
+    ) == 1.0
+
+
+def test_signature_difference_is_not_comparable(pair):
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    inband = _send(prefill, pre_sink, RoomId(3), [0], 256)
+    other = InbandDigest(inband.room_digest, inband.signature ^ 1, 256)
+    decode.room_received(RoomId(3), [0], 256, other)
+    assert dec_sink.wait_for(1)[0]["verdict"] == "not_comparable"
+
+
+def test_inband_round_trip_and_foreign_slots():
+    value = InbandDigest(2**64 - 5, 1234567890123, 4097)
+    assert InbandDigest.from_slots(value.to_slots()) == value
+    assert InbandDigest.from_slots([0, 0, 0, 0]) is None
+    assert InbandDigest.from_slots(np.array(value.to_slots(), dtype=np.uint64)) == value
