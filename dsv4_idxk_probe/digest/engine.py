@@ -26,6 +26,7 @@ import torch
 
 from . import reference
 from .layout import RowLayout, layout_signature
+from .pinned import PinnedPool
 from .result import RoomDigest
 from .worklist import RoomRequest, WorkList, build_worklist
 
@@ -66,6 +67,8 @@ class PendingDigest:
     done: Any = None  # CUDA event; None when the result is already on the host
     started: Any = None  # CUDA timing event
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
+    pinned: list = field(default_factory=list)  # staging buffers to give back once done
+    final_rooms: np.ndarray | None = None  # a private copy, once collected
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -73,6 +76,8 @@ class PendingDigest:
     @property
     def room_digests(self) -> np.ndarray:
         """uint64 [n_rooms], in submit order."""
+        if self.final_rooms is not None:
+            return self.final_rooms
         out = self.host_rooms
         return (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
 
@@ -88,10 +93,12 @@ class DigestEngine:
         *,
         backend: str = "auto",
         device: torch.device | str | None = None,
-        block: int = 1024,
+        block: int | None = None,
+        rows: int = 1,
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         time_kernels: bool = False,
+        prealloc: int = 64,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -113,7 +120,17 @@ class DigestEngine:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "reference"
         self.backend = backend
-        self.block = block
+        # Fastest on an H200 (bench/RESULTS.md): 128-word steps for rows up to
+        # 8448 B, 256 for larger rows, one row per program.
+        self.block = block or (128 if layout.row_bytes <= 8448 else 256)
+        self.rows = rows
+        self._pinned = PinnedPool(pin=self.device.type == "cuda")
+        if self.backend == "triton" and self.device.type == "cuda":
+            # Pinned allocation costs milliseconds: reserve for bursts of
+            # single-room batches (up to 64 pages) now rather than on the hot path.
+            one_room_items = len(self.layer_ids) * 64
+            self._pinned.reserve(24 + 16 * one_room_items, prealloc)
+            self._pinned.reserve(8 * (len(self.layer_ids) * len(layout.segments) + 64 + 1), prealloc)
         self.poll_interval_s = poll_interval_s
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
@@ -188,52 +205,57 @@ class DigestEngine:
             out[po : po + digest.n_pages] = digest.pages
         return out
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+    def _page_table(self, pages: Any) -> torch.Tensor:
+        """The room's physical pages as int64 on the kernel's device (no host read-back)."""
+        if not isinstance(pages, torch.Tensor):
+            pages = torch.as_tensor(np.asarray(pages, dtype=np.int64).reshape(-1))
+        return pages.to(device=self.device, dtype=torch.int64, non_blocking=True).contiguous()
 
     def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> PendingDigest:
         from .kernel import launch_digest  # Triton is imported only when the kernel is used
 
-        keepalive: list = []
-        page_tables = []
-        for room in rooms:
-            pages = room.pages
-            if not isinstance(pages, torch.Tensor):
-                pages = self._to_device(np.asarray(pages, dtype=np.int64).reshape(-1))
-            pages = pages.to(device=self.device, dtype=torch.int64).contiguous()
-            page_tables.append(pages)
-        room_table = np.zeros((len(rooms), 3), dtype=np.int64)
-        room_table[:, 0] = [p.data_ptr() for p in page_tables]
-        room_table[:, 1] = worklist.ls_offsets
-        room_table[:, 2] = worklist.page_offsets
-        work = self._to_device(worklist.work)
-        room_dev = self._to_device(room_table)
-        out = torch.zeros(worklist.out_size, dtype=torch.int64, device=self.device)
-        keepalive += [work, room_dev, out, *page_tables]
+        n_rooms, n_items = len(rooms), len(worklist.work)
+        page_tables = [self._page_table(room.pages) for room in rooms]
 
+        # One staging buffer in: room table (int64 [R, 3]) then work list (int32 [n, 4]),
+        # the work list 256-byte aligned so Triton sees one pointer alignment and
+        # compiles the kernel once, whatever the room count.
+        room_bytes, work_bytes = -(-24 * n_rooms // 256) * 256, 16 * n_items
+        staging = self._pinned.take(room_bytes + work_bytes)
+        table = staging[: 24 * n_rooms].view(torch.int64).view(n_rooms, 3).numpy()
+        table[:, 0] = [p.data_ptr() for p in page_tables]
+        table[:, 1] = worklist.ls_offsets
+        table[:, 2] = worklist.page_offsets
+        staging[room_bytes : room_bytes + work_bytes].view(torch.int32).view(n_items, 4).numpy()[:] = worklist.work
+        inputs = staging[: room_bytes + work_bytes].to(self.device, non_blocking=True)
+        room_dev = inputs[: 24 * n_rooms].view(torch.int64).view(n_rooms, 3)
+        work_dev = inputs[room_bytes:].view(torch.int32).view(n_items, 4)
+
+        # One result buffer: the kernel's output, then the room digests.
+        out = torch.zeros(worklist.out_size + n_rooms, dtype=torch.int64, device=self.device)
         started = done = None
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         launch_digest(
-            work, room_dev, self._layer_table, self._segment_table, out.view(torch.uint64),
-            self.layout.row_bytes // 4, block=self.block,
+            work_dev, room_dev, self._layer_table, self._segment_table, out.view(torch.uint64),
+            self.layout.row_bytes // 4, slots=self.layout.slots, block=self.block, rows=self.rows,
         )
         # Room digest = every cell folded = sum of the room's (layer, segment) block, mod 2^64.
-        room_sums = out[: len(rooms) * worklist.ls_size].view(len(rooms), worklist.ls_size).sum(dim=1)
-        if self.device.type == "cuda":
-            host_out = torch.empty(worklist.out_size, dtype=torch.int64, pin_memory=True)
-            host_out.copy_(out, non_blocking=True)
-            host_rooms = torch.empty(len(rooms), dtype=torch.int64, pin_memory=True)
-            host_rooms.copy_(room_sums, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=self.time_kernels)
-            done.record()
-        else:
-            host_out, host_rooms = out, room_sums
-        return PendingDigest(worklist, rooms, callback, host_out, host_rooms, done, started, keepalive)
+        ls_blocks = out[: n_rooms * worklist.ls_size].view(n_rooms, worklist.ls_size)
+        torch.sum(ls_blocks, dim=1, out=out[worklist.out_size :])
+        keepalive = [staging, inputs, out, *page_tables]
+        if self.device.type != "cuda":
+            return PendingDigest(worklist, rooms, callback, out[: worklist.out_size], out[worklist.out_size :], keepalive=keepalive)
+        result = self._pinned.take(8 * out.numel())
+        host = result[: 8 * out.numel()].view(torch.int64)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event(enable_timing=self.time_kernels)
+        done.record()
+        return PendingDigest(
+            worklist, rooms, callback, host[: worklist.out_size], host[worklist.out_size :], done, started,
+            keepalive=keepalive, pinned=[staging, result],
+        )
 
     # %% collection
 
@@ -281,5 +303,10 @@ class DigestEngine:
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
         self.stats.completed_rooms += len(digests)
+        ticket.final_rooms = ticket.room_digests.copy()
+        for buffer in ticket.pinned:  # results are copied out above; the event has completed
+            self._pinned.give(buffer)
+        ticket.pinned.clear()
+        ticket.keepalive.clear()
         frozen_slots = int(wl.work[:, 3].sum(dtype=np.int64)) if len(wl.work) else 0
         return BatchResult(digests, len(wl.work), frozen_slots * self._frozen_bytes_per_slot, gpu_seconds)

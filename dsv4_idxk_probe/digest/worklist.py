@@ -58,23 +58,24 @@ class WorkList:
 
 
 def build_worklist(layout: RowLayout, n_layers: int, rooms: Sequence[RoomRequest]) -> WorkList:
-    """Room-major, then layer, then page."""
+    """Room-major, then layer, then page; a handful of vector ops whatever the room count."""
     ls_size = n_layers * len(layout.segments)
-    pages_per_room = np.array([r.n_pages for r in rooms], dtype=np.int64)
-    ls_offsets = np.arange(len(rooms), dtype=np.int64) * ls_size
-    page_offsets = len(rooms) * ls_size + np.concatenate(([0], np.cumsum(pages_per_room)[:-1])).astype(np.int64)
+    n_rooms = len(rooms)
+    pages_per_room = np.fromiter((r.n_pages for r in rooms), dtype=np.int64, count=n_rooms)
+    tokens = np.fromiter((r.n_tokens for r in rooms), dtype=np.int64, count=n_rooms)
+    ls_offsets = np.arange(n_rooms, dtype=np.int64) * ls_size
+    page_starts = np.cumsum(pages_per_room) - pages_per_room
+    page_offsets = n_rooms * ls_size + page_starts
 
-    chunks = []
-    for slot, room in enumerate(rooms):
-        n = room.n_pages
-        if n == 0:
-            continue
-        frozen = frozen_slots_per_page(layout, n, room.n_tokens)
-        chunk = np.empty((n_layers * n, 4), dtype=np.int32)
-        chunk[:, 0] = slot
-        chunk[:, 1] = np.repeat(np.arange(n_layers, dtype=np.int32), n)
-        chunk[:, 2] = np.tile(np.arange(n, dtype=np.int32), n_layers)
-        chunk[:, 3] = np.tile(frozen, n_layers)
-        chunks.append(chunk)
-    work = np.concatenate(chunks) if chunks else np.zeros((0, 4), dtype=np.int32)
-    return WorkList(work, ls_offsets, page_offsets, ls_size, len(rooms) * ls_size + int(pages_per_room.sum()))
+    items_per_room = pages_per_room * n_layers
+    total = int(items_per_room.sum())
+    room_of_item = np.repeat(np.arange(n_rooms, dtype=np.int64), items_per_room)
+    k = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(items_per_room) - items_per_room, items_per_room)
+    n_of_item = pages_per_room[room_of_item]
+    page = k % np.maximum(n_of_item, 1)
+    work = np.empty((total, 4), dtype=np.int32)
+    work[:, 0] = room_of_item
+    work[:, 1] = k // np.maximum(n_of_item, 1)
+    work[:, 2] = page
+    work[:, 3] = np.clip((tokens[room_of_item] - page * layout.page_tokens) // layout.tokens_per_slot, 0, layout.slots)
+    return WorkList(work, ls_offsets, page_offsets, ls_size, n_rooms * ls_size + int(pages_per_room.sum()))
