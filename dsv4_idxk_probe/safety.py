@@ -25,6 +25,14 @@ def add_error_listener(listener: Callable[[str], None]) -> None:
     _on_error.append(listener)
 
 
+def remove_error_listener(listener: Callable[[str], None]) -> None:
+    """Undo `add_error_listener` (a runtime that is closed stops counting)."""
+    try:
+        _on_error.remove(listener)
+    except ValueError:
+        pass
+
+
 def error_counts() -> dict[str, int]:
     with _lock:
         return dict(_errors)

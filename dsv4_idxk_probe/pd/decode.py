@@ -56,6 +56,7 @@ class DecodeMonitor:
         fetch_always: bool = False,
         step_interval: int = 0,
         on_verdict: Callable[[RoomId, str, str, Comparison | None], Any] | None = None,
+        max_rooms: int | None = None,
     ):
         self.engine = engine
         self.emit = emit
@@ -64,6 +65,7 @@ class DecodeMonitor:
         self.fetch_always = fetch_always
         self.step_interval = step_interval
         self.on_verdict = on_verdict
+        self.max_rooms = max_rooms  # rooms tracked at once; the oldest is dropped (as `skipped`) beyond it
         self._rooms: dict[str, _Room] = {}
         self._lock = threading.Lock()
 
@@ -74,8 +76,14 @@ class DecodeMonitor:
     ) -> PendingDigest | None:
         """Transfer complete: start tracking and digest at `decode_recv`."""
         state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
+        evicted = []
         with self._lock:
+            self._rooms.pop(room.key, None)
             self._rooms[room.key] = state
+            while self.max_rooms is not None and len(self._rooms) > self.max_rooms:
+                evicted.append(self._rooms.pop(next(iter(self._rooms))).room)
+        for old in evicted:
+            self._publish(old, "decode_step", None, "skipped", "evicted: tracking table full", None, None, None)
         return self._submit(state, "decode_recv", None)
 
     def decode_step(self, room: RoomId, step: int) -> PendingDigest | None:

@@ -1,0 +1,278 @@
+"""The probe's configuration: one schema, read from YAML and the environment,
+validated once.
+
+`load_config()` is what activation calls: it reads ``DSV4_IDXK_PROBE`` (the
+mode), ``DSV4_IDXK_PROBE_CONFIG`` (an optional YAML file) and
+``DSV4_IDXK_PROBE_TARGETS``, and returns a frozen `ProbeConfig` or raises
+`ConfigError` whose message names the file and the field
+(``probe.yaml: exchange.timeout_ms must be an integer >= 1, got 'fast'``).
+The keys are documented in docs/configuration.md; an unknown key is an error,
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from . import environment_variables as ev
+
+MODES = ("observe", "enforce")
+DEFAULT_TARGETS = ("sglang-0.5.23",)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """Prefill serves per-room digest vectors; decode asks for them."""
+
+    enabled: bool = True
+    bind: str = "auto"  # "auto": the address SGLang's KV manager reports to decode
+    port_base: int = 0  # 0: a port the OS picks; else port_base + the scheduler's GPU id
+    timeout_ms: int = 200
+    fetch_always: bool = False
+    table_size: int = 4096
+    max_request_bytes: int = 4096
+    backoff_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class RoomLogConfig:
+    dir: str = "probe-logs"
+    max_bytes: int = 64 << 20
+    max_files: int = 8
+    gzip: bool = True
+    queue_size: int = 10_000
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int | None = None  # our own exporter, only outside SGLang (it serves /metrics itself)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    mode: str = "observe"
+    layout: str = "auto"
+    layouts: str | None = None  # extra layouts file (resolved path)
+    step_interval: int = 64
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+    roomlog: RoomLogConfig = field(default_factory=RoomLogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    hicache: Mapping[str, Any] = field(default_factory=dict)  # owned by dsv4_idxk_probe.hicache
+    source: str = "<defaults>"
+
+    @property
+    def enforce(self) -> bool:
+        return self.mode == "enforce"
+
+
+# %% field checks
+
+
+def _int(source, where, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{source}: {where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _port(source, where, value):
+    if value is None:
+        return None
+    value = _int(source, where, value, 0)
+    if value > 65535:
+        raise ConfigError(f"{source}: {where} must be a port number (0-65535), got {value}")
+    return value
+
+
+def _bool(source, where, value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {where} must be true or false, got {value!r}")
+    return value
+
+
+def _str(source, where, value):
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: {where} must be a string, got {value!r}")
+    return value
+
+
+def _positive(source, where, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{source}: {where} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+_CHECKS = {
+    "exchange": {
+        "enabled": _bool,
+        "bind": _str,
+        "port_base": lambda s, w, v: _port(s, w, v) or 0,
+        "timeout_ms": lambda s, w, v: _int(s, w, v, 1),
+        "fetch_always": _bool,
+        "table_size": lambda s, w, v: _int(s, w, v, 1),
+        "max_request_bytes": lambda s, w, v: _int(s, w, v, 64),
+        "backoff_s": _positive,
+    },
+    "roomlog": {
+        "dir": _str,
+        "max_bytes": lambda s, w, v: _int(s, w, v, 1024),
+        "max_files": lambda s, w, v: _int(s, w, v, 1),
+        "gzip": _bool,
+        "queue_size": lambda s, w, v: _int(s, w, v, 1),
+    },
+    "metrics": {"port": _port},
+}
+_SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig}
+_TOP_KEYS = {"mode", "layout", "layouts", "step_interval", "targets", "hicache", *_SECTION_TYPES}
+
+
+def _section(source: str, name: str, value: Any):
+    cls = _SECTION_TYPES[name]
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {name} must be a mapping, got {type(value).__name__}")
+    checks = _CHECKS[name]
+    unknown = sorted(set(value) - set(checks))
+    if unknown:
+        raise ConfigError(f"{source}: {name} has unknown key(s) {unknown}; known: {sorted(checks)}")
+    return cls(**{key: checks[key](source, f"{name}.{key}", v) for key, v in value.items()})
+
+
+def _resolve_path(base: Path | None, value: str) -> str:
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    return str(path)
+
+
+def _hicache(source: str, value: Any) -> dict:
+    """Pass the section through, validated by its owner when it is installed."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: hicache must be a mapping, got {type(value).__name__}")
+    try:
+        from .hicache.settings import HiCacheConfigError, parse_settings
+    except ImportError:  # the HiCache checks are not part of this build
+        return dict(value)
+    try:
+        parse_settings(value)
+    except HiCacheConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return dict(value)
+
+
+def parse_config(document: Any, source: str = "<config>", base_dir: Path | None = None) -> ProbeConfig:
+    """Build a `ProbeConfig` from a parsed YAML document (None: all defaults).
+
+    Relative paths (``layouts``, ``roomlog.dir``) are resolved against
+    `base_dir`, the config file's folder.
+    """
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(document).__name__}")
+    unknown = sorted(set(document) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
+    values: dict[str, Any] = {"source": source}
+    if "mode" in document:
+        if document["mode"] not in MODES:
+            raise ConfigError(f"{source}: mode must be one of {list(MODES)}, got {document['mode']!r}")
+        values["mode"] = document["mode"]
+    if "layout" in document:
+        values["layout"] = _str(source, "layout", document["layout"])
+    if document.get("layouts") is not None:
+        values["layouts"] = _resolve_path(base_dir, _str(source, "layouts", document["layouts"]))
+    if "step_interval" in document:
+        values["step_interval"] = _int(source, "step_interval", document["step_interval"], 0)
+    if "targets" in document:
+        targets = document["targets"]
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError(f"{source}: targets must be a non-empty list of file names or paths, got {targets!r}")
+        values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t) for t in targets)
+    for name in _SECTION_TYPES:
+        if name in document:
+            values[name] = _section(source, name, document[name])
+    if "roomlog" in values and base_dir is not None:
+        values["roomlog"] = replace(values["roomlog"], dir=_resolve_path(base_dir, values["roomlog"].dir))
+    if "hicache" in document:
+        values["hicache"] = _hicache(source, document["hicache"])
+    config = ProbeConfig(**values)
+    if config.layouts is not None:
+        _check_layouts(config)
+    return config
+
+
+def _check_layouts(config: ProbeConfig) -> None:
+    from .digest.layout import LayoutError, load_layouts
+
+    try:
+        load_layouts(config.layouts)
+    except LayoutError as exc:
+        raise ConfigError(f"{config.source}: layouts: {exc}") from None
+
+
+def load_file(path: str | os.PathLike) -> ProbeConfig:
+    """Read and validate one YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(document, str(path), path.parent)
+
+
+def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
+    """The config this process runs with, from the environment (see module doc).
+
+    Raises ConfigError; never returns a half-validated config.
+    """
+    env = os.environ if env is None else env
+    try:
+        requested = ev.requested_mode(env.get(ev.DSV4_IDXK_PROBE))
+    except ValueError as exc:
+        raise ConfigError(f"environment: {exc}") from None
+    path = env.get(ev.DSV4_IDXK_PROBE_CONFIG, "").strip()
+    config = load_file(path) if path else ProbeConfig(source="<defaults>")
+    if requested in MODES:
+        config = replace(config, mode=requested)
+    targets = env.get(ev.DSV4_IDXK_PROBE_TARGETS, "").strip()
+    if targets:
+        config = replace(config, targets=tuple(t.strip() for t in targets.split(",") if t.strip()))
+    if config.enforce and env.get(ev.DSV4_IDXK_PROBE_FAULTS, "").strip():
+        raise ConfigError(
+            f"environment: {ev.DSV4_IDXK_PROBE_FAULTS} (fault injection) cannot be combined with enforce mode"
+        )
+    return config
+
+
+def as_dict(config: ProbeConfig) -> dict[str, Any]:
+    """Plain form for logs and `check` (sections as mappings)."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name in _SECTION_TYPES:
+            value = {g.name: getattr(value, g.name) for g in fields(value)}
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        out[f.name] = value
+    return out

@@ -1,0 +1,184 @@
+"""The per-process probe runtime that every hook closes over.
+
+One `Runtime` per process: its config, its metrics, its room-log sink, its
+logger, and the role-specific sides (prefill or decode) that the SGLang
+adapters attach once the scheduler's PD queues exist. Metrics and the room
+log are created on first use, because what labels them (role, rank) is only
+known once the host has published its own configuration, which happens after
+the hooks are installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Mapping
+
+from .config import ProbeConfig
+from .safety import add_error_listener, remove_error_listener
+
+log = logging.getLogger("dsv4_idxk_probe")
+
+Identity = Callable[[], Mapping[str, str]]
+
+_metrics_lock = threading.Lock()
+_metrics_by_registry: dict[int, Any] = {}
+
+
+def shared_metrics(registry: Any, identity: Mapping[str, str]):
+    """One ProbeMetrics per registry and process: a registry rejects a second
+    registration of the same names, and an uninstall/install cycle must not
+    trip over that."""
+    from .metrics.definitions import REGISTRY, ProbeMetrics
+
+    registry = REGISTRY if registry is None else registry
+    with _metrics_lock:
+        entry = _metrics_by_registry.get(id(registry))
+        metrics = entry[1] if entry is not None and entry[0] is registry else None
+        if metrics is None:
+            metrics = ProbeMetrics(
+                registry,
+                role=str(identity.get("role", "")),
+                model=str(identity.get("model", "")),
+                rank=str(identity.get("rank", "")),
+            )
+            metrics.zero_pd_series()
+            _metrics_by_registry[id(registry)] = (registry, metrics)  # the registry stays alive: ids are not reused
+        return metrics
+
+
+class Runtime:
+    """State shared by the hooks of one process.
+
+    `emit` is the room-log sink: a callable taking one record dict (tests pass
+    a list's ``append``); by default a RoomLogWriter created on first use.
+    `identity` returns {"role", "model", "rank"} as far as they are known.
+    """
+
+    def __init__(
+        self,
+        config: ProbeConfig,
+        *,
+        metrics: Any = None,
+        registry: Any = None,
+        emit: Callable[[dict], Any] | None = None,
+        identity: Identity | None = None,
+        logger: logging.Logger | None = None,
+    ):
+        self.config = config
+        self.log = logger or log
+        self.enabled = True
+        self.sides: dict[str, Any] = {}  # "prefill" / "decode" -> side object (dsv4_idxk_probe.sglang.sides)
+        self.target_status: dict[str, tuple[str, bool]] = {}  # target name -> (status, required)
+        self._metrics = metrics
+        self._registry = registry
+        self._emit = emit
+        self._writer = None
+        self._identity = identity or (lambda: {})
+        self._lock = threading.RLock()
+        self._closers: list[Callable[[], Any]] = []
+        self._early_errors: dict[str, int] = {}
+        self._error_listener = self._count_error
+        add_error_listener(self._error_listener)
+
+    # %% identity, metrics, room log
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def identity(self) -> dict[str, str]:
+        try:
+            return {k: str(v) for k, v in dict(self._identity()).items()}
+        except Exception:
+            return {}
+
+    @property
+    def metrics(self):
+        """ProbeMetrics, built on first use with the identity known by then."""
+        if self._metrics is None:
+            with self._lock:
+                if self._metrics is None:
+                    self._metrics = shared_metrics(self._registry, self.identity())
+                    self._publish_target_status()
+                    for site, n in self._early_errors.items():
+                        self._metrics.probe_errors.labels(site=site).inc(n)
+                    self._early_errors.clear()
+        return self._metrics
+
+    def emit(self, record: dict) -> None:
+        """Hand one record to the room log; never raises, never blocks."""
+        sink = self._emit
+        if sink is None:
+            sink = self._room_log_writer().emit
+        sink(record)
+
+    def _room_log_writer(self):
+        with self._lock:
+            if self._writer is None:
+                from .roomlog import RoomLogWriter
+
+                cfg = self.config.roomlog
+                role = self.identity().get("role") or "probe"
+                self._writer = RoomLogWriter(
+                    cfg.dir, role if role.replace("_", "").replace("-", "").isalnum() else "probe",
+                    max_bytes=cfg.max_bytes, max_files=cfg.max_files, gzip_rotated=cfg.gzip,
+                    queue_size=cfg.queue_size, metrics=self.metrics,
+                )
+                self.on_close(self._writer.close)
+            return self._writer
+
+    # %% patch-target status (log + metric)
+
+    def set_target_status(self, name: str, status: str, required: bool) -> None:
+        self.target_status[name] = (status, required)
+        if self._metrics is not None:
+            self._publish_one(name, status, required)
+
+    def _publish_target_status(self) -> None:
+        for name, (status, required) in list(self.target_status.items()):
+            self._publish_one(name, status, required)
+
+    def _publish_one(self, name: str, status: str, required: bool) -> None:
+        from .sglang.targets import STATUSES
+
+        try:
+            for s in STATUSES:
+                self._metrics.patch_target_status.labels(target=name, status=s).set(1 if s == status else 0)
+            required_gauge = getattr(self._metrics, "patch_target_required", None)
+            if required_gauge is not None:
+                required_gauge.labels(target=name).set(1 if required else 0)
+        except Exception:
+            self.log.debug("patch target status metric failed", exc_info=True)
+
+    def _count_error(self, site: str) -> None:
+        """Count a caught failure; kept until the metrics exist, then replayed."""
+        if self._metrics is not None:
+            self._metrics.probe_errors.labels(site=site).inc()
+        else:
+            with self._lock:
+                self._early_errors[site] = self._early_errors.get(site, 0) + 1
+
+    # %% life cycle
+
+    def attach(self, role: str, side: Any) -> None:
+        """Register the side object of `role`; it is closed with the runtime."""
+        with self._lock:
+            self.sides[role] = side
+            closer = getattr(side, "close", None)
+            if closer is not None:
+                self.on_close(closer)
+
+    def on_close(self, fn: Callable[[], Any]) -> None:
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        """Stop threads and sockets the runtime owns (uninstall, tests)."""
+        self.enabled = False
+        remove_error_listener(self._error_listener)
+        while self._closers:
+            fn = self._closers.pop()
+            try:
+                fn()
+            except Exception:
+                self.log.debug("closing %r failed", fn, exc_info=True)

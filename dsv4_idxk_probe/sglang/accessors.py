@@ -1,0 +1,156 @@
+"""Reading SGLang's requests, queues and transfer objects (0.5.23 attribute names).
+
+Companion of index_k.py: every attribute of a Req, DecodeRequest, KV sender,
+KV receiver or MetadataBuffers the hooks read is named here. Values SGLang
+defines as constants are taken from its loaded modules when present (so a
+fork's values win) and fall back to 0.5.23's, so these helpers work without
+SGLang imported (stand-ins in the sync audit).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+#: Attributes the probe adds to SGLang objects (Req has no __slots__).
+ATTR_INBAND = "_dsv4_idxk_inband"  # on a KV sender: the in-band write waiting for its digest
+ATTR_SENT = "_dsv4_idxk_sent"  # on a prefill Req: (room, start, end) already digested
+ATTR_DEST = "_dsv4_idxk_dest"  # on a DecodeRequest: RoomPages recorded at _send_kv_metadata
+ATTR_RECV = "_dsv4_idxk_recv"  # on a decode Req: (RoomId, PendingDigest, InbandDigest) at receipt
+ATTR_STEPS = "_dsv4_idxk_steps"  # on a decode Req: decode batches seen
+
+#: Metadata row slots (bootstrap_room[idx, :]): 0 is SGLang's room; 1-4 the
+#: in-band digest (pd.InbandDigest); 5 the prefill rank's exchange endpoint.
+SLOT_DIGEST = slice(1, 5)
+SLOT_ENDPOINT = 5
+
+
+def _constant(module: str, name: str, default: Any) -> Any:
+    return getattr(sys.modules.get(module), name, default)
+
+
+def room_of(req: Any) -> int | None:
+    room = getattr(req, "bootstrap_room", None)
+    return int(room) if room is not None else None
+
+
+def is_health_check(req: Any) -> bool:
+    prefix = _constant("sglang.srt.constants", "HEALTH_CHECK_RID_PREFIX", "HEALTH_CHECK")
+    rid = getattr(req, "rid", None)
+    return isinstance(rid, str) and rid.startswith(prefix)
+
+
+def is_fake_transfer(req: Any) -> bool:
+    fake_host = _constant("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST", "2.2.2.2")
+    return getattr(req, "bootstrap_host", None) == fake_host
+
+
+def is_aborted(req: Any) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+def prefill_skip_reason(req: Any) -> str | None:
+    """Why a last-chunk send is not digested (None: digest it)."""
+    if room_of(req) is None:
+        return "no bootstrap room"
+    if is_health_check(req):
+        return "health check"
+    if is_fake_transfer(req):
+        return "fake bootstrap host"
+    if is_aborted(req):
+        return "aborted"
+    if getattr(req, "pending_bootstrap", False):
+        return "superseded attempt (bootstrap pending; it is sent again)"
+    sender = getattr(req, "disagg_kv_sender", None)
+    state = getattr(sender, "conclude_state", None)
+    if state is not None and getattr(state, "name", "") == "Failed":
+        return "transfer already failed"
+    return None
+
+
+def decode_skip_reason(req: Any) -> str | None:
+    if room_of(req) is None:
+        return "no bootstrap room"
+    if is_health_check(req):
+        return "health check"
+    if is_fake_transfer(req):
+        return "fake bootstrap host"
+    if is_aborted(req):
+        return "aborted"
+    return None
+
+
+def prefill_attempt(req: Any) -> int:
+    return int(getattr(req, "prefill_attempt_count", 0) or 0)
+
+
+# %% metadata row
+
+
+def metadata_row(metadata_buffers: Any, index: Any) -> np.ndarray | None:
+    """Host view (uint64) of a request's metadata row, or None when it lives on
+    a device (reading it would synchronise) or the index is unset."""
+    if metadata_buffers is None or index is None or int(index) < 0:
+        return None
+    rows = metadata_buffers.bootstrap_room
+    if rows.device.type != "cpu":
+        return None
+    return rows[int(index)].numpy().view(np.uint64)
+
+
+def sender_is_last_send(sender: Any, kv_indices: Any) -> bool:
+    """The sender's own notion of "last": this send reaches num_kv_indices."""
+    total = getattr(sender, "num_kv_indices", None)
+    return total is not None and int(getattr(sender, "curr_idx", 0)) + len(kv_indices) == int(total)
+
+
+# %% decode peers
+
+
+def prefill_peer_host(decode_req: Any) -> str | None:
+    """Address of the prefill rank that sent the KV (the non-dummy bootstrap info)."""
+    receiver = getattr(decode_req, "kv_receiver", None)
+    infos = getattr(receiver, "bootstrap_infos", None) or []
+    for info in infos:
+        if isinstance(info, dict) and not info.get("is_dummy", False) and info.get("rank_ip"):
+            return str(info["rank_ip"])
+    return None
+
+
+def origin_len(req: Any) -> int:
+    return len(req.origin_input_ids)
+
+
+# %% process identity (metric labels, room-log file names)
+
+
+def identity() -> dict[str, str]:
+    """role / rank / model of this scheduler, from SGLang's published config; {} before that."""
+    rc = sys.modules.get("sglang.srt.runtime_context")
+    if rc is None:
+        return {}
+    out: dict[str, str] = {}
+    try:
+        mode = rc.get_disagg().disaggregation_mode
+        out["role"] = str(getattr(mode, "value", mode))
+    except Exception:
+        pass
+    try:
+        parallel = rc.get_parallel()
+        rank = f"tp{parallel.tp_rank}"
+        if getattr(parallel, "pp_size", 1) > 1:
+            rank += f"-pp{parallel.pp_rank}"
+        dp = getattr(parallel, "dp_rank", None)
+        if dp is not None:
+            rank += f"-dp{dp}"
+        out["rank"] = rank
+    except Exception:
+        pass
+    try:
+        out["model"] = str(rc.get_server_args().served_model_name or "")
+    except Exception:
+        pass
+    return out

@@ -1,0 +1,168 @@
+"""Where a room's index-K lives in SGLang 0.5.23's DeepSeek-V4 pool.
+
+The only code that knows the pool's attribute names
+(reference: sglang-0.5.23-pd-hooks.md, section 3):
+
+* ``pool.index_pools[4]`` (alias ``c4_indexer_kv_pool``) is the C4 indexer
+  pool; ``contiguous_page_row_buffers()`` gives one uint8 [pages, row_bytes]
+  buffer per C4 layer of this PP stage, in compress-layer order;
+* the global layer id of compress layer j is the j-th layer of
+  ``compression_ratios[_stage_start:_stage_end]`` with ratio 4;
+* each buffer sits on the PD wire at ``kv_args.kv_data_ptrs.index(ptr)``,
+  with ``kv_item_lens`` equal to one row: so the transfer's page ids address
+  index-K rows directly;
+* a room's pages are ``translate_kv_indices_for_transfer(req_to_token[row,
+  start:end])[::page_size] // page_size``, the same computation the transfer
+  does, kept on the device (no host sync).
+
+Nothing here imports SGLang: objects are read by attribute, so the functions
+also work on stand-ins (the sync audit on a GPU machine without SGLang).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+C4 = 4
+
+
+class IndexKError(Exception):
+    """This pool cannot be probed; the message says why (logged once, probe side off)."""
+
+
+@dataclass(frozen=True)
+class IndexKGeometry:
+    buffers: tuple[Any, ...]  # torch.uint8 [num_pages, row_bytes], one per C4 layer
+    layer_ids: tuple[int, ...]  # global layer id of each buffer
+    wire: tuple[int, ...] | None  # position of each buffer in kv_args.kv_data_ptrs
+    page_size: int  # tokens per (full) page: 256 for DeepSeek-V4
+    slots: int  # compressed slots per index-K row: page_size // 4
+    row_bytes: int
+    fp4: bool
+
+    @property
+    def tokens_per_slot(self) -> int:
+        return self.page_size // self.slots
+
+
+def dsv4_pool(source: Any) -> Any | None:
+    """The DeepSeek-V4 KV pool behind an allocator or pool, or None if it is not one."""
+    pool = source.get_kvcache() if hasattr(source, "get_kvcache") else source
+    if getattr(pool, "index_pools", None) is None and getattr(pool, "c4_indexer_kv_pool", None) is None:
+        return None
+    return pool
+
+
+def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
+    """Index-K buffers, their layer ids and wire positions; IndexKError when unusable."""
+    indexer = (getattr(pool, "index_pools", None) or {}).get(C4) or getattr(pool, "c4_indexer_kv_pool", None)
+    if indexer is None:
+        raise IndexKError("the pool has no C4 indexer pool (not DeepSeek-V4, or no C4 layer in this stage)")
+    if getattr(indexer, "index_k_with_scale_buffer", None) is None:
+        raise IndexKError("the C4 indexer keeps payload and scales in separate buffers (HIP fp4); not supported")
+    buffers = tuple(indexer.contiguous_page_row_buffers())
+    ratios = list(pool.compression_ratios)
+    start = getattr(pool, "_stage_start", 0)
+    end = getattr(pool, "_stage_end", len(ratios))
+    layer_ids = tuple(layer for layer in range(start, end) if ratios[layer] == C4)
+    if len(layer_ids) != len(buffers):
+        raise IndexKError(f"{len(buffers)} index-K buffers for {len(layer_ids)} C4 layers in [{start}, {end})")
+    if not buffers:
+        raise IndexKError("no index-K buffers")
+    for layer, buf in zip(layer_ids, buffers):
+        if buf.dim() != 2 or buf.element_size() != 1 or not buf.is_contiguous():
+            raise IndexKError(f"index-K buffer of layer {layer} is {buf.dtype} {tuple(buf.shape)}, not contiguous uint8 rows")
+    page_size = int(pool.page_size)
+    slots = int(indexer.page_size)
+    if slots <= 0 or page_size % slots:
+        raise IndexKError(f"index page of {slots} slots does not tile a {page_size}-token page")
+    return IndexKGeometry(
+        buffers=buffers,
+        layer_ids=layer_ids,
+        wire=wire_positions(buffers, kv_args) if kv_args is not None else None,
+        page_size=page_size,
+        slots=slots,
+        row_bytes=int(buffers[0].shape[1]),
+        fp4=bool(getattr(indexer, "use_fp4_indexer", False)),
+    )
+
+
+def wire_positions(buffers: Sequence[Any], kv_args: Any) -> tuple[int, ...]:
+    """Position of each buffer among the transferred KV entries, matched by data_ptr."""
+    ptrs = [int(p) for p in kv_args.kv_data_ptrs]
+    lens = [int(n) for n in kv_args.kv_item_lens]
+    positions = []
+    for buf in buffers:
+        try:
+            w = ptrs.index(buf.data_ptr())
+        except ValueError:
+            raise IndexKError("an index-K buffer is not among the PD transfer buffers (kv_data_ptrs)") from None
+        row = buf[0].numel() * buf.element_size()
+        if lens[w] != row:
+            raise IndexKError(f"transfer item length {lens[w]} B at wire entry {w} is not one index-K row ({row} B)")
+        positions.append(w)
+    return tuple(positions)
+
+
+def choose_layout(geometry: IndexKGeometry, wanted: str, layouts: Mapping[str, Any]):
+    """The RowLayout for these buffers: `wanted` by name, or the one that fits ("auto")."""
+    if wanted != "auto":
+        layout = layouts.get(wanted)
+        if layout is None:
+            raise IndexKError(f"layout {wanted!r} is not defined; known: {sorted(layouts)}")
+        if layout.row_bytes != geometry.row_bytes or layout.slots != geometry.slots:
+            raise IndexKError(
+                f"layout {wanted!r} has {layout.slots} slots x {layout.row_bytes} B rows; "
+                f"the pool has {geometry.slots} x {geometry.row_bytes} B"
+            )
+        return layout
+    fits = [
+        layout for layout in layouts.values()
+        if layout.row_bytes == geometry.row_bytes and layout.slots == geometry.slots
+        and layout.tokens_per_slot == geometry.tokens_per_slot
+    ]
+    if len(fits) != 1:
+        names = sorted(layout.name for layout in fits)
+        raise IndexKError(
+            f"{'no' if not fits else 'more than one'} layout fits {geometry.slots}-slot rows of "
+            f"{geometry.row_bytes} B ({names}); set `layout` in the probe config"
+        )
+    return fits[0]
+
+
+# %% a room's pages
+
+
+@dataclass(frozen=True)
+class RoomPages:
+    pages: Any  # device tensor of page ids, logical page k -> physical page
+    n_tokens: int  # transferred tokens, from the start of logical page 0
+    start: int  # first transferred token (page-aligned decode prefix)
+
+
+def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPages | str:
+    """The pages a last-chunk send covers, or a reason string when it cannot be digested."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    page_size = int(allocator.page_size)
+    start = int(req.disagg_decode_prefix_len or 0)
+    end = int(end_idx) if end_idx is not None else min(int(req.extend_end), len(req.origin_input_ids))
+    if start % page_size:
+        return f"decode prefix {start} is not page aligned"
+    if end <= start:
+        return "nothing to transfer"
+    rows = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    tokens = allocator.translate_kv_indices_for_transfer(rows)
+    return RoomPages(tokens[::page_size] // page_size, end - start, start)
+
+
+def decode_room_pages(kv_indices: Any, page_size: int, metadata_kwargs: Mapping[str, Any]) -> RoomPages | str:
+    """The destination pages decode publishes in `_send_kv_metadata`."""
+    start = int(metadata_kwargs.get("decode_prefix_len", 0) or 0)
+    n_tokens = len(kv_indices)
+    if n_tokens <= 0:
+        return "nothing to receive"
+    device_pages = metadata_kwargs.get("device_kv_indices")
+    if device_pages is not None:  # HiSparse: KV goes to host rows, index-K stays in device pages
+        return RoomPages(device_pages, n_tokens, start)
+    return RoomPages(kv_indices[::page_size] // page_size, n_tokens, start)

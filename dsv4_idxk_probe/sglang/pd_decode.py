@@ -1,0 +1,319 @@
+"""Decode hooks: digest each room when it lands and later in its life.
+
+Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+
+* ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
+* ``DecodePreallocQueue._send_kv_metadata`` (after): remember the room's
+  destination pages (the exact list decode publishes to prefill);
+* ``DecodeTransferQueue._commit_transfer_to_req`` (around): read the in-band
+  digest and the prefill's exchange endpoint from the metadata row before
+  SGLang clears it, then, unless the commit aborted the request, enqueue the
+  ``decode_recv`` digest on the current stream (every decode forward waits on
+  that stream, so it runs before the first one);
+* ``SchedulerBatchResultProcessor.process_batch_result_decode`` (after, once
+  per batch): ``decode_step`` every ``step_interval`` decode batches of a
+  room, ``decode_finish`` for rooms that finished in the batch (enqueued
+  before any later batch can reuse their pages);
+* ``SchedulerBatchResultProcessor.process_batch_result_prebuilt`` (after):
+  ``decode_finish`` for rooms that finished at once;
+* ``ScheduleBatch.retract_decode`` (after): a retracted room is `skipped`;
+* ``SchedulerDisaggregationDecodeMixin._verify_kv_checksums`` (around,
+  enforce only): drop rooms whose receipt digest differs from prefill's, after
+  a MAX all-reduce of the flags over the attention-TP CPU group, as upstream's
+  own checksum does, so every rank drops the same requests.
+
+Only frozen bytes are digested (the monitor's work lists), so the tail slots
+later decode steps write never count. No SGLang import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..exchange.endpoint import unpack_endpoint
+from ..pd import InbandDigest, RoomId
+from ..safety import safe_invoke
+from .accessors import (
+    ATTR_DEST, ATTR_RECV, ATTR_STEPS, SLOT_DIGEST, SLOT_ENDPOINT, decode_skip_reason, metadata_row,
+    prefill_peer_host, room_of,
+)
+from .index_k import decode_room_pages
+from .sides import build_side
+
+ATTR_ROOM = "_dsv4_idxk_room"  # on a decode Req: its RoomId while the probe tracks it
+
+
+def decode_side(runtime: Any, scheduler: Any = None):
+    side = runtime.sides.get("decode")
+    if side is None and scheduler is not None:
+        queue = scheduler.disagg_decode_prealloc_queue
+        side = build_side(runtime, "decode", queue.token_to_kv_pool, queue.kv_manager.kv_args)
+    return side if side is not None and side.active else None
+
+
+def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
+    build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+
+
+def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, kwargs: dict) -> None:
+    if decode_side(runtime, queue.scheduler) is None:
+        return
+    setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, page_size, kwargs))
+
+
+def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], str | None]:
+    """What the commit clears: the probe slots of the metadata row, and the sending rank's address."""
+    row = metadata_row(transfer_queue.metadata_buffers, getattr(decode_req, "metadata_buffer_index", None))
+    slots = [int(v) for v in row[: SLOT_ENDPOINT + 1]] if row is not None else []
+    return slots, prefill_peer_host(decode_req)
+
+
+def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], str | None]) -> None:
+    side = decode_side(runtime, transfer_queue.scheduler)
+    req = decode_req.req
+    if side is None or room_of(req) is None:
+        return
+    room = RoomId(room_of(req))
+    reason = decode_skip_reason(req)
+    dest = getattr(decode_req, ATTR_DEST, None)
+    if reason is None and (dest is None or isinstance(dest, str)):
+        reason = dest or "destination pages were not recorded"
+    if reason is not None:
+        side.monitor.room_skipped(room, reason)
+        return
+    slots, peer_host = seen
+    inband = InbandDigest.from_slots(slots[SLOT_DIGEST]) if slots else None
+    endpoint = unpack_endpoint(slots[SLOT_ENDPOINT]) if slots else None
+    if endpoint is not None:  # the address the server bound, else the rank SGLang bootstrapped with
+        host = endpoint[0] or peer_host
+        endpoint = (host, endpoint[1]) if host else None
+    side.remember_peer(room.key, endpoint)
+    extra = {"prefill_endpoint": f"{endpoint[0]}:{endpoint[1]}"} if endpoint else None
+    pending = side.monitor.room_received(room, dest.pages, dest.n_tokens, inband, extra)
+    setattr(req, ATTR_ROOM, room)
+    setattr(req, ATTR_STEPS, 0)
+    setattr(req, ATTR_RECV, (pending, inband, dest.n_tokens))
+
+
+def on_decode_batch(runtime: Any, batch: Any) -> None:
+    """After a decode batch: `decode_finish` for rooms that finished in it, else
+    count the step and digest every `step_interval` steps.
+
+    A finished room's pages were just released, but the digest is enqueued on
+    the scheduler stream before any later batch is scheduled, and every forward
+    waits on that stream, so no forward can rewrite them first.
+    """
+    side = decode_side(runtime)
+    if side is None:
+        return
+    interval = runtime.config.step_interval
+    for req in batch.reqs:
+        room = getattr(req, ATTR_ROOM, None)
+        if room is None:
+            continue
+        if req.finished():
+            setattr(req, ATTR_ROOM, None)
+            side.monitor.room_finished(room)
+            continue
+        steps = getattr(req, ATTR_STEPS, 0) + 1
+        setattr(req, ATTR_STEPS, steps)
+        if interval > 0 and steps % interval == 0:
+            side.monitor.decode_step(room, steps)
+
+
+def finish_room(runtime: Any, req: Any) -> None:
+    room = getattr(req, ATTR_ROOM, None)
+    if room is None or not req.finished():
+        return
+    setattr(req, ATTR_ROOM, None)
+    side = decode_side(runtime)
+    if side is not None:
+        side.monitor.room_finished(room)
+
+
+def on_prebuilt_result(runtime: Any, batch: Any) -> None:
+    for req in batch.reqs:
+        finish_room(runtime, req)
+
+
+def on_retract(runtime: Any, retracted: Any) -> None:
+    side = decode_side(runtime)
+    for req in retracted:
+        room = getattr(req, ATTR_ROOM, None)
+        if room is None:
+            continue
+        setattr(req, ATTR_ROOM, None)
+        setattr(req, ATTR_RECV, None)
+        if side is not None:
+            side.monitor.room_skipped(room, "retracted", stage="decode_step")
+
+
+# %% enforce
+
+
+def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
+    """1 for each request whose receipt digest differs from the in-band prefill digest.
+
+    Waits for digests still in flight: the one host sync enforce mode costs.
+    Rooms without a comparable in-band digest are kept (not judged here).
+    """
+    side = decode_side(runtime)
+    flags = [0] * len(reqs)
+    if side is None:
+        return flags
+    for i, req in enumerate(reqs):
+        received = getattr(req, ATTR_RECV, None)
+        if received is None:
+            continue
+        setattr(req, ATTR_RECV, None)  # judged once, as upstream does (a retraction rewrites the tail)
+        pending, inband, n_tokens = received
+        if pending is None or inband is None or inband.signature != side.signature or inband.n_tokens != n_tokens:
+            continue
+        if not pending.ready():
+            pending.done.synchronize()
+        flags[i] = int(int(pending.room_digests[0]) != inband.room_digest)
+    return flags
+
+
+def all_reduce_max(flags: list[int], group: Any) -> list[int]:
+    """Every attention-TP rank must drop the same requests (reference 2.3)."""
+    import torch
+    import torch.distributed as dist
+
+    if not flags or group is None or not dist.is_available() or not dist.is_initialized():
+        return flags
+    if dist.get_world_size(group) == 1:
+        return flags
+    tensor = torch.tensor(flags, dtype=torch.int32, device="cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def enforce_batch(runtime: Any, scheduler: Any, batch: Any) -> None:
+    reqs = list(batch.reqs)
+    flags = safe_invoke("decode.enforce_flags", mismatch_flags, runtime, reqs, fallback=None) or [0] * len(reqs)
+    flags = all_reduce_max(flags, getattr(scheduler, "attn_tp_cpu_group", None))
+    if not any(flags):
+        return
+    dropped = set()
+    for i, req in enumerate(reqs):
+        if not flags[i]:
+            continue
+        message = f"dsv4-idxk-probe: index-K mismatch at receipt, room {room_of(req)} (rid {getattr(req, 'rid', '?')})"
+        runtime.log.error(message)
+        if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
+            dropped.add(i)
+    if dropped:
+        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in dropped])
+
+
+def _abort(scheduler: Any, req: Any, message: str) -> bool:
+    scheduler._handle_kv_checksum_mismatch(req, message)
+    return True
+
+
+# %% wrapper factories (named in the target table)
+
+
+def make_queue_init_wrapper(runtime):
+    """``DecodePreallocQueue._init_kv_manager(self)``, after: build the decode side."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        manager = wrapped(*args, **kwargs)
+        if runtime.enabled:
+            safe_invoke("decode.init", on_queue_init, runtime, instance, manager)
+        return manager
+
+    return wrapper
+
+
+def make_send_kv_metadata_wrapper(runtime):
+    """``_send_kv_metadata(self, decode_req, kv_indices, page_size, state_indices=None, **kw)``, after."""
+
+    def _pick(decode_req, kv_indices, page_size, state_indices=None, **metadata_kwargs):
+        return decode_req, kv_indices, page_size, metadata_kwargs
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled:
+            safe_invoke("decode.send_kv_metadata", on_send_metadata, runtime, instance, *_pick(*args, **kwargs))
+        return result
+
+    return wrapper
+
+
+def make_commit_transfer_wrapper(runtime):
+    """``_commit_transfer_to_req(self, decode_req)``, around: in-band read, then `decode_recv`."""
+
+    def _pick(decode_req, *_a, **_k):
+        return decode_req
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not runtime.enabled:
+            return wrapped(*args, **kwargs)
+        decode_req = _pick(*args, **kwargs)
+        seen = safe_invoke("decode.commit_read", before_commit, instance, decode_req)
+        result = wrapped(*args, **kwargs)
+        if seen is not None:
+            safe_invoke("decode.commit", after_commit, runtime, instance, decode_req, seen)
+        return result
+
+    return wrapper
+
+
+def make_decode_step_wrapper(runtime):
+    """``process_batch_result_decode(self, batch, result)``, after: `decode_step` / `decode_finish`."""
+
+    def _pick(batch, *_a, **_k):
+        return batch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            safe_invoke("decode.step", on_decode_batch, runtime, _pick(*args, **kwargs))
+        return result
+
+    return wrapper
+
+
+def make_prebuilt_result_wrapper(runtime):
+    """``process_batch_result_prebuilt(self, batch)``, after: rooms that finished at once."""
+
+    def _pick(batch, *_a, **_k):
+        return batch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            safe_invoke("decode.prebuilt", on_prebuilt_result, runtime, _pick(*args, **kwargs))
+        return result
+
+    return wrapper
+
+
+def make_retract_wrapper(runtime):
+    """``ScheduleBatch.retract_decode(self)``, after: retracted rooms are `skipped`."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            retracted = list(result[0]) + list(result[2]) if isinstance(result, tuple) and len(result) == 3 else []
+            safe_invoke("decode.retract", on_retract, runtime, retracted)
+        return result
+
+    return wrapper
+
+
+def make_verify_checksums_wrapper(runtime):
+    """``_verify_kv_checksums(self, batch)``, around: enforce mode drops mismatching rooms."""
+
+    def _pick(batch, *_a, **_k):
+        return batch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled and runtime.config.enforce:
+            enforce_batch(runtime, instance, _pick(*args, **kwargs))
+        return result
+
+    return wrapper

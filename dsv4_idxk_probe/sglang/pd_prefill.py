@@ -1,0 +1,170 @@
+"""Prefill hooks: digest each room as its last chunk is handed to the transfer.
+
+Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+
+* ``PrefillBootstrapQueue._init_kv_manager`` (after): build the prefill side
+  (digest engine, monitor, exchange server) once SGLang's KV manager exists;
+* ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (around, acts only on
+  ``last_chunk=True``): find the room's pages, enqueue its digest on the
+  current stream, clear the probe slots of the metadata row and write what is
+  already known, before SGLang's own send runs;
+* ``CommonKVSender.send`` (before): the in-band write. The room digest is in
+  pinned host memory once the stream has passed the kernel; on the NIXL path
+  ``_send_kv_chunk`` has just blocked on that stream (``kv_to_page_indices``
+  is a ``.cpu()``), so the value is ready here and is copied into the
+  metadata row before the aux data leaves, with no sync of ours. Where the
+  transport does not block (Mooncake's pinned async indices), the digest is
+  not ready yet: observe mode leaves the slots empty and decode fetches the
+  vectors from the exchange instead; enforce mode waits on the digest's
+  event here (one host sync per room, enforce only).
+
+No SGLang import: objects are read through accessors.py / index_k.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..pd import InbandDigest, RoomId
+from ..safety import safe_invoke
+from .accessors import (
+    ATTR_INBAND, ATTR_SENT, SLOT_DIGEST, SLOT_ENDPOINT, metadata_row, prefill_attempt, prefill_skip_reason,
+    room_of, sender_is_last_send,
+)
+from .index_k import prefill_room_pages
+from .sides import build_side
+
+
+class InbandWrite:
+    """A room digest on its way into the metadata row."""
+
+    __slots__ = ("pending", "row", "signature", "n_tokens")
+
+    def __init__(self, pending: Any, row: np.ndarray, signature: int, n_tokens: int):
+        self.pending = pending
+        self.row = row
+        self.signature = signature
+        self.n_tokens = n_tokens
+
+    def commit(self) -> None:
+        """Copy the (ready) room digest into slots 1-4."""
+        value = InbandDigest(int(self.pending.room_digests[0]), self.signature, self.n_tokens)
+        self.row[SLOT_DIGEST] = np.array(value.to_slots(), dtype=np.uint64)
+
+
+def prefill_side(runtime: Any, scheduler: Any):
+    """The active prefill side, built from the scheduler if the init hook did not run."""
+    side = runtime.sides.get("prefill")
+    if side is None:
+        queue = scheduler.disagg_prefill_bootstrap_queue
+        manager = queue.kv_manager
+        side = build_side(runtime, "prefill", scheduler.token_to_kv_pool_allocator, manager.kv_args,
+                          host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None))
+    return side if side.active else None
+
+
+def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
+    build_side(runtime, "prefill", queue.token_to_kv_pool, manager.kv_args,
+               host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None))
+
+
+def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -> None:
+    """Digest the room whose last chunk is about to be sent; fill what the row can hold now."""
+    row = metadata_row(scheduler.disagg_metadata_buffers, getattr(req, "metadata_buffer_index", None))
+    if row is not None:
+        row[1 : SLOT_ENDPOINT + 1] = 0  # rows are reused and prefill never clears them
+    side = prefill_side(runtime, scheduler)
+    if side is None or prefill_skip_reason(req) is not None:
+        return
+    pages = prefill_room_pages(scheduler, req, end_idx)
+    if isinstance(pages, str):
+        runtime.log.debug("dsv4-idxk-probe: room %s not digested: %s", room_of(req), pages)
+        return
+    mark = (room_of(req), prefill_attempt(req), pages.start, pages.start + pages.n_tokens)
+    if getattr(req, ATTR_SENT, None) == mark:
+        return  # this exact send was digested already
+    setattr(req, ATTR_SENT, mark)
+    pending = side.monitor.room_sent(RoomId(room_of(req)), pages.pages, pages.n_tokens)
+    if pending is None:
+        runtime.metrics.records_dropped.labels(sink="digest_queue").inc()
+        return
+    if row is None:
+        return  # metadata row on a device: the exchange alone carries this room
+    if side.endpoint_slot:
+        row[SLOT_ENDPOINT] = side.endpoint_slot
+    write = InbandWrite(pending, row, side.signature, pages.n_tokens)
+    sender = getattr(req, "disagg_kv_sender", None)
+    if pending.ready():  # host buffers: digested at submit
+        write.commit()
+    elif sender is not None:
+        setattr(sender, ATTR_INBAND, write)
+
+
+def on_sender_send(runtime: Any, sender: Any, write: InbandWrite, kv_indices: Any) -> None:
+    """Before a chunk leaves: commit the in-band digest if it is ready (it is, after NIXL's .cpu())."""
+    if write.pending.ready():
+        write.commit()
+    elif not sender_is_last_send(sender, kv_indices):
+        return  # the aux data does not leave with this send; try again at the next
+    elif runtime.config.enforce and write.pending.done is not None:
+        write.pending.done.synchronize()  # enforce only: decode must see the digest in band
+        write.commit()
+        _count(runtime, "inband_waited")
+    else:
+        _count(runtime, "inband_deferred")  # decode will ask the exchange for this room
+    delattr(sender, ATTR_INBAND)
+
+
+def _count(runtime: Any, name: str) -> None:
+    side = runtime.sides.get("prefill")
+    if side is not None and hasattr(side, name):
+        setattr(side, name, getattr(side, name) + 1)
+
+
+# %% wrapper factories (named in the target table)
+
+
+def make_queue_init_wrapper(runtime):
+    """``PrefillBootstrapQueue._init_kv_manager(self)``, after: build the prefill side."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        manager = wrapped(*args, **kwargs)
+        if runtime.enabled:
+            safe_invoke("prefill.init", on_queue_init, runtime, instance, manager)
+        return manager
+
+    return wrapper
+
+
+def make_send_kv_chunk_wrapper(runtime):
+    """``send_kv_chunk(self, req, last_chunk=False, end_idx=None)``, around: digest on the last chunk."""
+
+    def _pick(req, last_chunk=False, end_idx=None, *_a, **_k):
+        return req, last_chunk, end_idx
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not runtime.enabled:
+            return wrapped(*args, **kwargs)
+        req, last_chunk, end_idx = _pick(*args, **kwargs)
+        if last_chunk:
+            safe_invoke("prefill.send_kv_chunk", on_last_chunk, runtime, instance, req, end_idx)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def make_sender_send_wrapper(runtime):
+    """``CommonKVSender.send(self, kv_indices, ...)``, before: the zero-sync in-band write."""
+
+    def _pick(kv_indices, *_a, **_k):
+        return kv_indices
+
+    def wrapper(wrapped, instance, args, kwargs):
+        write = getattr(instance, ATTR_INBAND, None)
+        if write is not None and runtime.enabled:
+            safe_invoke("prefill.sender_send", on_sender_send, runtime, instance, write, _pick(*args, **kwargs))
+        return wrapped(*args, **kwargs)
+
+    return wrapper

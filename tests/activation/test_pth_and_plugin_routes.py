@@ -1,0 +1,117 @@
+"""The two start-up routes, each in a fresh interpreter (STYLE D5): SGLang's
+plugin loader with the entry point pyproject.toml declares, and the `.pth`
+file for builds without that loader. Both run against the real sglang==0.5.23."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOOKS = REPO / "hooks"
+GROUP = "sglang.srt.plugins"
+PD_TARGETS = ("pd.send_kv_chunk", "pd.sender_send", "pd.send_kv_metadata", "pd.commit_transfer")
+
+
+def run(code: str, tmp_path: Path, probe: str | None, extra_path: list[str] = (), timeout: int = 240) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_IDXK_PROBE", "SGLANG_PLUGINS"))}
+    if probe is not None:
+        env["DSV4_IDXK_PROBE"] = probe
+        config = tmp_path / "probe.yaml"
+        config.write_text(f"roomlog: {{dir: {tmp_path / 'logs'}}}\nexchange: {{bind: 127.0.0.1}}\n")
+        env["DSV4_IDXK_PROBE_CONFIG"] = str(config)
+    env["PYTHONPATH"] = os.pathsep.join([*extra_path, env.get("PYTHONPATH", "")])
+    env["PYTHONWARNINGS"] = "ignore"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# %% .pth route
+
+
+PTH_CODE = f"""
+    import json, site, sys
+    site.addsitedir({str(HOOKS)!r})  # processes hooks/dsv4_idxk_probe.pth as site-packages would
+    before = sorted(m for m in sys.modules if m.startswith(("dsv4_idxk_probe", "sglang", "wrapt")))
+    result = {{"before": before}}
+    if IMPORT_SGLANG:
+        import wrapt
+        import sglang.srt.disaggregation.prefill as prefill
+        from dsv4_idxk_probe import activation
+        wrapper = prefill.SchedulerDisaggregationPrefillMixin.__dict__["send_kv_chunk"]
+        runtime = activation.current_runtime()
+        result.update(wrapped=isinstance(wrapper, wrapt.FunctionWrapper), loaded=activation.loaded,
+                      status={{k: v[0] for k, v in runtime.patcher.status.items()}})
+    print(json.dumps(result))
+"""
+
+
+def test_pth_with_variable_unset_imports_no_probe_module(tmp_path):
+    result = run(PTH_CODE.replace("IMPORT_SGLANG", "False"), tmp_path, probe=None)
+    assert result == {"before": []}
+
+
+def test_pth_route_patches_a_target_module_imported_after_it(tmp_path):
+    result = run(PTH_CODE.replace("IMPORT_SGLANG", "True"), tmp_path, probe="1")
+    # armed, nothing else yet: the package (its version) and the stdlib-only bootstrap
+    assert result["before"] == ["dsv4_idxk_probe", "dsv4_idxk_probe.bootstrap", "dsv4_idxk_probe.version"]
+    assert result["wrapped"] and result["loaded"]
+    assert result["status"]["pd.send_kv_chunk"] == "patched"
+
+
+# %% plugin entry point
+
+
+def declared_entry_points() -> dict:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text()).get("project", {})
+    return project.get("entry-points", {}).get(GROUP, {})
+
+
+def test_plugin_entry_point_is_declared():
+    declared = declared_entry_points()
+    assert declared == {"dsv4_idxk_probe": "dsv4_idxk_probe.activation:load_plugin"}, (
+        f'pyproject.toml must declare:\n[project.entry-points."{GROUP}"]\n'
+        'dsv4_idxk_probe = "dsv4_idxk_probe.activation:load_plugin"'
+    )
+
+
+PLUGIN_CODE = """
+    import json
+    # a scheduler process has imported the PD modules when run_scheduler_process calls load_plugins()
+    import sglang.srt.disaggregation.common.conn, sglang.srt.disaggregation.decode, sglang.srt.disaggregation.prefill
+    import sglang.srt.managers.scheduler_components.batch_result_processor
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    load_plugins()
+    from dsv4_idxk_probe import activation
+    runtime = activation.current_runtime()
+    status = runtime.patcher.verify() if runtime else {}
+    print(json.dumps({"loaded": activation.loaded, "status": {k: v[0] for k, v in status.items()},
+                      "registered": sorted(HookRegistry._hooks)}))
+"""
+
+
+def test_sglang_plugin_loader_runs_the_declared_entry_point(tmp_path):
+    """A distribution carrying exactly the declared entry point, loaded by SGLang's real load_plugins()."""
+    check_loader_with(declared_entry_points(), tmp_path)
+
+
+def check_loader_with(entry_points: dict, tmp_path: Path) -> None:
+    assert entry_points, f"no [project.entry-points.\"{GROUP}\"] in pyproject.toml"
+    dist = tmp_path / "site" / "dsv4_idxk_probe_entry_point_check-0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4-idxk-probe-entry-point-check\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
+    (dist / "entry_points.txt").write_text(f"[{GROUP}]\n{lines}")
+    result = run(PLUGIN_CODE, tmp_path, probe="1", extra_path=[str(tmp_path / "site")])
+    assert result["loaded"]
+    for name in PD_TARGETS:
+        assert result["status"][name] == "patched", result["status"]
+    assert "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk" in result["registered"]

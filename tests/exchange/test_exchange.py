@@ -1,0 +1,175 @@
+"""The prefill->decode vector exchange over real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from dsv4_idxk_probe.digest.result import RoomDigest
+from dsv4_idxk_probe.exchange import ExchangeError, VectorClient, VectorServer, pack_endpoint, unpack_endpoint
+from dsv4_idxk_probe.exchange.protocol import decode_request, decode_response, encode_request, encode_response
+
+
+def digest(key: str, seed: int = 0) -> RoomDigest:
+    rng = np.random.default_rng(seed)
+    return RoomDigest(
+        key=key, signature=0xABCDEF0123456789, n_tokens=612, layer_ids=(1, 3, 5), segments=("payload", "scale"),
+        layer_segment=rng.integers(0, 2**63, (3, 2), dtype=np.uint64) * np.uint64(2),
+        pages=rng.integers(0, 2**63, 3, dtype=np.uint64),
+    )
+
+
+@pytest.fixture
+def table():
+    return {"7/0": digest("7/0", 1), "8/0": digest("8/0", 2)}
+
+
+@pytest.fixture
+def server(table):
+    srv = VectorServer(table.get, bind="127.0.0.1", port=0, max_request_bytes=256)
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def client():
+    c = VectorClient(timeout_ms=300, backoff_s=0.5)
+    yield c
+    c.close()
+
+
+def test_round_trip(server, client, table):
+    got = client.fetch(server.endpoint, "7/0")
+    want = table["7/0"]
+    assert (got.key, got.signature, got.n_tokens, got.layer_ids) == (want.key, want.signature, want.n_tokens, want.layer_ids)
+    assert np.array_equal(got.layer_segment, want.layer_segment) and np.array_equal(got.pages, want.pages)
+    assert server.served == 1
+
+
+def test_unknown_room_is_none_and_counted(server, client):
+    assert client.fetch(server.endpoint, "9/0") is None
+    assert client.failures == {"not_found": 1}
+    assert client.fetch(server.endpoint, "8/0").key == "8/0"  # the connection still works
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_peer_times_out_once_then_is_skipped_until_backoff(client):
+    dead = ("127.0.0.1", _free_port())
+    started = time.monotonic()
+    assert client.fetch(dead, "7/0") is None
+    first = time.monotonic() - started
+    started = time.monotonic()
+    assert client.fetch(dead, "7/0") is None
+    second = time.monotonic() - started
+    assert client.failures == {"timeout": 1, "peer_down": 1}
+    assert 0.25 < first < 2.0 and second < 0.05
+
+
+def test_slow_peer_then_recovers_with_a_new_connection(client, table):
+    slow = {"on": True}
+
+    def lookup(key):
+        if slow["on"]:
+            time.sleep(0.6)
+        return table.get(key)
+
+    srv = VectorServer(lookup, bind="127.0.0.1", max_request_bytes=256)
+    srv.start()
+    try:
+        assert client.fetch(srv.endpoint, "7/0") is None
+        slow["on"] = False
+        time.sleep(0.7)  # past the backoff; the late answer to the first request is never read
+        got = client.fetch(srv.endpoint, "8/0")
+        assert got is not None and got.key == "8/0"
+        assert client.failures == {"timeout": 1}
+    finally:
+        srv.close()
+
+
+def _raw_request(endpoint, payload: bytes, timeout_ms=300):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{endpoint[0]}:{endpoint[1]}")
+    try:
+        sock.send(payload)
+        return sock.recv() if sock.poll(timeout_ms) else None
+    finally:
+        sock.close(0)
+
+
+def test_oversized_and_malformed_requests_are_refused_and_serving_goes_on(server, client):
+    assert _raw_request(server.endpoint, b"x" * 4096) is None  # over max_request_bytes: dropped by ZMQ
+    answer = _raw_request(server.endpoint, b'{"v": 1, "id": 3, "key": 5}')
+    with pytest.raises(ExchangeError, match="request.key must be a string"):
+        decode_response(answer)
+    assert server.refused == 1
+    assert client.fetch(server.endpoint, "7/0").key == "7/0"
+
+
+def test_concurrent_clients_are_each_answered(server, table):
+    results = {}
+
+    def ask(key):
+        c = VectorClient(timeout_ms=2000)
+        results[key] = c.fetch(server.endpoint, key)
+        c.close()
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in ("7/0", "8/0")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {k: v.key for k, v in results.items()} == {"7/0": "7/0", "8/0": "8/0"}
+
+
+def test_bind_needs_an_address():
+    with pytest.raises(ValueError, match="exchange.bind"):
+        VectorServer(dict().get, bind="")
+
+
+def test_request_decoding_names_the_problem():
+    assert decode_request(encode_request(4, "1/0"), 64) == (4, "1/0")
+    with pytest.raises(ExchangeError, match="exceeds max_request_bytes=8"):
+        decode_request(encode_request(4, "1/0"), 8)
+    with pytest.raises(ExchangeError, match="request.id must be an integer"):
+        decode_request(b'{"v": 1, "id": "4", "key": "1/0"}', 64)
+    with pytest.raises(ExchangeError, match="not JSON"):
+        decode_request(b"\xff", 64)
+
+
+def test_response_round_trip_and_refusal():
+    d = digest("5/0")
+    rid, got = decode_response(encode_response(9, d))
+    assert rid == 9 and got.room == d.room
+    assert decode_response(encode_response(9, None)) == (9, None)
+    with pytest.raises(ExchangeError, match="peer refused the request: too big"):
+        decode_response(encode_response(9, error="too big"))
+
+
+@pytest.mark.parametrize("host, port, expected", [
+    ("10.1.2.3", 40000, ("10.1.2.3", 40000)),
+    ("0.0.0.0", 5, (None, 5)),
+    ("fe80::1", 6000, (None, 6000)),
+    (None, 65535, (None, 65535)),
+])
+def test_endpoint_slot_round_trip(host, port, expected):
+    value = pack_endpoint(host, port)
+    assert 0 <= value < 2**64
+    assert unpack_endpoint(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, 7, 2**64 - 1, 0x1D4B_0000_0000_0001])
+def test_foreign_slot_values_are_not_endpoints(value):
+    assert unpack_endpoint(value) is None

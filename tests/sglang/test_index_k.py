@@ -1,0 +1,111 @@
+"""Finding a room's index-K rows in SGLang's real DeepSeek-V4 pools (CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pdworld
+import pytest
+import torch
+from pd_testkit import make_runtime
+
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, shipped_layouts
+from dsv4_idxk_probe.sglang.index_k import (
+    IndexKError, choose_layout, decode_room_pages, dsv4_pool, index_k_geometry, prefill_room_pages,
+)
+from dsv4_idxk_probe.sglang.sides import InactiveSide, build_side
+
+ROOM_PAGES = pdworld.PREFILL_PAGES[1:]
+
+
+@pytest.fixture
+def prefill(published):
+    return pdworld.make_side(seed=3, pages=pdworld.PREFILL_PAGES)
+
+
+def test_geometry_of_the_real_pool(prefill):
+    geometry = index_k_geometry(dsv4_pool(prefill.allocator), prefill.kv_args)
+    assert geometry.layer_ids == tuple(pdworld.C4_LAYERS)
+    assert (geometry.page_size, geometry.slots, geometry.row_bytes, geometry.fp4) == (256, 64, 64 * 132, False)
+    n4, n128 = pdworld.COMPRESSION_RATIOS.count(4), pdworld.COMPRESSION_RATIOS.count(128)
+    # wire order [C4 KV x n4, C4 indexer x n4, C128 KV x n128] (reference 3.1)
+    assert geometry.wire == tuple(range(n4, 2 * n4))
+    assert len(prefill.kv_args.kv_data_ptrs) == 2 * n4 + n128
+    assert choose_layout(geometry, "auto", shipped_layouts()).name == "fp8"
+
+
+def test_fp4_indexer_pool_picks_the_fp4_layout(published):
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
+
+    indexer = DeepSeekV4IndexerPool(
+        size=512, page_size=64, dtype=torch.bfloat16, index_head_dim=128, layer_num=2, device="cpu",
+        enable_memory_saver=False, use_fp4_indexer=True, global_page_size=256,
+    )
+    pool = SimpleNamespace(index_pools={4: indexer}, compression_ratios=[4, 128, 4], page_size=256)
+    geometry = index_k_geometry(pool)
+    assert (geometry.layer_ids, geometry.row_bytes, geometry.fp4) == ((0, 2), 64 * 68, True)
+    assert choose_layout(geometry, "auto", shipped_layouts()).name == "fp4"
+
+
+def test_room_pages_with_decode_prefix_and_partial_tail(prefill):
+    req = pdworld.prefill_req(11)
+    pages = prefill_room_pages(prefill.scheduler, req, None)
+    assert pages.pages.tolist() == ROOM_PAGES
+    assert (pages.start, pages.n_tokens) == (pdworld.PREFIX_TOKENS, pdworld.ROOM_TOKENS)
+
+
+def test_unaligned_prefix_is_refused_with_a_reason(prefill):
+    req = pdworld.prefill_req(11)
+    req.disagg_decode_prefix_len = 100
+    assert prefill_room_pages(prefill.scheduler, req, None) == "decode prefix 100 is not page aligned"
+
+
+def test_decode_pages_from_the_published_destination(published):
+    decode = pdworld.make_side(seed=4, pages=pdworld.DECODE_PAGES)
+    kv = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pages = decode_room_pages(kv, pdworld.PAGE, {"decode_prefix_len": pdworld.PREFIX_TOKENS})
+    assert (pages.pages.tolist(), pages.n_tokens) == (pdworld.DECODE_PAGES[1:], pdworld.ROOM_TOKENS)
+
+
+def _room_digest(side, engine):
+    pages = prefill_room_pages(side.scheduler, pdworld.prefill_req(11), None)
+    return engine.digest_now([RoomRequest("11/0", pages.pages, pages.n_tokens)])[0]
+
+
+@pytest.mark.parametrize("where, counts", [
+    ("room page, first byte", True),
+    ("room tail page, last frozen slot's scale", True),
+    ("room tail page, first unfrozen slot", False),
+    ("decode prefix page", False),
+    ("page of no room", False),
+])
+def test_digest_covers_exactly_the_rooms_frozen_rows(prefill, where, counts):
+    geometry = index_k_geometry(dsv4_pool(prefill.allocator), prefill.kv_args)
+    engine = DigestEngine(choose_layout(geometry, "auto", shipped_layouts()), geometry.layer_ids, geometry.buffers)
+    before = _room_digest(prefill, engine)
+    frozen_tail = (pdworld.ROOM_TOKENS - 2 * pdworld.PAGE) // 4  # 25 slots
+    page, offset = {
+        "room page, first byte": (ROOM_PAGES[0], 0),
+        "room tail page, last frozen slot's scale": (ROOM_PAGES[2], 8192 + (frozen_tail - 1) * 4 + 3),
+        "room tail page, first unfrozen slot": (ROOM_PAGES[2], frozen_tail * 128),
+        "decode prefix page": (pdworld.PREFILL_PAGES[0], 17),
+        "page of no room": (0, 17),
+    }[where]
+    for layer in geometry.buffers:
+        layer[page, offset] ^= 0x40
+    after = _room_digest(prefill, engine)
+    assert (after.room != before.room) is counts
+    engine.close()
+
+
+def test_side_is_inactive_with_a_reason_when_the_pool_cannot_be_read(prefill):
+    runtime, _, _ = make_runtime(layout="fp4")
+    side = build_side(runtime, "prefill", prefill.allocator, prefill.kv_args, host=None)
+    assert isinstance(side, InactiveSide)
+    assert "layout 'fp4' has 64 slots x 4352 B rows; the pool has 64 x 8448 B" in side.reason
+    other, _, _ = make_runtime()
+    assert "not a DeepSeek-V4 pool" in build_side(other, "decode", SimpleNamespace(), None).reason
+    with pytest.raises(IndexKError, match="no C4 indexer pool"):
+        index_k_geometry(SimpleNamespace(index_pools={}, c4_indexer_kv_pool=None))
+    runtime.close()
+    other.close()

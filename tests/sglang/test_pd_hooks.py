@@ -1,0 +1,427 @@
+"""Prefill and decode hooks over real SGLang 0.5.23 objects on CPU.
+
+The probe's wrappers are installed on SGLang's real classes from the shipped
+target table (wrapt route), and SGLang's own ``send_kv_chunk``,
+``CommonKVSender.send`` and ``_commit_transfer_to_req`` run on stand-in
+scheduler/queue/request objects that hold real pools and MetadataBuffers
+(tests/sglang/pdworld.py). The transfer itself is simulated by copying the
+room's index-K rows and the metadata row, as the transfer engine would.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import sglang.srt.disaggregation.common.conn as conn
+import sglang.srt.disaggregation.decode  # noqa: F401  (the table's modules, imported before patching)
+import sglang.srt.disaggregation.prefill  # noqa: F401
+import sglang.srt.managers.schedule_batch  # noqa: F401
+import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
+from dsv4_idxk_probe.pd import InbandDigest
+from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
+from dsv4_idxk_probe.sglang.patcher import Patcher
+from dsv4_idxk_probe.sglang.targets import load_targets
+
+import pdworld
+from pd_testkit import make_runtime
+
+ROOM = 4242
+PREFILL_ROW, DECODE_ROW = 2, 1
+
+
+@pytest.fixture
+def patched(probe):
+    runtime, sink, registry = probe
+    targets = [t for t in load_targets(["sglang-0.5.23"]) if t.name.startswith("pd.")]
+    patcher = Patcher(runtime, targets, route="wrapt")
+    runtime.patcher = patcher
+    status = patcher.patch()
+    assert {name for name, (s, _) in status.items() if s != "patched"} == set(), status
+    yield runtime, sink, registry
+    patcher.unpatch()
+
+
+class TransferManager:
+    """Stand-in KV manager: records what each send enqueues, and the metadata
+    row as it is when the aux data is enqueued (the last chunk)."""
+
+    kv_shard_size = 1
+    enable_all_cp_ranks_for_transfer = False
+    is_dummy_cp_rank = False
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+        self.aux_rows: list[np.ndarray] = []
+
+    def prepare_send_state_indices(self, state_indices):
+        return state_indices
+
+    def add_transfer_request(self, room, kv_indices, index_slice, is_last_chunk, *, aux_index=None, **_):
+        if is_last_chunk:
+            self.aux_rows.append(self.metadata.bootstrap_room[aux_index].numpy().copy())
+
+
+def real_sender(metadata, room: int, aux_index: int, num_pages: int):
+    """A real CommonKVSender without a transfer engine behind it."""
+    return pdworld.standin(
+        conn.CommonKVSender,
+        kv_mgr=TransferManager(metadata), bootstrap_room=room, aux_index=aux_index, conclude_state=None,
+        curr_idx=0, num_kv_indices=num_pages, _transfer_start_time=None, _early_send_wait_event=None,
+        _transfer_num_kv_indices=0, _transfer_num_state_indices=0,
+        trace_ctx=SimpleNamespace(copy_for_thread=lambda: None),
+    )
+
+
+def install_send_path(side: pdworld.Side, on_blocking_copy=lambda: None) -> None:
+    """The part of SGLang's `_send_kv_chunk` the probe relies on: set_buf, the
+    page list (on NIXL a blocking .cpu() on the current stream), sender.send."""
+    sched = side.scheduler
+
+    def _send_kv_chunk(req, last_chunk=False, end_idx=None):
+        if last_chunk:
+            sched.disagg_metadata_buffers.set_buf(req)
+        start = req.disagg_decode_prefix_len
+        end = min(req.extend_end, len(req.origin_input_ids))
+        tokens = side.allocator.translate_kv_indices_for_transfer(
+            side.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+        )
+        page_indices = (tokens[:: pdworld.PAGE] // pdworld.PAGE).numpy().astype(np.int32)
+        on_blocking_copy()
+        req.disagg_kv_sender.send(page_indices, None, num_kv_tokens=end - start)
+
+    sched._send_kv_chunk = _send_kv_chunk
+
+
+def send_room(prefill: pdworld.Side, room: int = ROOM, **kwargs):
+    req = pdworld.prefill_req(room, PREFILL_ROW)
+    req.disagg_kv_sender = real_sender(prefill.metadata, room, PREFILL_ROW, num_pages=3)
+    install_send_path(prefill, **kwargs)
+    prefill.scheduler.send_kv_chunk(req, last_chunk=True)
+    return req
+
+
+def _with_receiver(dreq):
+    """`_send_kv_metadata` hands the pages to the receiver; nothing to send here."""
+    dreq.kv_receiver.send_metadata = lambda *a, **k: None
+    dreq.req.time_stats.set_decode_transfer_queue_entry_time = lambda: None
+    return dreq
+
+
+# %% prefill: in-band slots
+
+
+def test_prefill_hook_fills_inband_slots_before_aux_leaves(worlds, patched):
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    req = send_room(prefill)
+    (row,) = req.disagg_kv_sender.kv_mgr.aux_rows  # the row as the aux send saw it
+    assert int(row[0]) == ROOM  # SGLang's own slot untouched
+    inband = InbandDigest.from_slots(row[1:5])
+    record = sink.wait_for(1, stage="prefill_send")[0]
+    assert inband is not None
+    assert f"{inband.room_digest:016x}" == record["digest"]["room"]
+    assert inband.n_tokens == pdworld.ROOM_TOKENS
+    assert inband.signature == runtime.sides["prefill"].signature
+    assert int(row[5]) == runtime.sides["prefill"].endpoint_slot != 0
+
+
+def test_prefill_clears_stale_slots_for_skipped_rooms(worlds, patched):
+    prefill, _ = worlds
+    prefill.metadata.bootstrap_room[PREFILL_ROW, 1:6] = 77  # a previous room's leftovers
+    req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+    req.rid = "HEALTH_CHECK_123"
+    req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=3)
+    install_send_path(prefill)
+    prefill.scheduler.send_kv_chunk(req, last_chunk=True)
+    (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+    assert row[1:6].tolist() == [0, 0, 0, 0, 0]
+
+
+def test_non_last_chunk_is_not_digested(worlds, patched):
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+    req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=6)  # more to come
+    install_send_path(prefill)
+    prefill.scheduler.send_kv_chunk(req, last_chunk=False)
+    assert req.disagg_kv_sender.kv_mgr.aux_rows == []
+    assert runtime.sides.get("prefill") is None or runtime.sides["prefill"].monitor.recent.get(f"{ROOM}/0") is None
+
+
+class _NotYetReady:
+    """A submitted digest whose stream has not passed the kernel until `passed` is set
+    (what a GPU digest looks like right after submit)."""
+
+    def __init__(self, pending):
+        self.pending = pending
+        self.passed = False
+        self.waited = 0
+        self.done = SimpleNamespace(synchronize=self._wait)
+
+    def _wait(self):
+        self.waited += 1
+        self.passed = True
+
+    def ready(self):
+        return self.passed
+
+    @property
+    def room_digests(self):
+        assert self.passed, "read before the stream passed the digest"
+        return self.pending.room_digests
+
+
+def _slow_digests(monkeypatch, runtime, prefill):
+    """Make the prefill side's digests 'not ready' until the stream passes."""
+    pd_prefill.prefill_side(runtime, prefill.scheduler)
+    monitor = runtime.sides["prefill"].monitor
+    made = []
+    real = monitor.room_sent
+
+    def room_sent(*args, **kwargs):
+        made.append(_NotYetReady(real(*args, **kwargs)))
+        return made[-1]
+
+    monkeypatch.setattr(monitor, "room_sent", room_sent)
+    return made
+
+
+def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monkeypatch):
+    """NIXL: `_send_kv_chunk` blocks on the stream before sender.send; the hook on
+    send then finds the digest ready and writes it, without a wait of its own."""
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    made = _slow_digests(monkeypatch, runtime, prefill)
+
+    def blocking_copy():
+        made[0].passed = True
+
+    req = send_room(prefill, on_blocking_copy=blocking_copy)
+    (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+    assert made[0].waited == 0
+    assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
+
+
+@pytest.mark.parametrize("mode", ["observe", "enforce"])
+def test_no_blocking_copy_defers_in_observe_and_waits_in_enforce(worlds, monkeypatch, mode):
+    """Mooncake-like path: nothing blocks before the last send."""
+    prefill, _ = worlds
+    runtime, sink, _ = make_runtime(mode=mode)
+    targets = [t for t in load_targets(["sglang-0.5.23"]) if t.name in ("pd.send_kv_chunk", "pd.sender_send")]
+    patcher = Patcher(runtime, targets, route="wrapt")
+    patcher.patch()
+    try:
+        made = _slow_digests(monkeypatch, runtime, prefill)
+        req = send_room(prefill)
+        (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+        side = runtime.sides["prefill"]
+        if mode == "observe":
+            assert (made[0].waited, side.inband_deferred, InbandDigest.from_slots(row[1:5])) == (0, 1, None)
+            assert int(row[5]) == side.endpoint_slot  # decode can still ask the exchange
+        else:
+            assert (made[0].waited, side.inband_waited) == (1, 1)
+            assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
+# %% decode: reading back, verdicts, localisation
+
+
+def _decode_flow(worlds, patched, corrupt=None):
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    send_room(prefill)
+    pdworld.transfer_index_k(prefill, decode)
+    if corrupt is not None:
+        corrupt(decode)
+    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.prealloc_queue(decode)._send_kv_metadata(
+        dreq, kv_indices, pdworld.PAGE, None, decode_prefix_len=pdworld.PREFIX_TOKENS
+    )
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    return dreq
+
+
+def test_decode_hook_reads_inband_back_and_matches(worlds, patched):
+    runtime, sink, registry = patched
+    dreq = _decode_flow(worlds, patched)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    prefill_record = sink.wait_for(1, stage="prefill_send")[0]
+    assert (record["verdict"], record["expected_room"]) == ("match", prefill_record["digest"]["room"])
+    assert dreq.req.output_ids == [42]  # SGLang's commit ran: first token from the metadata row
+    assert dreq.kv_receiver is None
+    assert dreq.metadata_buffer_index == DECODE_ROW
+
+
+@pytest.mark.parametrize(
+    "layer_index, logical_page, offset, segment",
+    [(0, 0, 5, "payload"), (1, 2, 8192 + 3 * 4 + 1, "scale"), (2, 1, 64 * 128 - 1, "payload"), (2, 2, 24 * 128, "payload")],
+)
+def test_flipped_byte_is_reported_at_receipt_with_its_cell(worlds, patched, layer_index, logical_page, offset, segment):
+    runtime, sink, registry = patched
+
+    def corrupt(decode):
+        decode.index_k[layer_index][pdworld.DECODE_PAGES[1 + logical_page], offset] ^= 0x01
+
+    _decode_flow(worlds, patched, corrupt)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert (record["verdict"], record["first_divergence"]) == ("mismatch", "decode_recv")
+    loc = record["localisation"]
+    assert loc["layer_segments"] == [[pdworld.C4_LAYERS[layer_index], segment]]
+    assert loc["pages"] == [logical_page]
+
+
+def test_unfrozen_tail_bytes_do_not_count(worlds, patched):
+    runtime, sink, _ = patched
+
+    def corrupt(decode):  # slot 25 of the tail page: written later by decode steps
+        decode.index_k[0][pdworld.DECODE_PAGES[3], 25 * 128] ^= 0xFF
+        decode.index_k[0][pdworld.DECODE_PAGES[3], 8192 + 25 * 4] ^= 0xFF
+
+    _decode_flow(worlds, patched, corrupt)
+    assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "match"
+
+
+def test_change_after_receipt_is_found_at_next_stage(worlds, patched):
+    runtime, sink, _ = patched
+    prefill, decode = worlds
+    dreq = _decode_flow(worlds, patched)
+    assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "match"
+    decode.index_k[1][pdworld.DECODE_PAGES[1], 100] ^= 0x80  # layer 3, logical page 0
+    step = pd_decode.make_decode_step_wrapper(runtime)
+    batch = SimpleNamespace(reqs=[dreq.req])
+    for _ in range(runtime.config.step_interval):
+        step(lambda *a, **k: "result", None, (batch, None), {})
+    bad = sink.wait_for(1, stage="decode_step")[0]
+    assert (bad["verdict"], bad["first_divergence"], bad["step"]) == ("mismatch", "decode_step", 2)
+    assert bad["localisation"]["layer_segments"] == [[3, "payload"]]
+    assert bad["localisation"]["pages"] == [0]
+    dreq.req.finished_reason = "FINISH_LENGTH"  # finished in the next batch
+    assert step(lambda *a, **k: "result", None, (batch, None), {}) == "result"
+    step(lambda *a, **k: "result", None, (batch, None), {})  # overlap's overshoot tick: no second record
+    last = sink.wait_for(1, stage="decode_finish")[0]
+    assert (last["verdict"], last["first_divergence"]) == ("mismatch", "decode_step")
+    assert runtime.sides["decode"].monitor.tracked() == 0
+    assert len([r for r in sink.records if r["stage"] == "decode_finish"]) == 1
+
+
+def test_dead_prefill_exchange_makes_a_corrupt_room_unlocalised_not_stuck(worlds, patched):
+    runtime, sink, _ = patched
+    prefill, decode = worlds
+    send_room(prefill)
+    runtime.sides["prefill"].server.close()  # the prefill rank is gone
+    pdworld.transfer_index_k(prefill, decode)
+    decode.index_k[0][pdworld.DECODE_PAGES[1], 0] ^= 1
+    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.prealloc_queue(decode)._send_kv_metadata(
+        dreq, kv_indices, pdworld.PAGE, None, decode_prefix_len=pdworld.PREFIX_TOKENS
+    )
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert record["verdict"] == "mismatch" and record["localisation"] is None
+    assert runtime.sides["decode"].client.failures.get("timeout") == 1
+
+
+def test_room_aborted_by_commit_is_skipped(worlds, patched):
+    runtime, sink, _ = patched
+    prefill, decode = worlds
+    send_room(prefill)
+    dreq = _with_receiver(pdworld.decode_req(ROOM + 1, DECODE_ROW))  # the row carries another room
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.prealloc_queue(decode)._send_kv_metadata(
+        dreq, kv_indices, pdworld.PAGE, None, decode_prefix_len=pdworld.PREFIX_TOKENS
+    )
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert (record["verdict"], record["reason"]) == ("skipped", "aborted")
+
+
+def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
+    runtime, sink, _ = make_runtime(mode="enforce")
+    patcher = Patcher(runtime, [t for t in load_targets(["sglang-0.5.23"]) if t.name.startswith("pd.")], route="wrapt")
+    runtime.patcher = patcher
+    patcher.patch()
+    try:
+        prefill, decode = worlds
+        good = _decode_flow(worlds, (runtime, sink, None))
+        bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7))
+        pending = SimpleNamespace(ready=lambda: True, done=None, room_digests=np.array([5], dtype=np.uint64))
+        side = runtime.sides["decode"]
+        bad.req._dsv4_idxk_recv = (pending, InbandDigest(6, side.signature, 10), 10)
+        aborted, kept = [], []
+        scheduler = pdworld.standin(
+            pdworld.scheduler_class(), kv_checksum_computer=None, attn_tp_cpu_group=None,
+            _handle_kv_checksum_mismatch=lambda req, msg: aborted.append(req.rid),
+        )
+        batch = SimpleNamespace(reqs=[good.req, bad.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
+        scheduler._verify_kv_checksums(batch)
+        assert (aborted, kept) == (["other"], [0])
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
+def test_retracted_room_is_skipped_and_forgotten(worlds, patched):
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    sink.wait_for(1, stage="decode_recv")
+    retract = pd_decode.make_retract_wrapper(runtime)
+    result = ([dreq.req], 0.5, [])
+    assert retract(lambda: result, None, (), {}) is result
+    record = sink.wait_for(1, verdict="skipped")[0]
+    assert (record["stage"], record["reason"]) == ("decode_step", "retracted")
+    assert runtime.sides["decode"].monitor.tracked() == 0
+
+
+def test_room_finished_at_once_gets_its_finish_digest(worlds, patched):
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    dreq.req.finished_reason = "FINISH_LENGTH"  # max_new_tokens=1: done at the prebuilt batch
+    prebuilt = pd_decode.make_prebuilt_result_wrapper(runtime)
+    prebuilt(lambda *a, **k: None, None, (SimpleNamespace(reqs=[dreq.req]),), {})
+    assert sink.wait_for(1, stage="decode_finish")[0]["verdict"] == "match"
+
+
+@pytest.mark.parametrize("exchange, expect_server", [
+    ({"bind": ""}, None),
+    ({"bind": "127.0.0.1", "port_base": 0}, "any"),
+    ({"bind": "auto"}, "any"),  # the KV manager's address (127.0.0.1 in this world)
+    ({"enabled": False}, None),
+])
+def test_exchange_binds_only_where_configured(worlds, exchange, expect_server):
+    prefill, _ = worlds
+    runtime, _, _ = make_runtime(exchange={"timeout_ms": 100, **exchange})
+    try:
+        side = pd_prefill.prefill_side(runtime, prefill.scheduler)
+        if expect_server is None:
+            assert side.server is None and side.endpoint_slot == 0
+        else:
+            assert side.server.bind == "127.0.0.1" and side.server.port > 0
+            assert side.endpoint_slot != 0
+    finally:
+        runtime.close()
+
+
+def test_port_base_plus_gpu_id(worlds):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    prefill, _ = worlds
+    prefill.scheduler.disagg_prefill_bootstrap_queue.gpu_id = 3
+    runtime, _, _ = make_runtime(exchange={"bind": "127.0.0.1", "port_base": base - 3})
+    try:
+        assert pd_prefill.prefill_side(runtime, prefill.scheduler).server.port == base
+    finally:
+        runtime.close()

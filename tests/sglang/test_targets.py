@@ -1,0 +1,134 @@
+"""Target tables against the installed sglang==0.5.23, the table format, and `check`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+import sglang.srt.disaggregation as disaggregation
+from dsv4_idxk_probe.cli import check
+from dsv4_idxk_probe.sglang.targets import (
+    TargetFileError, load_factory, load_target_file, load_targets, parse_target_table, resolve,
+)
+
+FORK_FIXTURE = Path(__file__).resolve().parent / "fork_fixture"
+
+
+def test_every_shipped_target_resolves_with_its_signature():
+    targets = load_target_file("sglang-0.5.23")
+    assert {t.name for t in targets} >= {"pd.send_kv_chunk", "pd.sender_send", "pd.commit_transfer", "pd.send_kv_metadata"}
+    for target in targets:
+        resolution = resolve(target)
+        assert resolution.ok, f"{target.name}: {resolution.status}: {resolution.detail}"
+        assert callable(load_factory(target)), target.hook
+
+
+@pytest.fixture
+def fork_package(monkeypatch):
+    """`sglang.srt.disaggregation.prefill2` / `decode2`: the upstream classes under fork names."""
+    monkeypatch.setattr(disaggregation, "__path__", [*disaggregation.__path__, str(FORK_FIXTURE)])
+    yield
+    for name in ("sglang.srt.disaggregation.prefill2", "sglang.srt.disaggregation.decode2"):
+        sys.modules.pop(name, None)
+
+
+def test_fork_table_resolves_against_the_fork_layout(fork_package):
+    targets = load_target_file("fork-prefill2-decode2")
+    modules = {t.module for t in targets}
+    assert {"sglang.srt.disaggregation.prefill2", "sglang.srt.disaggregation.decode2"} <= modules
+    assert not any(m in ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode") for m in modules)
+    for target in targets:
+        resolution = resolve(target)
+        assert resolution.ok, f"{target.name}: {resolution.detail}"
+
+
+def test_fork_table_reports_missing_modules_without_the_fork():
+    targets = [t for t in load_target_file("fork-prefill2-decode2") if t.module.endswith("prefill2")]
+    assert targets and all(resolve(t).status == "missing" for t in targets)
+
+
+def test_changed_signature_is_reported_with_both_parameter_lists():
+    (target,) = parse_target_table(
+        """
+targets:
+  - name: x.send
+    module: sglang.srt.disaggregation.common.conn
+    qualname: CommonKVSender.send
+    params: [self, kv_indices, notif]
+    kind: before
+    hook: "dsv4_idxk_probe.sglang.pd_prefill:make_sender_send_wrapper"
+    required: true
+    role: prefill
+""",
+        "t.yaml",
+    )
+    resolution = resolve(target)
+    assert resolution.status == "signature_changed"
+    assert "expected leading parameters ['self', 'kv_indices', 'notif']" in resolution.detail
+    assert "['self', 'kv_indices', 'state_indices']" in resolution.detail
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("  - {name: a, module: m, qualname: C.f, kind: sideways, hook: 'p:f', required: true, role: any}",
+     "t.yaml:3: targets[0] (a).kind must be one of ['before', 'after', 'around'], got 'sideways'"),
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p.f', required: true, role: any}",
+     "t.yaml:3: targets[0] (a).hook must be 'package.module:factory'"),
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: yes please, role: any}",
+     "t.yaml:3: targets[0] (a).required must be true or false"),
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any, colour: red}",
+     "t.yaml:3: targets[0] (a) has unknown field(s) ['colour']"),
+    ("  - {name: a, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any}",
+     "t.yaml:3: targets[0] (a).module must be a non-empty string"),
+])
+def test_bad_table_names_file_line_and_field(entry, message):
+    with pytest.raises(TargetFileError) as info:
+        parse_target_table(f"# header\ntargets:\n{entry}\n", "t.yaml")
+    assert message in str(info.value)
+
+
+def test_duplicate_target_names_across_tables_are_refused(tmp_path):
+    for name in ("one", "two"):
+        (tmp_path / f"{name}.yaml").write_text(
+            "targets:\n  - {name: dup, module: m, qualname: C.f, kind: after, hook: 'p:f', required: false, role: any}\n"
+        )
+    with pytest.raises(TargetFileError, match="target name 'dup' also defined at"):
+        load_targets([str(tmp_path / "one.yaml"), str(tmp_path / "two.yaml")])
+
+
+def _check(capsys, *targets):
+    rc = check.main(argparse.Namespace(targets=list(targets) or None, json=False))
+    return rc, capsys.readouterr()
+
+
+def test_check_passes_on_the_installed_sglang(capsys, monkeypatch):
+    monkeypatch.delenv("DSV4_IDXK_PROBE_CONFIG", raising=False)
+    rc, out = _check(capsys)
+    assert rc == 0, out.out
+    assert "SGLang 0.5.23" in out.out and "0 required target(s) missing" in out.out
+    assert out.out.count("\nok ") == len(load_target_file("sglang-0.5.23"))
+
+
+def test_check_fails_when_a_required_target_is_missing(tmp_path, capsys):
+    table = tmp_path / "t.yaml"
+    table.write_text(
+        "targets:\n"
+        "  - {name: gone, module: sglang.srt.disaggregation.prefill, qualname: Nope.send, kind: after,"
+        " hook: 'dsv4_idxk_probe.sglang.pd_prefill:make_queue_init_wrapper', required: true, role: prefill}\n"
+        "  - {name: here, module: sglang.srt.disaggregation.prefill, qualname: PrefillBootstrapQueue._init_kv_manager,"
+        " params: [self], kind: after, hook: 'dsv4_idxk_probe.sglang.pd_prefill:make_queue_init_wrapper',"
+        " required: true, role: prefill}\n"
+    )
+    rc, out = _check(capsys, str(table))
+    assert rc == 1
+    assert "missing" in out.out and "Nope.send not found" in out.out
+    assert "1 required target(s) missing or changed" in out.out
+
+
+def test_check_rejects_an_invalid_table_with_exit_2(tmp_path, capsys):
+    table = tmp_path / "bad.yaml"
+    table.write_text("targets:\n  - {name: x}\n")
+    rc, out = _check(capsys, str(table))
+    assert rc == 2 and f"{table}:2: targets[0] (x).module must be a non-empty string" in out.err
