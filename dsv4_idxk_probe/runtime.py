@@ -43,6 +43,7 @@ def shared_metrics(registry: Any, identity: Mapping[str, str]):
                 rank=str(identity.get("rank", "")),
             )
             metrics.zero_pd_series()
+            metrics.zero_health_series()
             _metrics_by_registry[id(registry)] = (registry, metrics)  # the registry stays alive: ids are not reused
         return metrics
 

@@ -1,24 +1,36 @@
 """Index-K digests: layouts, the NumPy reference (the definition), the Triton
-kernel and the asynchronous engine. See docs/digest.md."""
+kernel and the asynchronous engine. See docs/digest.md.
 
-from .engine import BatchResult, DigestEngine
-from .layout import DIGEST_VERSION, LayoutError, RowLayout, Segment, get_layout, layout_signature, load_layouts, shipped_layouts
-from .result import Comparison, RoomDigest, compare
-from .worklist import RoomRequest
+Names are loaded on first use, so tools that only read digests (diff, report)
+never import torch.
+"""
 
-__all__ = [
-    "BatchResult",
-    "Comparison",
-    "DIGEST_VERSION",
-    "DigestEngine",
-    "LayoutError",
-    "RoomDigest",
-    "RoomRequest",
-    "RowLayout",
-    "Segment",
-    "compare",
-    "get_layout",
-    "layout_signature",
-    "load_layouts",
-    "shipped_layouts",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "BatchResult": ".engine",
+    "DigestEngine": ".engine",
+    "PendingDigest": ".engine",
+    "DIGEST_VERSION": ".layout",
+    "LayoutError": ".layout",
+    "RowLayout": ".layout",
+    "Segment": ".layout",
+    "get_layout": ".layout",
+    "layout_signature": ".layout",
+    "load_layouts": ".layout",
+    "shipped_layouts": ".layout",
+    "Comparison": ".result",
+    "RoomDigest": ".result",
+    "compare": ".result",
+    "RoomRequest": ".worklist",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -10,6 +10,7 @@ default (which SGLang's multiprocess collector reads).
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from typing import Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -19,9 +20,31 @@ BASE_LABELS = ("role", "model", "rank")
 
 STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
 VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
+# Patch-target statuses (the values sglang/targets.py reports; a test keeps them equal):
+# patched: wrapped and verified; pending: waiting for its module's import or for
+# SGLang's hook registry; missing: not in the installed SGLang; signature_changed:
+# present, parameters differ; hook_error: our hook could not be built;
+# not_applied: wrapping raised or did not take.
+PATCH_STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_error", "not_applied")
+# Where records can be dropped, and which exchange calls can fail (zeroed at start).
+DROP_SINKS = ("roomlog", "digest_queue", "hicache_index_checks", "hicache_roundtrip")
+EXCHANGE_ERROR_KINDS = ("fetch",)
 HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
 
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def page_bucket(page: int) -> str:
+    """Label for a logical page: the power of two at or below it ("0" for page 0).
+
+    Bucket "b" holds pages [b, 2b), so a room of 4096 pages spans 13 buckets:
+    coarse enough to be a label, fine enough to tell "the first pages" from
+    "the tail" in Grafana. Exact pages are in the room log and `report`.
+    """
+    page = int(page)
+    if page < 0:
+        raise ValueError(f"logical page must be >= 0, got {page}")
+    return "0" if page == 0 else str(1 << (page.bit_length() - 1))
 
 
 class _Bound:
@@ -62,6 +85,16 @@ class ProbeMetrics:
         self.mismatch_cells = counter(
             "mismatch_cells", "Differing (layer, page) cells, bounded by the localisation", ("stage", "segment")
         )
+        self.mismatch_layer_hits = counter(
+            "mismatch_layer_hits",
+            "Mismatching rooms in which this global layer id differed (layer heat)",
+            ("stage", "layer"),
+        )
+        self.mismatch_page_bucket_hits = counter(
+            "mismatch_page_bucket_hits",
+            "Differing logical pages, by power-of-two bucket of the page index (page heat; see page_bucket)",
+            ("stage", "page_bucket"),
+        )
         self.first_divergence = counter(
             "first_divergence", "Mismatching rooms by the first stage that saw the difference", ("stage",)
         )
@@ -74,7 +107,10 @@ class ProbeMetrics:
         self.records_dropped = counter("records_dropped", "Records dropped because a bounded queue was full", ("sink",))
         self.probe_errors = counter("probe_errors", "Exceptions inside the probe, caught and logged", ("site",))
         self.patch_target_status = gauge(
-            "patch_target_status", "1 for the status of each patch target", ("target", "status")
+            "patch_target_status", "1 on each patch target's current status, 0 on the others (PATCH_STATUSES)", ("target", "status")
+        )
+        self.patch_target_required = gauge(
+            "patch_target_required", "1 for each patch target the target table marks required", ("target",)
         )
         # HiCache host pools
         self.hicache_copies = counter(
@@ -98,6 +134,21 @@ class ProbeMetrics:
             "hicache_invariant_violations", "Host-pool construction invariants that failed", ("pool", "invariant")
         )
 
+    def set_patch_target(self, target: str, status: str, required: bool) -> None:
+        """Publish one target's status: 1 on its current status, 0 on the others."""
+        if status not in PATCH_STATUSES:
+            raise ValueError(f"unknown patch status {status!r}; known: {', '.join(PATCH_STATUSES)}")
+        for candidate in PATCH_STATUSES:
+            self.patch_target_status.labels(target=target, status=candidate).set(1 if candidate == status else 0)
+        self.patch_target_required.labels(target=target).set(1 if required else 0)
+
+    def observe_localisation(self, stage: str, layers, pages) -> None:
+        """Count a localised mismatch into the layer and page-bucket heat counters."""
+        for layer in layers:
+            self.mismatch_layer_hits.labels(stage=stage, layer=str(int(layer))).inc()
+        for bucket, n in Tally(page_bucket(p) for p in pages).items():
+            self.mismatch_page_bucket_hits.labels(stage=stage, page_bucket=bucket).inc(n)
+
     def zero_pd_series(self) -> None:
         """Create every (stage, verdict) series so a zero is visible from the start."""
         for stage in STAGES:
@@ -107,3 +158,14 @@ class ProbeMetrics:
             if stage != "prefill_send":
                 for verdict in VERDICTS:
                     self.rooms_verified.labels(stage=stage, verdict=verdict)
+
+    def zero_health_series(self) -> None:
+        """Create the drop and exchange-error series at start.
+
+        Alerts use increase(), which cannot see a counter's first value: a
+        series born at 1 would hide the first burst of drops.
+        """
+        for sink in DROP_SINKS:
+            self.records_dropped.labels(sink=sink)
+        for kind in EXCHANGE_ERROR_KINDS:
+            self.exchange_errors.labels(kind=kind)

@@ -2,12 +2,25 @@
 
 Plain tensors, page lists and records in; records and metrics out. No SGLang
 import: the adapters in dsv4_idxk_probe.sglang and the local rig in
-dsv4_idxk_probe.sim call the same API.
+dsv4_idxk_probe.sim call the same API. Names load on first use (the log tools
+read pd.records without importing torch).
 """
 
-from .decode import DecodeMonitor
-from .inband import InbandDigest
-from .prefill import PrefillMonitor
-from .rooms import RoomId
+from importlib import import_module
 
-__all__ = ["DecodeMonitor", "InbandDigest", "PrefillMonitor", "RoomId"]
+_EXPORTS = {
+    "DecodeMonitor": ".decode",
+    "InbandDigest": ".inband",
+    "PrefillMonitor": ".prefill",
+    "RoomId": ".rooms",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -197,6 +197,7 @@ class DecodeMonitor:
         if enqueued is not None:
             m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
         if comparison is not None and comparison.verdict == "mismatch":
+            m.observe_localisation(stage, comparison.layers, comparison.pages)
             for segment in comparison.segments:
                 per_segment = sum(1 for _, s in comparison.layer_segments if s == segment)
                 m.mismatch_cells.labels(stage=stage, segment=segment).inc(per_segment * len(comparison.pages))

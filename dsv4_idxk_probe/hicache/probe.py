@@ -1,0 +1,368 @@
+"""The HiCache host-pool probe: per-pool state, per-call accounting, reports.
+
+Adapters hand in plain facts (a `PoolGeometry`, row views, index tensors,
+sizes); this object counts branches, pages and tokens, applies the geometry
+guard, queues index checks for the flusher and drives round-trip mode. It
+never imports SGLang.
+
+A copy call does host-side arithmetic on plain integers (branch, page and
+token counts live in per-pool dicts) and, on the page path, queues its index
+tensors for the flusher's checks; nothing waits for the device unless
+round-trip mode is on. The flusher thread publishes the counts to Prometheus every
+``flush_interval_s`` (and `publish` does it on demand), which keeps the
+metric library's locks off the copy path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable
+
+from .branches import DIRECTIONS, MOVING, NO_IO_BACKEND, classify, label_sets, moved
+from .geometry import INVARIANTS, PoolGeometry, describe, invariant_failures, token_row_mismatches
+from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker
+from .roundtrip import LEG_NAMES, LEGS, VERDICTS, RoundTrip, RowViews
+from .settings import HiCacheSettings, settings_from_config
+from ..safety import safe_invoke
+
+_log = logging.getLogger("dsv4_idxk_probe.hicache")
+
+
+class GuardRefused(RuntimeError):
+    """Raised into the caller only with ``hicache.guard: block``: a token-granular
+    copy on a pool whose rows are not the row the token kernel writes."""
+
+
+class PoolState:
+    """What the probe keeps per host pool: geometry, metric children, check slots."""
+
+    def __init__(self, key: int, geom: PoolGeometry, views: RowViews | None, io_backends):
+        self.key = key
+        self.geom = geom
+        self.views = views
+        self.page_branches = {io: geom.page_branch(io) for io in io_backends}
+        # counted on the copy path, published by the flusher
+        self.counts: dict[tuple[str, str, str], int] = {}
+        self.moved = {direction: [0, 0] for direction in DIRECTIONS}  # pages, tokens
+        self._published: dict[Any, int] = {}
+        self.copies: dict[tuple[str, str, str], Any] = {}
+        self.pages: dict[str, Any] = {}
+        self.tokens: dict[str, Any] = {}
+        self.slots: dict[str, CheckSlot] = {}
+        self.guard_reasons = token_row_mismatches(geom) if geom.token_path_eligible else []
+        self.guard_seen = 0
+        self.invariants_failed: dict[str, str] = {}
+        self.last_load: tuple | None = None  # index tensors of the last checked load
+
+
+class Call:
+    """One wrapped copy between `begin` and `end`."""
+
+    __slots__ = ("state", "direction", "branch", "numel", "layer", "host", "device", "refusal", "roundtrip")
+
+    def __init__(self, state, direction, branch, numel, layer, host, device):
+        self.state = state
+        self.direction = direction
+        self.branch = branch
+        self.numel = numel
+        self.layer = layer  # the layer of a per-layer load; None: all layers
+        self.host = host
+        self.device = device
+        self.refusal: str | None = None
+        self.roundtrip = None
+
+
+class HiCacheProbe:
+    """One per probe runtime; shared by every host-pool wrapper."""
+
+    def __init__(self, metrics, settings: HiCacheSettings, emit: Callable[[dict], None] | None = None, log=None):
+        self.metrics = metrics
+        self.settings = settings
+        self.active = settings.enabled
+        self.log = log or _log
+        self._emit = emit
+        self.local = threading.local()  # adapters mark nested calls here
+        self._pools: dict[int, PoolState] = {}
+        self._retired: list[PoolState] = []  # garbage-collected pools with counts still to publish
+        self._lock = threading.Lock()
+        self.checker = (
+            IndexChecker(self._on_violations, self._on_index_drop, settings.index_queue_max)
+            if settings.index_checks
+            else None
+        )
+        self.flusher: Flusher | None = None
+        self.roundtrip = (
+            RoundTrip(self._on_roundtrip, self._on_roundtrip_evict, settings.roundtrip_max_entries)
+            if settings.roundtrip
+            else None
+        )
+
+    # -- pools --------------------------------------------------------------------
+
+    def state_of(self, pool: Any) -> PoolState | None:
+        return self._pools.get(id(pool))
+
+    def register(self, pool: Any, geom: PoolGeometry, views: RowViews | None) -> PoolState:
+        """Record a pool once: zero series, info metric, invariants, one log line."""
+        with self._lock:
+            state = self._pools.get(id(pool))
+            if state is not None:
+                return state
+            state = PoolState(id(pool), geom, views, self.settings.io_backends)
+            self._pools[id(pool)] = state
+        try:
+            weakref.finalize(pool, self._retire, id(pool))
+        except TypeError:
+            pass  # not weak-referenceable: kept for the process lifetime
+        self._create_series(state)
+        self._check_invariants(state)
+        if self.checker is not None:
+            limits = (geom.host_pages * geom.page_size, geom.device_rows * geom.page_size)
+            for direction in DIRECTIONS:
+                state.slots[direction] = self.checker.add_slot(geom.name, direction, geom.page_size, *limits)
+        self._start_flusher()
+        line = describe(geom)
+        self.log.info(
+            "dsv4-idxk-probe hicache pool %s: layers=%d item_bytes=%d page_size=%d host_pages=%d layout=%s "
+            "page_aligned_only=%s device=%s %s token_path_eligible=%s token_row_matches=%s",
+            line["pool"], line["layers"], line["item_bytes"], line["page_size"], line["host_pages"],
+            line["layout"], line["page_aligned_only"], line["device_shape"], line["device_dtype"],
+            line["token_path_eligible"], line["token_row_matches"],
+        )  # fmt: skip
+        self.emit({"event": "pool", **line, "invariants_failed": dict(state.invariants_failed)})
+        return state
+
+    def _retire(self, key: int) -> None:
+        with self._lock:
+            state = self._pools.pop(key, None)
+            if state is not None:
+                self._retired.append(state)
+
+    def _create_series(self, state: PoolState) -> None:
+        m, geom, pool = self.metrics, state.geom, state.geom.name
+        for key in label_sets(geom, self.settings.io_backends):
+            state.counts[key] = 0
+            state.copies[key] = self._copies_child(state, key)
+        for direction in DIRECTIONS:
+            state.pages[direction] = m.hicache_pages.labels(pool=pool, direction=direction)
+            state.tokens[direction] = m.hicache_tokens.labels(pool=pool, direction=direction)
+            if self.checker is not None:
+                for check in CHECK_LABELS:
+                    m.hicache_index_violations.labels(pool=pool, direction=direction, check=check)
+        if state.guard_reasons:
+            m.hicache_guard.labels(pool=pool, action=self._guard_action())
+        if self.roundtrip is not None:
+            for leg in LEGS:
+                for verdict in VERDICTS:
+                    m.hicache_roundtrip.labels(pool=pool, leg=leg, verdict=verdict)
+        m.hicache_pool_info.labels(
+            pool=pool,
+            layout=geom.layout,
+            page_aligned_only=str(geom.page_aligned_only).lower(),
+            token_path_eligible=str(geom.token_path_eligible).lower(),
+        ).set(1)
+        for invariant in INVARIANTS:
+            m.hicache_invariant_violations.labels(pool=pool, invariant=invariant)
+
+    def _check_invariants(self, state: PoolState) -> None:
+        state.invariants_failed = invariant_failures(state.geom)
+        for invariant, detail in state.invariants_failed.items():
+            self.metrics.hicache_invariant_violations.labels(pool=state.geom.name, invariant=invariant).inc()
+            self.log.warning("dsv4-idxk-probe hicache pool %s: invariant %s failed: %s", state.geom.name, invariant, detail)
+
+    def _copies_child(self, state: PoolState, key: tuple[str, str, str]):
+        direction, io_backend, branch = key
+        return self.metrics.hicache_copies.labels(
+            pool=state.geom.name, direction=direction, io_backend=io_backend, layout=state.geom.layout, branch=branch
+        )
+
+    def _start_flusher(self) -> None:
+        with self._lock:
+            if self.flusher is None:
+                self.flusher = Flusher(self.flush, self.settings.flush_interval_s).start()
+
+    def flush(self) -> None:
+        """What the flusher does: publish the counts, run the queued index checks."""
+        safe_invoke("hicache.publish", self.publish)
+        if self.checker is not None:
+            self.checker.flush()
+
+    def publish(self) -> None:
+        """Add what the copy path counted since the last publish to the metrics."""
+        with self._lock:
+            states = list(self._pools.values()) + self._retired
+            self._retired = []
+        for state in states:
+            with self._lock:
+                for key, n in list(state.counts.items()):
+                    delta = n - state._published.get(key, 0)
+                    if delta:
+                        child = state.copies.get(key) or state.copies.setdefault(key, self._copies_child(state, key))
+                        child.inc(delta)
+                        state._published[key] = n
+                for direction, (pages, tokens) in list(state.moved.items()):
+                    for unit, n, children in (("pages", pages, state.pages), ("tokens", tokens, state.tokens)):
+                        delta = n - state._published.get((direction, unit), 0)
+                        if delta:
+                            children[direction].inc(delta)
+                            state._published[(direction, unit)] = n
+
+    def close(self) -> None:
+        """Stop the flusher after a last flush (tests, shutdown)."""
+        with self._lock:
+            flusher, self.flusher = self.flusher, None
+        if flusher is not None:
+            flusher.stop()
+        else:
+            self.flush()
+
+    # -- per call -----------------------------------------------------------------
+
+    def begin(self, state: PoolState, direction: str, host, device, io_backend: str | None, layer: int | None = None) -> Call:
+        """Count the branch; decide the guard; round-trip digests before the copy.
+
+        `io_backend` None marks the token-only backup; `layer` marks a per-layer load."""
+        host_n = None if host is None else host.numel()
+        device_n = None if device is None else device.numel()
+        branch = classify(state.geom, host_n, device_n, io_backend, state.page_branches)
+        key = (direction, io_backend or NO_IO_BACKEND, branch)
+        counts = state.counts
+        counts[key] = counts.get(key, 0) + 1  # one writer (the thread that copies); published by the flusher
+        call = Call(state, direction, branch, host_n or 0, layer, host, device)
+        if branch == "token_dsv4_mla" and state.guard_reasons:
+            call.refusal = self._guard(state, direction, host_n)
+        if self.roundtrip is not None and branch == "page" and not state.invariants_failed and state.views:
+            call.roundtrip = safe_invoke("hicache.roundtrip", self._roundtrip_before, call)
+        return call
+
+    def end(self, call: Call, ok: bool) -> None:
+        """Pages and tokens moved; queue the index check; round-trip after the copy."""
+        state, branch = call.state, call.branch
+        if ok and branch in MOVING:
+            layers = state.geom.layers if call.layer is None else 1
+            pages, tokens = moved(state.geom, branch, call.numel, layers)
+            totals = state.moved[call.direction]
+            totals[0] += pages
+            totals[1] += tokens
+        if branch == "page" and self.checker is not None:
+            self._submit_indices(call)
+        if ok and call.roundtrip is not None:
+            safe_invoke("hicache.roundtrip", self._roundtrip_after, call)
+
+    def _submit_indices(self, call: Call) -> None:
+        state = call.state
+        if call.direction == "h2d":
+            # A load runs once per layer with the same index tensors: check them once.
+            last = state.last_load
+            if last is not None and last[0] is call.host and last[1] is call.device:
+                return
+            state.last_load = (call.host, call.device)
+        self.checker.submit(state.slots[call.direction], call.host, call.device)
+
+    # -- guard --------------------------------------------------------------------
+
+    def _guard_action(self) -> str:
+        return "blocked" if self.settings.guard == "block" else "observed"
+
+    def _guard(self, state: PoolState, direction: str, tokens: int | None) -> str | None:
+        action = self._guard_action()
+        geom = state.geom
+        self.metrics.hicache_guard.labels(pool=geom.name, action=action).inc()
+        state.guard_seen += 1
+        row = geom.token_row
+        message = (
+            f"token-granular copy ({direction}, {tokens} indices) on host pool {geom.name!r}, whose rows are not "
+            f"the {row.page_bytes}-byte row of {row.slots} x ({row.value_bytes} B value + {row.scale_bytes} B scale) "
+            f"that the token kernel writes: {'; '.join(state.guard_reasons)}"
+        )
+        if state.guard_seen <= self.settings.guard_stack_logs:
+            stack = "".join(traceback.format_stack(limit=24)[:-2])
+            self.log.error("dsv4-idxk-probe hicache guard (%s): %s\n%s", action, message, stack)
+            self.emit({"event": "guard", "pool": geom.name, "action": action, "direction": direction,
+                       "tokens": tokens, "reasons": list(state.guard_reasons), "stack": stack})  # fmt: skip
+        if action == "blocked":
+            return f"dsv4-idxk-probe refused a {message} (hicache.guard is 'block')"
+        return None
+
+    # -- reports from the flusher and round-trip mode --------------------------------
+
+    def emit(self, record: dict) -> None:
+        if self._emit is not None:
+            safe_invoke("hicache.emit", self._emit, {"kind": "hicache", "time": time.time(), **record})
+
+    def _on_violations(self, slot: CheckSlot, counts: dict[str, int]) -> None:
+        for check, n in counts.items():
+            self.metrics.hicache_index_violations.labels(pool=slot.pool, direction=slot.direction, check=check).inc(n)
+        self.log.warning(
+            "dsv4-idxk-probe hicache pool %s %s: index groups that are not whole, aligned, in-range pages: %s",
+            slot.pool, slot.direction, counts,
+        )  # fmt: skip
+        self.emit({"event": "index_violations", "pool": slot.pool, "direction": slot.direction, "counts": counts})
+
+    def _on_index_drop(self, n: int) -> None:
+        self.metrics.records_dropped.labels(sink="hicache_index_checks").inc(n)
+
+    def _on_roundtrip_evict(self, n: int) -> None:
+        self.metrics.records_dropped.labels(sink="hicache_roundtrip").inc(n)
+
+    def _on_roundtrip(self, state: PoolState, leg: str, counts: dict[str, int], mismatches: list[dict]) -> None:
+        for verdict, n in counts.items():
+            if n:
+                self.metrics.hicache_roundtrip.labels(pool=state.geom.name, leg=leg, verdict=verdict).inc(n)
+        for cell in mismatches:
+            self.log.error(
+                "dsv4-idxk-probe hicache round trip: pool %s host row %d layer %d (device row %d) differs after the %s",
+                state.geom.name, cell["host_row"], cell["layer"], cell["device_row"], LEG_NAMES[leg],
+            )  # fmt: skip
+            self.emit({"event": "roundtrip_mismatch", "pool": state.geom.name, "leg": leg,
+                       "leg_name": LEG_NAMES[leg], **cell})  # fmt: skip
+
+    def _roundtrip_before(self, call: Call):
+        if call.direction == "d2h":
+            return self.roundtrip.before_backup(call.state, call.host, call.device)
+        return self.roundtrip.before_load(call.state, call.host, call.device, call.layer)
+
+    def _roundtrip_after(self, call: Call) -> None:
+        if call.direction == "d2h":
+            self.roundtrip.after_backup(call.state, call.roundtrip)
+        else:
+            self.roundtrip.after_load(call.state, call.roundtrip)
+
+    def invalidate_rows(self, state: PoolState, host_rows: list[int]) -> None:
+        """A host page was written from elsewhere (storage tier): forget its digests."""
+        if self.roundtrip is not None:
+            self.roundtrip.invalidate(state, host_rows)
+
+
+# -- one probe per runtime ------------------------------------------------------
+
+_probes: dict[int, tuple[Any, HiCacheProbe]] = {}
+_probes_lock = threading.Lock()
+
+
+def probe_for(runtime: Any) -> HiCacheProbe:
+    """The probe shared by every wrapper built for `runtime` (created on first use).
+
+    Raises `HiCacheConfigError` naming the field when ``runtime.config.hicache``
+    is invalid; wrapper factories run at install time, never inside SGLang calls.
+    """
+    with _probes_lock:
+        entry = _probes.get(id(runtime))
+        if entry is not None and entry[0] is runtime:
+            return entry[1]
+        settings = settings_from_config(getattr(runtime, "config", None))
+        probe = HiCacheProbe(runtime.metrics, settings, getattr(runtime, "emit", None), getattr(runtime, "log", None))
+        _probes[id(runtime)] = (runtime, probe)
+        return probe
+
+
+def forget(runtime: Any) -> None:
+    """Drop and close the probe of `runtime` (uninstall, tests)."""
+    with _probes_lock:
+        entry = _probes.pop(id(runtime), None)
+    if entry is not None:
+        entry[1].close()

@@ -1,0 +1,1 @@
+"""Prometheus metrics: `definitions` declares every instrument, `serving` exposes them."""

@@ -1,0 +1,466 @@
+"""Offline side of the room log: join prefill and decode records and judge them.
+
+Used by `dsv4-idxk-probe diff` and `report`. Verdicts are recomputed from the
+digests in the logs (the decode side's live verdict is kept only to count
+disagreements): each decode stage's digest is compared with the prefill
+record of the same (room, attempt) through `digest.result.compare`, which
+also localises a mismatch. A decode record with no prefill record is
+`unverified`. Bad lines are collected with their file:line and skipped.
+
+Speed: a million rooms must diff in under a minute on one core, so digests
+are kept as packed bytes; identical digests (the common case) are a match
+without unpacking, anything else goes through `compare`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from contextlib import closing
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
+
+from ..digest.result import Comparison, RoomDigest, compare
+from ..pd.records import DECODE_STAGES, SCHEMA_VERSION, STAGES, VERDICTS
+from .reader import read_file
+
+STAGE_ORDER = {stage: i for i, stage in enumerate(DECODE_STAGES)}
+STAGE_SET = frozenset(STAGES)
+VERDICT_SET = frozenset(VERDICTS)
+# Worst first: a room's verdict is its worst stage's.
+SEVERITY = {"mismatch": 4, "not_comparable": 3, "unverified": 2, "match": 1, "skipped": 0}
+DECISIVE = ("match", "mismatch", "not_comparable")
+MAX_ERRORS_KEPT = 10_000
+
+Key = tuple  # (room: str, attempt: int)
+
+
+class RecordError(ValueError):
+    """A record that parses but breaks the schema; the message names the field."""
+
+
+class Packed(NamedTuple):
+    """A digest as the logs carry it, packed for cheap equality and low memory."""
+
+    signature: int
+    n_tokens: int
+    layer_ids: tuple
+    segments: tuple
+    cells: bytes  # layer_segment, row-major, big-endian uint64
+    pages: bytes
+
+    def unpack(self, key: str) -> RoomDigest:
+        return RoomDigest(
+            key=key,
+            signature=self.signature,
+            n_tokens=self.n_tokens,
+            layer_ids=self.layer_ids,
+            segments=self.segments,
+            layer_segment=np.frombuffer(self.cells, dtype=">u8")
+            .astype(np.uint64)
+            .reshape(len(self.layer_ids), len(self.segments)),
+            pages=np.frombuffer(self.pages, dtype=">u8").astype(np.uint64),
+        )
+
+
+def _order(stage: "StageResult") -> tuple[int, int]:
+    return (STAGE_ORDER[stage.stage], stage.step or 0)
+
+
+@dataclass(slots=True)
+class StageResult:
+    """One decode record, judged."""
+
+    stage: str
+    step: int | None
+    verdict: str
+    reason: str
+    live_verdict: str | None
+    ts: float | None
+    file: str
+    line: int
+    comparison: Comparison | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return _order(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}@{self.step}" if self.step is not None else self.stage
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stage": self.stage, "step": self.step, "verdict": self.verdict}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.live_verdict is not None and self.live_verdict != self.verdict:
+            out["live_verdict"] = self.live_verdict
+        if self.comparison is not None and self.comparison.verdict == "mismatch":
+            c = self.comparison
+            out["localisation"] = {
+                "layers": c.layers,
+                "pages": c.pages,
+                "segments": c.segments,
+                "layer_segments": [list(x) for x in c.layer_segments],
+                "exact": c.exact,
+                "cells_bound": c.cells_bound,
+            }
+        out["where"] = f"{self.file}:{self.line}"
+        return out
+
+
+@dataclass(slots=True)
+class RoomResult:
+    room: str
+    attempt: int
+    stages: list[StageResult]
+    has_prefill: bool = False
+    n_pages: int = 0
+    layer_ids: tuple = ()
+
+    @property
+    def ordered(self) -> list[StageResult]:
+        return sorted(self.stages, key=_order)
+
+    @property
+    def verdict(self) -> str:
+        return max((s.verdict for s in self.stages), key=SEVERITY.__getitem__)
+
+    @property
+    def first_divergence(self) -> StageResult | None:
+        """The earliest decode stage whose digest mismatches prefill's."""
+        bad = [s for s in self.stages if s.verdict == "mismatch"]
+        return min(bad, key=_order) if bad else None
+
+    @property
+    def last_match_before_divergence(self) -> StageResult | None:
+        """The latest matching stage before the first divergence: "intact at ..."."""
+        first = self.first_divergence
+        if first is None:
+            return None
+        good = [s for s in self.stages if s.verdict == "match" and _order(s) < _order(first)]
+        return max(good, key=_order) if good else None
+
+    def to_json(self) -> dict[str, Any]:
+        ordered = self.ordered
+        first = intact = None
+        for s in ordered:
+            if s.verdict == "mismatch":
+                first = s
+                break
+            if s.verdict == "match":
+                intact = s
+        return {
+            "room": self.room,
+            "attempt": self.attempt,
+            "verdict": self.verdict,
+            "first_divergence": {"stage": first.stage, "step": first.step} if first else None,
+            "last_match_before": {"stage": intact.stage, "step": intact.step} if first and intact else None,
+            "stages": [s.to_json() for s in ordered],
+        }
+
+
+@dataclass
+class Tally:
+    """Counts over all rooms, made in one pass."""
+
+    stage_verdicts: dict[str, Counter]
+    room_verdicts: Counter
+    first_divergence: Counter
+    bad_rooms: list[RoomResult]  # not all-match, worst first
+
+
+@dataclass
+class Analysis:
+    """Everything the logs say, joined."""
+
+    files: list[str] = field(default_factory=list)
+    rooms: dict[Key, RoomResult] = field(default_factory=dict)
+    prefill_only: int = 0
+    errors: list[str] = field(default_factory=list)
+    n_errors: int = 0
+    record_kinds: Counter = field(default_factory=Counter)
+    hicache: Counter = field(default_factory=Counter)  # (pool, direction, branch) -> count
+    duplicates: int = 0
+    conflicts: int = 0
+    live_disagreements: int = 0
+
+    def error(self, where: str, message: str) -> None:
+        self.n_errors += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(f"{where}: {message}")
+
+    @cached_property
+    def tally(self) -> Tally:
+        stages = {stage: Counter() for stage in DECODE_STAGES}
+        rooms: Counter = Counter()
+        first: Counter = Counter()
+        bad = []
+        for room in self.rooms.values():
+            worst = "skipped"
+            for s in room.stages:
+                stages[s.stage][s.verdict] += 1
+                if SEVERITY[s.verdict] > SEVERITY[worst]:
+                    worst = s.verdict
+            rooms[worst] += 1
+            if worst == "mismatch":
+                first[room.first_divergence.stage] += 1
+            if worst != "match" and worst != "skipped":
+                bad.append(room)
+        bad.sort(key=lambda r: (-SEVERITY[r.verdict], r.room, r.attempt))
+        return Tally(stages, rooms, first, bad)
+
+    def room_verdicts(self) -> Counter:
+        return self.tally.room_verdicts
+
+    def bad_rooms(self) -> list[RoomResult]:
+        """Rooms that are not all-match, worst first."""
+        return self.tally.bad_rooms
+
+    def summary(self) -> dict[str, Any]:
+        t = self.tally
+        return {
+            "files": len(self.files),
+            "records": dict(self.record_kinds),
+            "rooms": len(self.rooms),
+            "room_verdicts": dict(t.room_verdicts),
+            "stage_verdicts": {k: dict(v) for k, v in t.stage_verdicts.items()},
+            "first_divergence": dict(t.first_divergence),
+            "prefill_only_rooms": self.prefill_only,
+            "live_verdict_disagreements": self.live_disagreements,
+            "duplicate_records": self.duplicates,
+            "conflicting_prefill_records": self.conflicts,
+            "bad_lines": self.n_errors,
+            "hicache_branches": [
+                {"pool": p, "direction": d, "branch": b, "count": n} for (p, d, b), n in sorted(self.hicache.items())
+            ],
+        }
+
+
+# %% record parsing (hot path: keep it flat)
+
+
+_HEX16 = frozenset({16})  # the lengths a list of 16-digit hex values may have
+
+# Validated once, then shared: a log holds few distinct layer sets, segment sets and signatures.
+_CACHE_LIMIT = 4096
+_shapes: dict[tuple, tuple[tuple, tuple]] = {}
+_signatures: dict[str, int] = {}
+
+
+def _shape(layer_ids: Any, segments: Any) -> tuple[tuple, tuple]:
+    if type(layer_ids) is not list or type(segments) is not list:
+        raise RecordError("digest.layer_ids and digest.segments must be lists")
+    key = (tuple(layer_ids), tuple(segments))
+    shape = _shapes.get(key)
+    if shape is None:
+        ids, segs = key
+        if any(type(i) is not int for i in ids):
+            raise RecordError("digest.layer_ids must be a list of integers")
+        if not segs or any(type(x) is not str for x in segs):
+            raise RecordError("digest.segments must be a non-empty list of strings")
+        shape = key
+        if len(_shapes) < _CACHE_LIMIT:
+            _shapes[key] = shape
+    return shape
+
+
+def _signature(value: Any) -> int:
+    known = _signatures.get(value) if type(value) is str else None
+    if known is not None:
+        return known
+    if type(value) is not str or len(value) != 16:
+        raise RecordError("digest.signature must be a 16-digit hex string")
+    try:
+        parsed = int(value, 16)
+    except ValueError:
+        raise RecordError("digest.signature must be a 16-digit hex string") from None
+    if len(_signatures) < _CACHE_LIMIT:
+        _signatures[value] = parsed
+    return parsed
+
+
+def pack_digest(d: Any) -> Packed:
+    """Validate a record's ``digest`` object and pack it; RecordError names the field.
+
+    Runs once per record (millions), hence the flat code and cached shapes.
+    """
+    if type(d) is not dict:
+        raise RecordError("digest must be an object or null")
+    try:
+        layer_ids, segments, matrix = d["layer_ids"], d["segments"], d["layer_segment"]
+        pages, n_tokens, signature = d["pages"], d["n_tokens"], d["signature"]
+    except KeyError as exc:
+        raise RecordError(f"digest.{exc.args[0]} is missing") from None
+    ids, segs = _shape(layer_ids, segments)
+    if type(n_tokens) is not int or n_tokens < 0:
+        raise RecordError("digest.n_tokens must be a non-negative integer")
+    sig = _signatures.get(signature) if type(signature) is str else None
+    n_cells = len(ids) * len(segs)
+    try:
+        if type(matrix) is not list or len(matrix) != len(ids) or (matrix and set(map(len, matrix)) != {len(segs)}):
+            raise TypeError
+        cells = [v for row in matrix for v in row]
+        if set(map(len, cells)) <= _HEX16:
+            packed_cells = bytes.fromhex("".join(cells))
+        else:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise RecordError(f"digest.layer_segment must be {len(ids)} rows of {len(segs)} 16-digit hex strings") from None
+    try:
+        if type(pages) is not list or not set(map(len, pages)) <= _HEX16:
+            raise ValueError
+        packed_pages = bytes.fromhex("".join(pages))
+    except (TypeError, ValueError):
+        raise RecordError("digest.pages must be a list of 16-digit hex strings") from None
+    if len(packed_cells) != 8 * n_cells or len(packed_pages) != 8 * len(pages):  # whitespace inside a value
+        raise RecordError("digest values must be 16-digit hex strings")
+    return Packed(_signature(signature) if sig is None else sig, n_tokens, ids, segs, packed_cells, packed_pages)
+
+
+class _Joiner:
+    """Joins records as they stream by; decode records that arrive before their prefill wait."""
+
+    def __init__(self, analysis: Analysis):
+        self.a = analysis
+        self.prefill: dict[Key, Packed | None] = {}
+        self.prefill_skipped: set[Key] = set()
+        self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
+
+    def add_record(self, rec: dict, file: str, line: int) -> None:
+        """Validate and route one record; RecordError names the offending field."""
+        if rec.get("v") != SCHEMA_VERSION:
+            raise RecordError(f"v must be {SCHEMA_VERSION} (schema version this tool reads), got {rec.get('v')!r}")
+        kind = rec.get("kind")
+        self.a.record_kinds[kind if type(kind) is str else "?"] += 1
+        if kind == "room":
+            self._room(rec, file, line)
+        elif kind == "hicache":
+            self._hicache(rec)
+
+    def _hicache(self, rec: dict) -> None:
+        pool, branch, direction, count = rec.get("pool"), rec.get("branch"), rec.get("direction", ""), rec.get("count", 1)
+        if not isinstance(pool, str) or not isinstance(branch, str) or not isinstance(direction, str):
+            raise RecordError("hicache records need string pool, branch and direction")
+        if type(count) is not int or count < 0:
+            raise RecordError("count must be a non-negative integer")
+        self.a.hicache[(pool, direction, branch)] += count
+
+    def _room(self, rec: dict, file: str, line: int) -> None:
+        room, attempt, stage, step, verdict = rec.get("room"), rec.get("attempt"), rec.get("stage"), rec.get("step"), rec.get("verdict")
+        if type(room) is not str or not room:
+            raise RecordError("room must be a non-empty string")
+        if type(attempt) is not int or attempt < 0:
+            raise RecordError("attempt must be a non-negative integer")
+        if stage not in STAGE_SET:
+            raise RecordError(f"stage must be one of {', '.join(STAGES)}")
+        if step is not None and type(step) is not int:
+            raise RecordError("step must be an integer or null")
+        if verdict is not None and verdict not in VERDICT_SET:
+            raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
+        digest = rec.get("digest")
+        packed = pack_digest(digest) if digest is not None else None
+        key = (room, attempt)
+        if stage == "prefill_send":
+            self._add_prefill(key, packed, verdict)
+            return
+        ts = rec.get("ts")
+        result = StageResult(stage, step, "", "", verdict, ts if type(ts) is float or type(ts) is int else None, file, line)
+        found = self.a.rooms.get(key)
+        if found is None:
+            found = self.a.rooms[key] = RoomResult(room, attempt, [])
+        else:
+            for s in found.stages:
+                if s.stage == stage and s.step == step:
+                    self.a.duplicates += 1
+                    return
+        found.stages.append(result)
+        if key in self.prefill:
+            self._judge(key, found, result, packed)
+        else:
+            self.deferred.append((key, result, packed))
+
+    def _add_prefill(self, key: Key, packed: Packed | None, verdict: str | None) -> None:
+        if key in self.prefill:
+            if self.prefill[key] == packed:
+                self.a.duplicates += 1
+            else:
+                self.a.conflicts += 1  # keep the first; the summary says how many disagreed
+            return
+        self.prefill[key] = packed
+        if verdict == "skipped":
+            self.prefill_skipped.add(key)
+
+    def _judge(self, key: Key, room: RoomResult, result: StageResult, observed: Packed | None) -> None:
+        expected = self.prefill.get(key)
+        room.has_prefill = key in self.prefill
+        if expected is not None and not room.layer_ids:
+            room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8
+        if observed is not None and observed == expected:
+            result.verdict = "match"  # identical digests: what compare() says, without unpacking
+        elif result.live_verdict == "skipped" or (expected is None and key in self.prefill_skipped):
+            result.verdict, result.reason = "skipped", "skipped on the serving side"
+        elif not room.has_prefill:
+            result.verdict, result.reason = "unverified", "no prefill record for this room and attempt"
+        elif expected is None:
+            result.verdict, result.reason = "unverified", "prefill record has no digest"
+        elif observed is None:
+            result.verdict, result.reason = "unverified", "decode record has no digest"
+        else:
+            name = f"{key[0]}/{key[1]}"
+            comparison = compare(expected.unpack(name), observed.unpack(name))
+            result.verdict, result.reason, result.comparison = comparison.verdict, comparison.reason, comparison
+        live = result.live_verdict
+        if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
+            self.a.live_disagreements += 1
+
+    def finish(self) -> None:
+        for key, result, packed in self.deferred:
+            self._judge(key, self.a.rooms[key], result, packed)
+        self.deferred.clear()
+        self.a.prefill_only = sum(1 for key in self.prefill if key not in self.a.rooms)
+
+
+def _first_role(path: Path) -> int:
+    """0 for files that start with a prefill record, so they are read first (fewer deferrals)."""
+    with closing(read_file(path)) as entries:
+        for entry in entries:
+            if entry.record is not None:
+                return 0 if entry.record.get("stage") == "prefill_send" else 1
+            if entry.line > 100:
+                break
+    return 1
+
+
+def analyse(paths: Iterable[Path]) -> Analysis:
+    """Read every file, join by (room, attempt), judge each decode stage."""
+    paths = list(paths)
+    analysis = Analysis(files=[str(p) for p in paths])
+    joiner = _Joiner(analysis)
+    # Millions of long-lived, acyclic objects: the cyclic collector would rescan
+    # them again and again for nothing (about 15% of the run).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for path in sorted(paths, key=_first_role):
+            for file, line, record, error in read_file(path):
+                if record is None:
+                    analysis.error(f"{file}:{line}", error or "unreadable line")
+                    continue
+                try:
+                    joiner.add_record(record, file, line)
+                except RecordError as exc:
+                    analysis.error(f"{file}:{line}", str(exc))
+        joiner.finish()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return analysis

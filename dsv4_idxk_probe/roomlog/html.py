@@ -1,0 +1,238 @@
+"""The `report` page: one self-contained HTML file (inline CSS and SVG, no scripts,
+nothing fetched), so it can be mailed, attached to an incident, or opened offline.
+
+Sections: summary; each bad room with a (layer x page) heatmap per mismatching
+stage; verdicts over time; HiCache branch counts; skipped lines. Every string
+from the logs is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections import Counter
+
+from ..pd.records import DECODE_STAGES, VERDICTS
+from .analysis import Analysis, RoomResult, StageResult
+
+HEAT = "#b2182b"  # a diverging (layer, page) cell; used nowhere else on the page
+VERDICT_COLOURS = {
+    "match": "#2ca02c",
+    "mismatch": "#d62728",
+    "not_comparable": "#ff7f0e",
+    "unverified": "#7f7f7f",
+    "skipped": "#bcbd22",
+}
+MAX_COLUMNS = 512  # wider rooms are binned: a column then covers several pages
+TIME_BUCKETS = 60
+
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
+h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}
+.room{margin:16px 0;padding:8px 12px;border-left:4px solid #d62728;background:#fafafa}
+.room.other{border-left-color:#ff7f0e}svg{display:block;margin:6px 0}
+tr.alarm td{background:#fde0dd;font-weight:bold}.bar{display:inline-block;height:10px;background:#4c78a8}
+tr.alarm .bar{background:#d62728}code{font-size:12px}
+"""
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+# %% summary
+
+
+def _summary(a: Analysis) -> str:
+    s = a.summary()
+    head = "".join(f"<th>{_e(v)}</th>" for v in VERDICTS)
+    rows = []
+    for stage in DECODE_STAGES:
+        counts = s["stage_verdicts"][stage]
+        rows.append(f"<tr><td>{stage}</td>" + "".join(f"<td>{counts.get(v, 0):,}</td>" for v in VERDICTS) + "</tr>")
+    rooms = s["room_verdicts"]
+    rows.append("<tr><th>rooms (worst stage)</th>" + "".join(f"<th>{rooms.get(v, 0):,}</th>" for v in VERDICTS) + "</tr>")
+    first = ", ".join(f"{stage} {s['first_divergence'].get(stage, 0):,}" for stage in DECODE_STAGES)
+    kinds = ", ".join(f"{_e(k)} {n:,}" for k, n in sorted(s["records"].items())) or "none"
+    return (
+        f'<section id="summary"><h2>Summary</h2>'
+        f"<p>{s['files']} files; records: {kinds}; <b>{s['rooms']:,}</b> rooms seen on decode; "
+        f"{s['prefill_only_rooms']:,} only on prefill; {s['bad_lines']:,} lines skipped; "
+        f"{s['live_verdict_disagreements']:,} live verdicts disagree with the logs.</p>"
+        f"<table><tr><th>stage</th>{head}</tr>{''.join(rows)}</table>"
+        f"<p>First divergence: {first}.</p></section>"
+    )
+
+
+# %% bad rooms
+
+
+def _heatmap(room: RoomResult, stage: StageResult) -> str:
+    """Rows are layers, columns logical pages; red cells may differ.
+
+    The digest keeps a per-layer and a per-page fold, so the diverging cells
+    are bounded by (differing layers) x (differing pages): exact for one cell,
+    candidates otherwise; the caption says which.
+    """
+    c = stage.comparison
+    layer_ids = list(room.layer_ids)
+    n_pages = max(room.n_pages, 1)
+    per_col = math.ceil(n_pages / MAX_COLUMNS)
+    cols = math.ceil(n_pages / per_col)
+    cw = max(2, min(24, 720 // cols))
+    ch = max(4, min(16, 400 // max(len(layer_ids), 1)))
+    left, top = 44, 18
+    width, height = left + cols * cw + 4, top + len(layer_ids) * ch + 4
+    row_of = {layer: i for i, layer in enumerate(layer_ids)}
+    bad_rows = sorted({row_of[layer] for layer in c.layers if layer in row_of})
+    bad_cols = sorted({p // per_col for p in c.pages})
+    parts = [
+        f'<svg class="heatmap" data-room="{_e(room.room)}/{room.attempt}" data-stage="{_e(stage.label)}" '
+        f'data-cells="{len(bad_rows) * len(bad_cols)}" width="{width}" height="{height}" '
+        f'xmlns="http://www.w3.org/2000/svg" role="img">',
+        f'<rect x="{left}" y="{top}" width="{cols * cw}" height="{len(layer_ids) * ch}" fill="#eef1f5"/>',
+    ]
+    label_every = 1 if ch >= 10 else 5
+    for i, layer in enumerate(layer_ids):
+        if i % label_every == 0 or i in bad_rows:
+            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" text-anchor="end">L{layer}</text>')
+    col_every = max(1, 60 // cw)
+    for j in range(0, cols, col_every):
+        parts.append(f'<text x="{left + j * cw}" y="{top - 5}" font-size="10">{j * per_col}</text>')
+    for i in bad_rows:
+        for j in bad_cols:
+            tip = f"layer {layer_ids[i]}, page {j * per_col}" + (f"-{j * per_col + per_col - 1}" if per_col > 1 else "")
+            parts.append(
+                f'<rect class="cell" x="{left + j * cw}" y="{top + i * ch}" width="{cw}" height="{ch}" fill="{HEAT}">'
+                f"<title>{_e(tip)}</title></rect>"
+            )
+    parts.append("</svg>")
+    kind = "exactly this cell" if c.exact else f"candidate cells (at most {c.cells_bound} differ)"
+    binned = f"; each column covers {per_col} pages" if per_col > 1 else ""
+    caption = (
+        f'<p class="note">{_e(stage.label)}: layers {_e(c.layers)}, pages {_e(c.pages[:50])}'
+        f"{' ...' if len(c.pages) > 50 else ''}, segments {_e(', '.join(c.segments))}: {kind}{binned}.</p>"
+    )
+    return caption + "".join(parts)
+
+
+def _room_block(room: RoomResult) -> str:
+    first = room.first_divergence
+    intact = room.last_match_before_divergence
+    line = f"<b>room {_e(room.room)} attempt {room.attempt}</b>: {_e(room.verdict)}"
+    if first is not None:
+        line += f"; first divergence at <b>{_e(first.label)}</b>"
+        line += f" (intact at {_e(intact.label)})" if intact else ""
+    stages = ", ".join(f"{_e(s.label)} {_e(s.verdict)}" for s in room.ordered)
+    body = [f'<div class="room{"" if room.verdict == "mismatch" else " other"}">', f"<p>{line}</p>"]
+    body.append(f'<p class="note">stages: {stages}</p>')
+    for stage in room.ordered:
+        if stage.comparison is not None and stage.comparison.verdict == "mismatch":
+            body.append(_heatmap(room, stage))
+        elif stage.verdict != "match" and stage.reason:
+            body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason)} <code>{_e(stage.where)}</code></p>')
+    body.append("</div>")
+    return "".join(body)
+
+
+def _bad_rooms(a: Analysis, max_rooms: int) -> str:
+    bad = a.bad_rooms()
+    if not bad:
+        return '<section id="bad-rooms"><h2>Rooms that did not match</h2><p>None: every verified room matched.</p></section>'
+    shown = bad[:max_rooms]
+    note = f"{len(shown)} of {len(bad):,} shown, worst first" + (" (raise --max-rooms for more)" if len(bad) > len(shown) else "")
+    return (
+        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>'
+        + "".join(_room_block(r) for r in shown)
+        + "</section>"
+    )
+
+
+# %% verdicts over time
+
+
+def _timeline(a: Analysis) -> str:
+    points = [(s.ts, s.verdict) for r in a.rooms.values() for s in r.stages if s.ts is not None]
+    if not points:
+        return '<section id="timeline"><h2>Verdicts over time</h2><p>No timestamps in the logs.</p></section>'
+    t0 = min(t for t, _ in points)
+    t1 = max(t for t, _ in points)
+    span = max(t1 - t0, 1e-9)
+    buckets = [Counter() for _ in range(TIME_BUCKETS)]
+    for t, verdict in points:
+        buckets[min(TIME_BUCKETS - 1, int((t - t0) / span * TIME_BUCKETS))][verdict] += 1
+    peak = max(sum(b.values()) for b in buckets) or 1
+    bw, h, left, top = 14, 160, 40, 10
+    parts = [f'<svg class="timeline" width="{left + TIME_BUCKETS * bw + 10}" height="{h + 40}" xmlns="http://www.w3.org/2000/svg">']
+    for i, bucket in enumerate(buckets):
+        y = top + h
+        for verdict in VERDICTS:
+            n = bucket.get(verdict, 0)
+            if not n:
+                continue
+            bh = n / peak * h
+            y -= bh
+            parts.append(
+                f'<rect x="{left + i * bw}" y="{y:.1f}" width="{bw - 2}" height="{bh:.1f}" fill="{VERDICT_COLOURS[verdict]}">'
+                f"<title>{n} {verdict}</title></rect>"
+            )
+    parts.append(f'<text x="{left - 4}" y="{top + 8}" font-size="10" text-anchor="end">{peak}</text>')
+    parts.append(f'<text x="{left}" y="{top + h + 14}" font-size="10">{_e(_utc(t0))}</text>')
+    parts.append(f'<text x="{left + TIME_BUCKETS * bw}" y="{top + h + 14}" font-size="10" text-anchor="end">{_e(_utc(t1))}</text>')
+    parts.append("</svg>")
+    legend = " ".join(
+        f'<span style="color:{VERDICT_COLOURS[v]}">&#9632;</span> {v}' for v in VERDICTS
+    )
+    return (
+        f'<section id="timeline"><h2>Verdicts over time</h2><p class="note">Decode-stage verdicts per '
+        f"{span / TIME_BUCKETS:.3g} s bucket. {legend}</p>{''.join(parts)}</section>"
+    )
+
+
+# %% HiCache
+
+
+def _hicache(a: Analysis) -> str:
+    if not a.hicache:
+        return '<section id="hicache"><h2>HiCache branches</h2><p>No HiCache records in the logs.</p></section>'
+    peak = max(a.hicache.values()) or 1
+    rows = []
+    for (pool, direction, branch), n in sorted(a.hicache.items()):
+        alarm = branch.startswith("token") and "indexer" in pool
+        rows.append(
+            f'<tr{" class=alarm" if alarm else ""}><td>{_e(pool)}</td><td>{_e(direction)}</td><td>{_e(branch)}</td>'
+            f'<td>{n:,}</td><td style="text-align:left"><span class="bar" style="width:{max(1, round(n / peak * 300))}px"></span></td></tr>'
+        )
+    return (
+        '<section id="hicache"><h2>HiCache branches</h2><p class="note">Copy calls per host pool, direction and '
+        "branch. A token-granular branch on an indexer pool (red) applies the C4 row geometry to rows that "
+        "are not C4 rows.</p><table><tr><th>pool</th><th>direction</th><th>branch</th><th>calls</th><th></th></tr>"
+        + "".join(rows)
+        + "</table></section>"
+    )
+
+
+def _bad_lines(a: Analysis) -> str:
+    if not a.n_errors:
+        return ""
+    items = "".join(f"<li><code>{_e(m)}</code></li>" for m in a.errors[:200])
+    more = f"<p class=note>... and {a.n_errors - 200:,} more.</p>" if a.n_errors > 200 else ""
+    return f'<section id="bad-lines"><h2>Skipped lines ({a.n_errors:,})</h2><ul>{items}</ul>{more}</section>'
+
+
+def render(analysis: Analysis, *, title: str = "dsv4-idxk-probe report", max_rooms: int = 50) -> str:
+    inputs = "".join(f"<li><code>{_e(f)}</code></li>" for f in analysis.files)
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+        f'<p class="note">Generated {_e(_utc(time.time()))} from {len(analysis.files)} room logs.</p>'
+        f"{_summary(analysis)}{_bad_rooms(analysis, max_rooms)}{_timeline(analysis)}{_hicache(analysis)}"
+        f"{_bad_lines(analysis)}<details><summary>Inputs</summary><ul>{inputs}</ul></details></body></html>\n"
+    )

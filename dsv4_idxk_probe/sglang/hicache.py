@@ -1,0 +1,237 @@
+"""Hooks on SGLang's DeepSeek-V4 paged host pool (HiCache L2 copies).
+
+Targets (configs/targets/sglang-0.5.23.yaml, "HiCache host pools"), all on
+``sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool`` and so
+inherited by subclasses such as ``QSAIndexerPoolHost``:
+
+* ``__init__``: register the pool (zero series, info metric, invariants);
+* ``backup_from_device_all_layer``, ``load_to_device_per_layer``,
+  ``backup_tokens_from_device_all_layer``: count and check each copy. The
+  ``*_physical`` entry points call these through ``self`` and are not wrapped,
+  and the token call that a backup makes internally is not counted again;
+* ``set_from_flat_data_page``, ``get_page_buffer_meta``: host pages the storage
+  tier writes; round-trip mode forgets their digests.
+
+Each factory takes the probe runtime (``.metrics``, ``.config.hicache``,
+``.emit``, ``.log``) and returns a wrapt wrapper. A wrapper bails out when the
+probe is off, calls the original, and hands everything else to
+dsv4_idxk_probe.hicache through `safe_invoke`; the only exception it raises
+of its own is `GuardRefused` under ``hicache.guard: block``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ..hicache.geometry import DeviceBuffer, PoolGeometry, TokenRow
+from ..hicache.probe import GuardRefused, HiCacheProbe, probe_for
+from ..hicache.roundtrip import RowViews, page_rows
+from ..safety import safe_invoke
+
+#: The row that ``transfer_cache_dsv4_mla`` hard-codes (SGLang 0.5.23,
+#: sgl_kernel/deepseek_v4/kvcacheio.cuh): 64-slot pages, 576 B value and 8 B
+#: scale per slot, values first, 37440 B page stride.
+DSV4_MLA_TOKEN_ROW = TokenRow(slots=64, value_bytes=576, scale_bytes=8, page_bytes=37440)
+
+#: (io_backend, layout) pairs with a page copy in the pool; "*" is any layout.
+PAGE_ROUTES = frozenset(
+    {
+        ("kernel", "layer_first"),
+        ("kernel", "page_first"),
+        ("direct", "layer_first"),
+        ("direct", "page_first_direct"),
+        ("kernel_ascend", "*"),
+    }
+)
+
+
+# -- reading the pool -------------------------------------------------------------
+
+
+def _buffer(tensor: torch.Tensor) -> DeviceBuffer:
+    rows = tensor.shape[0] if tensor.dim() else 0
+    row_bytes = tensor.numel() // rows * tensor.element_size() if rows else 0
+    return DeviceBuffer(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.is_contiguous(), row_bytes)
+
+
+def pool_geometry(pool: Any) -> PoolGeometry:
+    """Plain facts about a DeepSeekV4PagedHostPool."""
+    return PoolGeometry(
+        name=str(pool.pool_name),
+        layers=int(pool.layer_num),
+        item_bytes=int(pool.item_bytes),
+        page_size=int(pool.slot_page_size),
+        host_pages=int(pool.num_host_pages),
+        layout=str(pool.layout),
+        page_aligned_only=bool(pool.page_aligned_only),
+        buffers=tuple(_buffer(b) for b in pool.device_buffers),
+        page_routes=PAGE_ROUTES,
+        token_row=DSV4_MLA_TOKEN_ROW,
+    )
+
+
+def pool_views(pool: Any) -> RowViews:
+    """One layer of host or device rows as uint8 [rows, item_bytes].
+
+    Holds the pool weakly: the probe must not keep a pool alive."""
+    ref = weakref.ref(pool)
+
+    def host_layer(layer: int) -> torch.Tensor:
+        pool = ref()
+        if pool.layout == "layer_first":
+            return pool.kv_buffer[layer]
+        if pool.layout == "page_first":
+            return pool.kv_buffer[:, layer, :]
+        return pool.kv_buffer[:, layer, 0, :]
+
+    def device_layer(layer: int) -> torch.Tensor:
+        buf = ref().device_buffers[layer]
+        return buf.view(torch.uint8).reshape(buf.shape[0], -1)
+
+    return RowViews(host_layer, device_layer)
+
+
+def _state(probe: HiCacheProbe, pool: Any):
+    state = probe.state_of(pool)
+    if state is None:  # built before the probe was installed
+        state = probe.register(pool, pool_geometry(pool), pool_views(pool))
+    return state
+
+
+# -- shared wrapper body --------------------------------------------------------------
+
+
+def _begin(probe, pool, direction, pick, args, kwargs):
+    host, device, io_backend, layer = pick(*args, **kwargs)
+    state = probe.state_of(pool) or _state(probe, pool)
+    return probe.begin(state, direction, host, device, io_backend, layer)
+
+
+def _around(probe: HiCacheProbe, site: str, call, wrapped, args, kwargs, outer: bool):
+    """Refuse if the guard says so, run the original, account for it."""
+    if call is not None and call.refusal is not None:
+        raise GuardRefused(call.refusal)
+    local = probe.local
+    if outer:
+        local.depth = getattr(local, "depth", 0) + 1
+    ok = False
+    try:
+        result = wrapped(*args, **kwargs)
+        ok = True
+        return result
+    finally:
+        if outer:
+            local.depth -= 1
+        if call is not None:
+            safe_invoke(site, probe.end, call, ok)
+
+
+# -- factories ---------------------------------------------------------------------------
+
+
+def make_backup_wrapper(runtime):
+    """``backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)``."""
+    probe = probe_for(runtime)
+
+    def _pick(device_pool, host_indices, device_indices, io_backend, *_a, **_k):
+        return host_indices, device_indices, io_backend, None
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not probe.active:
+            return wrapped(*args, **kwargs)
+        call = safe_invoke("hicache.backup", _begin, probe, instance, "d2h", _pick, args, kwargs)
+        return _around(probe, "hicache.backup", call, wrapped, args, kwargs, outer=True)
+
+    return wrapper
+
+
+def make_load_wrapper(runtime):
+    """``load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft)``."""
+    probe = probe_for(runtime)
+
+    def _pick(device_pool, host_indices, device_indices, layer_id, io_backend, *_a, **_k):
+        return host_indices, device_indices, io_backend, layer_id
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not probe.active:
+            return wrapped(*args, **kwargs)
+        call = safe_invoke("hicache.load", _begin, probe, instance, "h2d", _pick, args, kwargs)
+        return _around(probe, "hicache.load", call, wrapped, args, kwargs, outer=False)
+
+    return wrapper
+
+
+def make_backup_tokens_wrapper(runtime):
+    """``backup_tokens_from_device_all_layer(host_indices, device_indices)``, when called
+    directly (HiSparse decode); inside a wrapped backup it was counted already."""
+    probe = probe_for(runtime)
+
+    def _pick(host_indices, device_indices, *_a, **_k):
+        return host_indices, device_indices, None, None
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not probe.active or getattr(probe.local, "depth", 0):
+            return wrapped(*args, **kwargs)
+        call = safe_invoke("hicache.backup_tokens", _begin, probe, instance, "d2h", _pick, args, kwargs)
+        return _around(probe, "hicache.backup_tokens", call, wrapped, args, kwargs, outer=False)
+
+    return wrapper
+
+
+def make_pool_init_wrapper(runtime):
+    """``__init__``: after construction, register the pool with the probe."""
+    probe = probe_for(runtime)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if probe.active:
+            safe_invoke("hicache.pool_init", _state, probe, instance)
+        return result
+
+    return wrapper
+
+
+def _invalidate(probe, pool, rows) -> None:
+    state = probe.state_of(pool)
+    if state is not None:
+        probe.invalidate_rows(state, rows)
+
+
+def make_set_page_wrapper(runtime):
+    """``set_from_flat_data_page(index, data_page)``: the storage tier wrote a host page."""
+    probe = probe_for(runtime)
+
+    def _rows(pool, index, *_a, **_k):
+        return [int(index) // int(pool.slot_page_size)]
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if probe.active and probe.roundtrip is not None:
+            rows = safe_invoke("hicache.set_page", _rows, instance, *args, **kwargs)
+            if rows:
+                safe_invoke("hicache.set_page", _invalidate, probe, instance, rows)
+        return result
+
+    return wrapper
+
+
+def make_page_meta_wrapper(runtime):
+    """``get_page_buffer_meta(indices)``: hands host page addresses to the storage
+    tier, which may write them (zero-copy prefetch); round-trip mode forgets them."""
+    probe = probe_for(runtime)
+
+    def _rows(pool, indices, *_a, **_k):
+        return page_rows(indices, int(pool.slot_page_size))
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if probe.active and probe.roundtrip is not None:
+            rows = safe_invoke("hicache.page_meta", _rows, instance, *args, **kwargs)
+            if rows:
+                safe_invoke("hicache.page_meta", _invalidate, probe, instance, rows)
+        return result
+
+    return wrapper

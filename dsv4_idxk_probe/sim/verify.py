@@ -1,0 +1,232 @@
+"""Did the probe find what the rig did, and nothing else?
+
+Runs the product's `diff` over the run's room logs (its JSON is the
+evidence), then checks three things against what the rig knows:
+
+* every injected fault whose change reached frozen bytes is reported at the
+  stage the timing rules predict, localised to its (layer, page, segment);
+* every mismatch the diff reports is explained by an injected fault;
+* every probe verdict agrees with the rig's byte-level oracle, stage by stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cli.diff import exit_status, write_json
+from ..roomlog.analysis import analyse
+from ..roomlog.reader import expand_inputs
+
+STAGE_RANK = {"decode_recv": 0, "decode_step": 1, "decode_finish": 2}
+
+
+def stage_key(stage: str, step: int | None) -> tuple[int, int]:
+    return STAGE_RANK[stage], step or 0
+
+
+def stage_label(stage: str | None, step: int | None) -> str:
+    if stage is None:
+        return "-"
+    return f"{stage}@{step}" if step is not None else stage
+
+
+@dataclass
+class FaultCheck:
+    """One (fault, room): what it changed, where the probe had to see it, what it saw."""
+
+    record: dict
+    expected: list[dict]  # effects with visible changes: room, layers, page, segments, stage, step
+    seen: str = "-"
+    localised: str = "-"
+    ok: bool = False
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        r = self.record
+        when = f"after_step {r['after_step']}" if r["when"] == "after_step" else r["when"]
+        return f"#{r['fault']} {r['name']}: {r['kind']} @ {when}"
+
+
+@dataclass
+class Verification:
+    diff_status: int
+    diff_json: Path
+    checks: list[FaultCheck] = field(default_factory=list)
+    unexplained: list[str] = field(default_factory=list)
+    oracle_checked: int = 0
+    oracle_disagreements: list[str] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)  # planned rooms without a decode_finish verdict
+    verdicts: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        applied = [c for c in self.checks if c.record["applied"]]
+        return all(c.ok for c in applied) and not (self.unexplained or self.oracle_disagreements or self.unfinished)
+
+
+def run_diff(log_dir: Path) -> tuple[int, dict]:
+    """The diff over every log in `log_dir`, through its JSON output (written next to the logs)."""
+    analysis = analyse(expand_inputs([str(log_dir)]))
+    status = exit_status(analysis)
+    out = Path(log_dir) / "diff.json"
+    write_json(analysis, str(out), status)
+    return status, json.loads(out.read_text())
+
+
+def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[int]) -> Verification:
+    status, doc = run_diff(log_dir)
+    rooms = {int(r["room"]): r for r in doc["rooms"] if r["attempt"] == 0}
+    result = Verification(status, Path(log_dir) / "diff.json", verdicts=doc["summary"]["room_verdicts"])
+    stages = {room: {stage_key(s["stage"], s["step"]): s for s in r["stages"]} for room, r in rooms.items()}
+    earliest = _earliest(faults)
+    result.checks = [_check_fault(rec, stages, earliest) for rec in sorted(faults, key=lambda f: (f["fault"], f["room"]))]
+    result.unexplained = _unexplained(stages, faults)
+    result.oracle_checked, result.oracle_disagreements = _against_oracle(stages, oracle)
+    result.unfinished = sorted(
+        room for room in planned if stage_key("decode_finish", None) not in stages.get(room, {})
+    )
+    return result
+
+
+def _cells(localisation: dict | None) -> set[tuple[int, int, str]]:
+    """The (layer, page, segment) cells a localisation bounds."""
+    if not localisation:
+        return set()
+    return {(int(layer), int(page), seg) for layer, seg in localisation["layer_segments"] for page in localisation["pages"]}
+
+
+def _effect_cells(effect: dict) -> set[tuple[int, int, str]]:
+    return {(layer, effect["page"], seg) for layer in effect["layers"] for seg in effect["segments"]}
+
+
+def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
+    """`earliest`: (room, cell) -> the earliest expected stage of any fault changing that cell."""
+    visible = [e for e in record["effects"] if e["stage"] is not None]
+    check = FaultCheck(record, visible)
+    if not record["applied"]:
+        check.note = f"not applied: {record['reason']}"
+        check.ok = True
+        return check
+    if not visible:
+        check.note = "changed no frozen byte, or only a page already sent: must not be reported"
+        touched = {(layer, e["page"]) for e in record["effects"] for layer in e["layers"]}
+        rooms = {e["room"] for e in record["effects"]} or {record["room"]}
+        reported = any(
+            (c[0], c[1]) in touched for room in rooms for s in stages.get(room, {}).values() for c in _cells(s.get("localisation"))
+        )
+        check.ok = not reported
+        check.seen = "REPORTED" if reported else "not reported"
+        return check
+    problems, seen, where = [], [], []
+    for effect in visible:
+        room_stages = stages.get(effect["room"], {})
+        want = stage_key(effect["stage"], effect["step"])
+        cells = _effect_cells(effect)
+        # a cell another fault changed earlier may show before this fault's own stage
+        allowed = min(earliest.get((effect["room"], c), want) for c in cells)
+        hits = sorted(k for k, s in room_stages.items() if cells <= _cells(s.get("localisation")))
+        if want not in hits:
+            problems.append(f"room {effect['room']}: not reported at {stage_label(effect['stage'], effect['step'])}")
+        if not hits:
+            continue
+        first = room_stages[hits[0]]
+        seen.append(stage_label(first["stage"], first["step"]))
+        loc = first["localisation"]
+        where.append(f"room {effect['room']} L{_join(loc['layers'])} P{_join(loc['pages'])} {','.join(loc['segments'])}")
+        if not allowed <= hits[0] <= want:
+            problems.append(
+                f"room {effect['room']}: first seen at {seen[-1]}, expected {stage_label(effect['stage'], effect['step'])}"
+            )
+    check.seen = "; ".join(dict.fromkeys(seen)) or "-"
+    check.localised = "; ".join(dict.fromkeys(where)) or "-"
+    check.ok = not problems
+    check.note = "; ".join(problems)
+    return check
+
+
+def _earliest(faults: list[dict]) -> dict:
+    out: dict = {}
+    for record in faults:
+        for e in record["effects"]:
+            if e["stage"] is None:
+                continue
+            key = stage_key(e["stage"], e["step"])
+            for cell in _effect_cells(e):
+                out[(e["room"], cell)] = min(out.get((e["room"], cell), key), key)
+    return out
+
+
+def _unexplained(stages: dict, faults: list[dict]) -> list[str]:
+    """Mismatching cells at a stage that no change made by then accounts for."""
+    explained: dict[int, list[tuple[tuple[int, int], set]]] = {}
+    for record in faults:
+        for e in record["effects"]:
+            if e["stage"] is not None:
+                explained.setdefault(e["room"], []).append((stage_key(e["stage"], e["step"]), _effect_cells(e)))
+    out = []
+    for room, by_key in sorted(stages.items()):
+        for key, s in sorted(by_key.items()):
+            if s["verdict"] in ("match", "skipped"):
+                continue
+            if s["verdict"] != "mismatch":
+                out.append(f"room {room} {stage_label(s['stage'], s['step'])}: {s['verdict']} ({s.get('reason', '')})")
+                continue
+            known = set().union(*[c for k, c in explained.get(room, []) if k <= key] or [set()])
+            loc = s.get("localisation") or {}
+            layer_segs = {(int(l), seg) for l, seg in loc.get("layer_segments", [])}
+            pages = {int(p) for p in loc.get("pages", [])}
+            if not known or not layer_segs <= {(c[0], c[2]) for c in known} or not pages <= {c[1] for c in known}:
+                out.append(f"room {room} {stage_label(s['stage'], s['step'])}: mismatch that no injected fault explains")
+    return out
+
+
+def _against_oracle(stages: dict, oracle: list[dict]) -> tuple[int, list[str]]:
+    """Probe verdict and localisation versus the oracle's frozen-byte comparison, per digest point."""
+    bad = []
+    for o in oracle:
+        s = stages.get(o["room"], {}).get(stage_key(o["stage"], o["step"]))
+        label = f"room {o['room']} {stage_label(o['stage'], o['step'])}"
+        if s is None:
+            bad.append(f"{label}: no probe record")
+            continue
+        cells = {tuple(c) for c in o["cells"]}
+        if not cells:
+            if s["verdict"] != "match":
+                bad.append(f"{label}: oracle says intact, probe says {s['verdict']}")
+            continue
+        loc = s.get("localisation")
+        if s["verdict"] != "mismatch" or loc is None:
+            bad.append(f"{label}: oracle sees {len(cells)} changed cells, probe says {s['verdict']}")
+            continue
+        want_ls = {(c[0], c[2]) for c in cells}
+        want_pages = {c[1] for c in cells}
+        got_ls = {(int(l), seg) for l, seg in loc["layer_segments"]}
+        if got_ls != want_ls or set(loc["pages"]) != want_pages:
+            bad.append(f"{label}: probe localises {sorted(got_ls)} pages {loc['pages']}, oracle {sorted(want_ls)} pages {sorted(want_pages)}")
+    return len(oracle), bad
+
+
+def _join(values: list[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def as_json(v: Verification) -> dict[str, Any]:
+    return {
+        "ok": v.ok,
+        "diff_status": v.diff_status,
+        "diff_json": str(v.diff_json),
+        "faults": [
+            {"fault": c.label, "room": c.record["room"], "applied": c.record["applied"], "ok": c.ok, "seen": c.seen,
+             "localised": c.localised, "expected": c.expected, "note": c.note}
+            for c in v.checks
+        ],
+        "unexplained": v.unexplained,
+        "oracle_checked": v.oracle_checked,
+        "oracle_disagreements": v.oracle_disagreements,
+        "unfinished_rooms": v.unfinished,
+        "room_verdicts": v.verdicts,
+    }

@@ -1,0 +1,118 @@
+"""Round-trip mode on real pools: which leg broke a row, and where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sglang.srt.mem_cache.memory_pool_host as mph
+
+from .conftest import LAYERS, SUPPORTED, host_row, page_indices
+
+HOST_ROWS, DEVICE_ROWS = [2, 5], [1, 6]
+
+
+def mismatches(env):
+    return [r for r in env.records if r.get("event") == "roundtrip_mismatch"]
+
+
+def backup_then_load(pool, io_backend, between=None, wipe=True):
+    host, dev = page_indices(HOST_ROWS), page_indices(DEVICE_ROWS)
+    pool.backup_from_device_all_layer(None, host, dev, io_backend)
+    if between is not None:
+        between()
+    if wipe:
+        for l in range(LAYERS):
+            pool.device_buffers[l].view(torch.uint8)[DEVICE_ROWS] = 0
+    for l in range(LAYERS):
+        pool.load_to_device_per_layer(None, host, dev, l, io_backend)
+
+
+@pytest.mark.parametrize("layout,io_backend", SUPPORTED)
+def test_bit_flip_in_host_memory_names_pool_row_layer_and_leg(hicache, make_pool, standins, layout, io_backend):
+    env = hicache(roundtrip=True)
+    pool = make_pool("fp8_indexer", layout)
+
+    def flip():
+        host_row(pool, 5, 1)[1234] ^= 0x10
+
+    backup_then_load(pool, io_backend, flip)
+    (bad,) = mismatches(env)
+    assert (bad["pool"], bad["host_row"], bad["layer"], bad["leg"]) == ("deepseek_v4_c4_indexer", 5, 1, "host")
+    assert bad["device_row"] == 6 and bad["leg_name"] == "host memory while resident"
+    name = pool.pool_name
+    assert env.value("hicache_roundtrip", pool=name, leg="host", verdict="mismatch") == 1
+    assert env.value("hicache_roundtrip", pool=name, leg="host", verdict="match") == len(HOST_ROWS) * LAYERS - 1
+    assert env.value("hicache_roundtrip", pool=name, leg="d2h", verdict="match") == len(HOST_ROWS) * LAYERS
+    # the flipped byte travels to the device, so the h2d copy itself is faithful
+    assert env.value("hicache_roundtrip", pool=name, leg="h2d", verdict="mismatch") == 0
+
+
+@pytest.mark.parametrize("op,leg", [("transfer_kv_all_layer_mla", "d2h"), ("transfer_kv_per_layer_mla", "h2d")])
+def test_a_faulty_copy_is_blamed_on_its_leg(hicache, make_pool, standins, monkeypatch, op, leg):
+    env = hicache(roundtrip=True)
+    pool = make_pool("fp8_indexer")
+    good = getattr(mph, op)
+    faults = []
+
+    def faulty(**kwargs):  # flips one bit of the first row written by its first call (layer 0)
+        good(**kwargs)
+        if not faults:
+            target = kwargs["dst"] if "dst" in kwargs else pool.kv_buffer[0]
+            target.view(torch.uint8)[kwargs["dst_indices"][0]][77] ^= 1
+            faults.append(op)
+
+    monkeypatch.setattr(mph, op, faulty)
+    backup_then_load(pool, "kernel")
+    legs = {(r["leg"], r["layer"]) for r in mismatches(env)}
+    assert legs == {(leg, 0)}
+
+
+def test_storage_write_into_a_host_page_forgets_its_digests(hicache, make_pool, standins):
+    env = hicache(roundtrip=True)
+    pool = make_pool("fp8_indexer", "page_first")
+    other = torch.randint(0, 256, (LAYERS * pool.item_bytes,), dtype=torch.uint8)
+
+    def l3_write():  # the storage tier fills host page 5 through the pool's own API
+        pool.set_from_flat_data_page(5 * pool.slot_page_size, other)
+
+    backup_then_load(pool, "kernel", l3_write)
+    assert mismatches(env) == []
+    assert env.value("hicache_roundtrip", pool=pool.pool_name, leg="host", verdict="unverified") == LAYERS
+    assert env.value("hicache_roundtrip", pool=pool.pool_name, leg="h2d", verdict="match") == len(HOST_ROWS) * LAYERS
+
+
+def test_the_same_write_behind_the_pools_back_is_reported(hicache, make_pool, standins):
+    env = hicache(roundtrip=True)
+    pool = make_pool("fp8_indexer", "page_first")
+    other = torch.randint(0, 256, (LAYERS, pool.item_bytes), dtype=torch.uint8)
+
+    def raw_write():
+        pool.kv_buffer[5].copy_(other)
+
+    backup_then_load(pool, "kernel", raw_write)
+    assert {(r["host_row"], r["leg"]) for r in mismatches(env)} == {(5, "host")}
+
+
+def test_roundtrip_off_reads_no_rows(hicache, make_pool, standins):
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup_then_load(pool, "kernel", lambda: host_row(pool, 5, 1).__setitem__(3, 1 + int(host_row(pool, 5, 1)[3]) % 255))
+    assert env.probe.roundtrip is None
+    assert env.samples("hicache_roundtrip") == {}
+    assert mismatches(env) == []
+
+
+def test_pages_handed_to_storage_by_address_are_forgotten_too(hicache, make_pool, standins):
+    """get_page_buffer_meta gives L3 raw addresses it may write (zero-copy prefetch)."""
+    env = hicache(roundtrip=True)
+    pool = make_pool("fp8_indexer", "layer_first")
+
+    def l3_zero_copy_write():
+        pool.get_page_buffer_meta(page_indices([5]))
+        for l in range(LAYERS):
+            pool.kv_buffer[l][5].fill_(7)
+
+    backup_then_load(pool, "kernel", l3_zero_copy_write)
+    assert mismatches(env) == []
+    assert env.value("hicache_roundtrip", pool=pool.pool_name, leg="host", verdict="unverified") == LAYERS

@@ -1,0 +1,64 @@
+"""Every PromQL expression the dashboard and the alert rules send, ready for a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "dashboards" / "dsv4-idxk-probe.json"
+ALERTS = REPO / "configs" / "prometheus" / "alerts.yml"
+
+# What Grafana would put in: "All" for the template variables, short windows for a short test.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "30s",
+    "$__range": "5m",
+    "$instance": ".*",
+    "$role": ".*",
+    "$model": ".*",
+}
+LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.*),\s*(?P<label>\w+)\)$")
+
+
+def substitute(expr: str) -> str:
+    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
+        expr = expr.replace(name, GRAFANA_VARIABLES[name])
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def load_dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(panel title / refId, expr) for every query of every panel."""
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            out.append((f"{panel['title']} / {target['refId']}", target["expr"]))
+    return out
+
+
+def variable_queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(variable, selector, label) for every label_values() template variable."""
+    out = []
+    for var in dashboard["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        match = LABEL_VALUES.match(var["query"]["query"])
+        assert match, f"variable {var['name']}: unexpected query {var['query']['query']}"
+        out.append((var["name"], match["selector"], match["label"]))
+    return out
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bdsv4_idxk_probe_[a-z0-9_]+", expr))

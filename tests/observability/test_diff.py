@@ -1,0 +1,220 @@
+"""`dsv4-idxk-probe diff` on logs written by the real writer from real digests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from logdata import LAYER_IDS, LAYOUT, N_TOKENS, Fault, RoomPlan, hicache_record, write_logs
+
+from dsv4_idxk_probe.cli.main import run
+from dsv4_idxk_probe.roomlog import encode_line
+from dsv4_idxk_probe.roomlog.analysis import analyse
+from dsv4_idxk_probe.roomlog.reader import expand_inputs
+
+
+def diff(*args, json_path=None):
+    argv = ["diff", *map(str, args)]
+    if json_path is not None:
+        argv += ["--json", str(json_path)]
+    return run(argv)
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def rooms_by_id(report):
+    return {(r["room"], r["attempt"]): r for r in report["rooms"]}
+
+
+def test_all_matching_rooms_exit_zero(logs, tmp_path, capsys):
+    prefill, decode = logs([RoomPlan(i) for i in range(1, 6)])
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 0
+    report = load(tmp_path / "d.json")
+    assert report["exit_status"] == 0
+    assert report["summary"]["room_verdicts"] == {"match": 5}
+    assert report["summary"]["stage_verdicts"]["decode_step"] == {"match": 5}
+    assert "rooms that did not match" not in capsys.readouterr().out
+
+
+def test_mismatch_is_localised_and_its_first_stage_named(logs, tmp_path, capsys):
+    fault = Fault(layer_index=2, page=1, byte=652, from_stage="decode_step")
+    prefill, decode = logs([RoomPlan(1), RoomPlan(2, fault=fault, steps=(40, 80))])
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 1
+    room = rooms_by_id(load(tmp_path / "d.json"))[("2", 0)]
+    assert room["verdict"] == "mismatch"
+    assert room["first_divergence"] == {"stage": "decode_step", "step": 40}
+    assert room["last_match_before"] == {"stage": "decode_recv", "step": None}
+    stages = {(s["stage"], s["step"]): s for s in room["stages"]}
+    assert stages[("decode_recv", None)]["verdict"] == "match"
+    where = stages[("decode_finish", None)]["localisation"]
+    assert where["layers"] == [LAYER_IDS[2]] and where["pages"] == [1] and where["exact"]
+    out = capsys.readouterr().out
+    assert "2/0" in out and "decode_step@40" in out
+
+
+def test_byte_offset_maps_to_the_right_segment(logs, tmp_path):
+    payload_bytes = LAYOUT.segments[0].slot_bytes * LAYOUT.slots
+    prefill, decode = logs([RoomPlan(1, fault=Fault(0, 0, 5)), RoomPlan(2, fault=Fault(0, 0, payload_bytes + 5))])
+    diff(prefill, decode, json_path=tmp_path / "d.json")
+    rooms = rooms_by_id(load(tmp_path / "d.json"))
+    assert rooms[("1", 0)]["stages"][0]["localisation"]["segments"] == ["payload"]
+    assert rooms[("2", 0)]["stages"][0]["localisation"]["segments"] == ["scale"]
+
+
+@given(layer=st.integers(0, len(LAYER_IDS) - 1), page=st.integers(0, 2), byte=st.integers(0, LAYOUT.row_bytes - 1))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_single_frozen_byte_is_localised_exactly(tmp_path_factory, layer, page, byte):
+    """A flipped byte in a frozen slot is found at its layer and page; an unfrozen one is not a mismatch."""
+    root = tmp_path_factory.mktemp("prop")
+    prefill, decode = write_logs(root, [RoomPlan(9, fault=Fault(layer, page, byte))])
+    analysis = analyse(expand_inputs([str(prefill), str(decode)]))
+    stage = analysis.rooms[("9", 0)].stages[0]
+    seg = next(s for s in LAYOUT.segments if s.offset <= byte < s.offset + s.slot_bytes * LAYOUT.slots)
+    frozen = (byte - seg.offset) // seg.slot_bytes < LAYOUT.frozen_slots(N_TOKENS, page)
+    if frozen:
+        assert stage.verdict == "mismatch"
+        c = stage.comparison
+        assert (c.layers, c.pages, c.segments, c.exact) == ([LAYER_IDS[layer]], [page], [seg.name], True)
+    else:
+        assert stage.verdict == "match"
+
+
+def test_verdicts_are_recomputed_not_trusted(logs, tmp_path):
+    """Decode wrote "match" live, but its digest differs from prefill's."""
+    prefill, decode = logs([RoomPlan(1, fault=Fault(1, 0, 0))])
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 1
+    summary = load(tmp_path / "d.json")["summary"]
+    assert summary["room_verdicts"] == {"mismatch": 1}
+    assert summary["live_verdict_disagreements"] == 3  # recv, step, finish
+
+
+def test_unverified_not_comparable_and_prefill_only(logs, tmp_path):
+    plans = [RoomPlan(1), RoomPlan(2, prefill=False), RoomPlan(3, signature_drift=True), RoomPlan(4, decode=False)]
+    prefill, decode = logs(plans)
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 0
+    assert diff(prefill, decode, "--strict") == 1
+    report = load(tmp_path / "d.json")
+    rooms = rooms_by_id(report)
+    assert rooms[("2", 0)]["verdict"] == "unverified"
+    assert rooms[("3", 0)]["verdict"] == "not_comparable"
+    assert ("4", 0) not in rooms and report["summary"]["prefill_only_rooms"] == 1
+
+
+def test_attempts_are_joined_separately(logs, tmp_path):
+    prefill, decode = logs([RoomPlan(5, attempt=0, fault=Fault(0, 0, 0)), RoomPlan(5, attempt=1)])
+    diff(prefill, decode, json_path=tmp_path / "d.json")
+    rooms = rooms_by_id(load(tmp_path / "d.json"))
+    assert rooms[("5", 0)]["verdict"] == "mismatch" and rooms[("5", 1)]["verdict"] == "match"
+
+
+def test_input_order_and_rotation_do_not_change_the_answer(logs, tmp_path):
+    plans = [RoomPlan(i, fault=Fault(1, 2, 3, "decode_finish") if i % 3 == 0 else None) for i in range(1, 13)]
+    prefill, decode = logs(plans, max_bytes=6000)
+    assert len(list(decode.glob("*.jsonl.gz"))) >= 2, "the test needs rotated, gzipped files"
+    assert diff(prefill, decode, json_path=tmp_path / "a.json") == 1
+    assert diff(str(decode / "*.jsonl*"), prefill, json_path=tmp_path / "b.json") == 1
+    a, b = load(tmp_path / "a.json"), load(tmp_path / "b.json")
+    assert a["summary"] == b["summary"]
+    assert a["summary"]["room_verdicts"] == {"match": 8, "mismatch": 4}
+    assert a["summary"]["first_divergence"] == {"decode_finish": 4}
+
+
+def test_bad_lines_are_reported_by_file_and_line_and_skipped(logs, tmp_path, capsys):
+    prefill, decode = logs([RoomPlan(1), RoomPlan(2)])
+    path = next(decode.glob("*.jsonl"))
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"attempt":0', b'"attempt":1')  # edited by hand
+    lines.insert(3, encode_line({"v": 1, "kind": "room", "room": "7", "attempt": "zero", "stage": "decode_recv"}))
+    lines.insert(4, encode_line({"v": 99, "kind": "room"}))
+    path.write_bytes(b"".join(lines) + b'{"v":1,"kind":"ro')  # and a torn last line
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: line checksum does not match" in err
+    assert f"{path}:4: attempt must be a non-negative integer" in err
+    assert f"{path}:5: v must be 1" in err
+    assert f"{path}:{len(lines) + 1}:" in err
+    report = load(tmp_path / "d.json")
+    assert report["summary"]["bad_lines"] == 4
+    assert report["summary"]["room_verdicts"] == {"match": 2}
+
+
+def test_a_mismatch_outranks_bad_lines(logs, tmp_path):
+    prefill, decode = logs([RoomPlan(1, fault=Fault(0, 0, 0))])
+    with open(next(decode.glob("*.jsonl")), "ab") as f:
+        f.write(b"garbage\n")
+    assert diff(prefill, decode) == 1
+
+
+def test_malformed_digest_names_the_field(logs, tmp_path, capsys):
+    prefill, decode = logs([RoomPlan(1)])
+    from logdata import room_records
+
+    _, dec = room_records(RoomPlan(1))
+    rec = dec[0]
+    rec["digest"]["pages"][0] = "not-hex-at-all!!"
+    path = decode / "extra.jsonl"
+    path.write_bytes(encode_line(rec))
+    assert diff(prefill, decode) == 2
+    assert f"{path}:1: digest.pages must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\x01\x02" * 1000, b"not json at all\n" * 5, b"\x1f\x8b\x08broken gzip"])
+def test_hostile_input_files_exit_two_without_traceback(tmp_path, content):
+    path = tmp_path / "weird.jsonl"
+    path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "dsv4_idxk_probe", "diff", str(path)], capture_output=True, timeout=60)
+    assert proc.returncode == 2
+    assert b"Traceback" not in proc.stderr + proc.stdout
+
+
+def test_missing_input_exits_two_with_its_name(tmp_path, capsys):
+    assert diff(tmp_path / "nope.jsonl") == 2
+    assert f"{tmp_path / 'nope.jsonl'}: no such file" in capsys.readouterr().err
+
+
+def test_hicache_records_are_counted_not_joined(logs, tmp_path):
+    prefill, decode = logs(
+        [RoomPlan(1)], extra_decode=[hicache_record("deepseek_v4_c4_indexer", "page", count=5), hicache_record("deepseek_v4_c4_indexer", "page")]
+    )
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 0
+    summary = load(tmp_path / "d.json")["summary"]
+    assert summary["records"] == {"room": 4, "hicache": 2}
+    assert summary["hicache_branches"] == [{"pool": "deepseek_v4_c4_indexer", "direction": "d2h", "branch": "page", "count": 6}]
+    assert summary["rooms"] == 1
+
+
+def _digest():
+    from logdata import room_records
+
+    return room_records(RoomPlan(1))[0][0]["digest"]
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.pop("pages"), "digest.pages is missing"),
+        (lambda d: d.update(signature="xyz"), "digest.signature"),
+        (lambda d: d.update(n_tokens=-1), "digest.n_tokens"),
+        (lambda d: d.update(layer_ids="0123"), "digest.layer_ids"),
+        (lambda d: d.update(segments=[]), "digest.segments"),
+        (lambda d: d["layer_segment"].pop(), "digest.layer_segment"),
+        (lambda d: d["layer_segment"][0].append("0" * 16), "digest.layer_segment"),
+        (lambda d: d["layer_segment"][1].__setitem__(0, "0" * 15), "digest.layer_segment"),
+        (lambda d: d["pages"].__setitem__(0, "0" * 15 + " "), "16-digit hex"),
+        (lambda d: d["pages"].__setitem__(1, 7), "digest.pages"),
+    ],
+)
+def test_each_malformed_digest_field_is_named(edit, field):
+    from dsv4_idxk_probe.roomlog.analysis import RecordError, pack_digest
+
+    digest = _digest()
+    pack_digest(digest)  # the untouched digest is fine
+    edit(digest)
+    with pytest.raises(RecordError, match=field):
+        pack_digest(digest)

@@ -1,0 +1,123 @@
+"""`dsv4-idxk-probe report`: one self-contained page, opened in headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+from logdata import Fault, RoomPlan, hicache_record, room_records
+from PIL import Image
+
+from dsv4_idxk_probe.cli.main import run
+from dsv4_idxk_probe.roomlog import RoomLogWriter
+from dsv4_idxk_probe.roomlog.html import HEAT
+
+CHROMIUM_TIMEOUT_S = 90
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("chromium is not installed: run .ci/install-test-services.sh (make test does)")
+    return path
+
+
+def browse(tmp_path, page, *args):
+    """Run headless Chromium on `page` with a throwaway profile; return stdout."""
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args, page.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, timeout=CHROMIUM_TIMEOUT_S, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def heat_pixels(png) -> int:
+    want = tuple(int(HEAT[i : i + 2], 16) for i in (1, 3, 5))
+    image = Image.open(png).convert("RGB")
+    return sum(n for n, rgb in image.getcolors(maxcolors=1 << 20) if all(abs(a - b) <= 3 for a, b in zip(rgb, want)))
+
+
+def make_report(logs, tmp_path, plans, extra_decode=()):
+    prefill, decode = logs(plans, extra_decode=list(extra_decode))
+    out = tmp_path / "report.html"
+    assert run(["report", str(prefill), str(decode), "-o", str(out)]) == 0
+    return out
+
+
+def test_report_renders_heatmaps_timeline_and_hicache(logs, tmp_path):
+    plans = [RoomPlan(1), RoomPlan(2, fault=Fault(3, 2, 10, "decode_step")), RoomPlan(3, prefill=False)]
+    extra = [hicache_record("deepseek_v4_c4_indexer", "token_dsv4_mla"), hicache_record("deepseek_v4_c4", "page", count=9)]
+    page = make_report(logs, tmp_path, plans, extra)
+    html = page.read_text()
+    assert not re.search(r"<(script|link|img)\b|src=|href=\"http", html), "the page must not fetch or run anything"
+
+    dom = browse(tmp_path, page, "--dump-dom")
+    heatmaps = re.findall(r'<svg class="heatmap" data-room="([^"]+)" data-stage="([^"]+)" data-cells="(\d+)"', dom)
+    assert heatmaps == [("2/0", "decode_step@40", "1"), ("2/0", "decode_finish", "1")]
+    assert dom.count('class="cell"') == 2
+    for section in ("summary", "bad-rooms", "timeline", "hicache"):
+        assert f'id="{section}"' in dom
+    assert re.search(r'<tr class="alarm"><td>deepseek_v4_c4_indexer</td><td>d2h</td><td>token_dsv4_mla</td>', dom)
+    assert "no prefill record" in dom  # room 3, unverified
+
+    png = tmp_path / "shot.png"
+    browse(tmp_path, page, f"--screenshot={png}", "--window-size=1200,2400")
+    assert heat_pixels(png) > 50, "the diverging cells are not on screen"
+
+
+def test_a_clean_run_draws_no_heat(logs, tmp_path):
+    page = make_report(logs, tmp_path, [RoomPlan(1), RoomPlan(2)])
+    png = tmp_path / "shot.png"
+    browse(tmp_path, page, f"--screenshot={png}", "--window-size=1200,1600")
+    assert heat_pixels(png) == 0
+    assert "every verified room matched" in page.read_text()
+
+
+def test_log_content_is_escaped(tmp_path):
+    prefill, decode = room_records(RoomPlan(1, fault=Fault(0, 0, 0)))
+    hostile = '<img src=x onerror="document.title=1">'
+    writer = RoomLogWriter(tmp_path / "logs", "decode")
+    for rec in prefill + decode:
+        rec["room"] = hostile
+        writer.emit(rec)
+    writer.close()
+    out = tmp_path / "r.html"
+    assert run(["report", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert hostile not in html and "&lt;img src=x" in html
+
+
+def test_report_without_records_is_bad_input(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    assert run(["report", str(empty), "-o", str(tmp_path / "r.html")]) == 2
+    assert not (tmp_path / "r.html").exists()
+    assert "no records" in capsys.readouterr().err
+
+
+def test_wide_rooms_are_binned_and_say_so(tmp_path):
+    """A 1500-page room: columns cover several pages, the picture stays a few hundred pixels wide."""
+    import numpy as np
+
+    from dsv4_idxk_probe.digest.result import RoomDigest
+    from dsv4_idxk_probe.pd.records import room_record
+
+    rng = np.random.default_rng(1)
+    expected = RoomDigest("7/0", 1234, 1500 * 256, (0, 1), ("payload", "scale"),
+                          rng.integers(0, 2**63, (2, 2), dtype=np.uint64), rng.integers(0, 2**63, 1500, dtype=np.uint64))
+    observed = RoomDigest(**{**expected.__dict__, "pages": expected.pages.copy(), "layer_segment": expected.layer_segment.copy()})
+    observed.pages[1234] ^= np.uint64(1)
+    observed.layer_segment[1, 0] ^= np.uint64(1)
+    writer = RoomLogWriter(tmp_path / "logs", "any")
+    writer.emit(room_record(role="prefill", stage="prefill_send", room=7, attempt=0, digest=expected, layout="fp8"))
+    writer.emit(room_record(role="decode", stage="decode_recv", room=7, attempt=0, digest=observed, layout="fp8"))
+    writer.close()
+    out = tmp_path / "r.html"
+    assert run(["report", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert "each column covers 3 pages" in html and "pages [1234]" in html
+    width = int(re.search(r'<svg class="heatmap"[^>]* width="(\d+)"', html).group(1))
+    assert width < 1200
+    assert re.search(r"<title>layer 1, page 1233-1235</title>", html)
