@@ -5,7 +5,7 @@ Names are loaded on first use, so tools that only read digests (diff, report)
 never import torch.
 """
 
-from importlib import import_module
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "BatchResult": ".engine",
@@ -27,10 +27,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

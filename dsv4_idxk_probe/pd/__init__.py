@@ -6,7 +6,7 @@ dsv4_idxk_probe.sim call the same API. Names load on first use (the log tools
 read pd.records without importing torch).
 """
 
-from importlib import import_module
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "DecodeMonitor": ".decode",
@@ -17,10 +17,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

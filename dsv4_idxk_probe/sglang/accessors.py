@@ -54,14 +54,9 @@ def is_aborted(req: Any) -> bool:
 
 def prefill_skip_reason(req: Any) -> str | None:
     """Why a last-chunk send is not digested (None: digest it)."""
-    if room_of(req) is None:
-        return "no bootstrap room"
-    if is_health_check(req):
-        return "health check"
-    if is_fake_transfer(req):
-        return "fake bootstrap host"
-    if is_aborted(req):
-        return "aborted"
+    common = decode_skip_reason(req)
+    if common is not None:
+        return common
     if getattr(req, "pending_bootstrap", False):
         return "superseded attempt (bootstrap pending; it is sent again)"
     sender = getattr(req, "disagg_kv_sender", None)
@@ -72,6 +67,7 @@ def prefill_skip_reason(req: Any) -> str | None:
 
 
 def decode_skip_reason(req: Any) -> str | None:
+    """Why a received room is not verified (None: verify it); prefill adds its own reasons."""
     if room_of(req) is None:
         return "no bootstrap room"
     if is_health_check(req):
