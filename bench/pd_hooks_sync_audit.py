@@ -127,6 +127,9 @@ class NullMetrics:
     def __getattr__(self, name):
         return self
 
+    def __call__(self, *_, **__):
+        return self
+
     def labels(self, **_):
         return self
 

@@ -26,7 +26,7 @@ import torch
 
 from . import reference
 from .layout import RowLayout, layout_signature
-from .pinned import PinnedPool
+from .pinned import EventPool, PinnedPool
 from .result import RoomDigest
 from .worklist import RoomRequest, WorkList, build_worklist
 
@@ -43,6 +43,7 @@ class BatchResult:
     rows: int
     bytes_digested: int
     gpu_seconds: float | None = None  # kernel time, when measured on a GPU
+    room_bytes: tuple[int, ...] = ()  # frozen bytes digested per room, in submit order
 
 
 @dataclass
@@ -63,7 +64,6 @@ class PendingDigest:
     rooms: list[RoomRequest]
     callback: Callable[[BatchResult], None]
     host_out: Any  # np.ndarray, or a pinned int64 tensor being filled
-    host_rooms: Any  # the room digests alone, likewise
     done: Any = None  # CUDA event; None when the result is already on the host
     started: Any = None  # CUDA timing event
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
@@ -75,11 +75,14 @@ class PendingDigest:
 
     @property
     def room_digests(self) -> np.ndarray:
-        """uint64 [n_rooms], in submit order."""
+        """uint64 [n_rooms], in submit order: each room's cells folded (a sum mod 2^64 of
+        its (layer, segment) block, taken on the host: a few words per room)."""
         if self.final_rooms is not None:
             return self.final_rooms
-        out = self.host_rooms
-        return (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
+        out = self.host_out
+        out = (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
+        blocks = out[: len(self.rooms) * self.worklist.ls_size].reshape(len(self.rooms), self.worklist.ls_size)
+        return blocks.sum(axis=1, dtype=np.uint64)
 
 
 class DigestEngine:
@@ -125,12 +128,13 @@ class DigestEngine:
         self.block = block or (128 if layout.row_bytes <= 8448 else 256)
         self.rows = rows
         self._pinned = PinnedPool(pin=self.device.type == "cuda")
+        self._events = EventPool()
         if self.backend == "triton" and self.device.type == "cuda":
             # Pinned allocation costs milliseconds: reserve for bursts of
             # single-room batches (up to 64 pages) now rather than on the hot path.
-            one_room_items = len(self.layer_ids) * 64
-            self._pinned.reserve(24 + 16 * one_room_items, prealloc)
-            self._pinned.reserve(8 * (len(self.layer_ids) * len(layout.segments) + 64 + 1), prealloc)
+            out_words = len(self.layer_ids) * len(layout.segments) + 64
+            self._pinned.reserve(256 + 16 * len(self.layer_ids) * 64 + 256 + 8 * 64 + 256 + 8 * out_words, prealloc)
+            self._pinned.reserve(8 * out_words, prealloc)
         self.poll_interval_s = poll_interval_s
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
@@ -145,6 +149,8 @@ class DigestEngine:
             self._segment_table = torch.tensor(
                 [[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32
             ).to(self.device)
+            if self.device.type == "cuda":
+                self._warm_up()
 
     # %% public API
 
@@ -189,9 +195,7 @@ class DigestEngine:
     def _launch(self, rooms: list[RoomRequest], callback) -> PendingDigest:
         worklist = build_worklist(self.layout, len(self.layer_ids), rooms)
         if self.backend == "reference":
-            out = self._reference_out(worklist, rooms)
-            room_sums = out[: worklist.ls_offsets.size * worklist.ls_size].reshape(len(rooms), -1).sum(axis=1, dtype=np.uint64)
-            return PendingDigest(worklist, rooms, callback, out, room_sums)
+            return PendingDigest(worklist, rooms, callback, self._reference_out(worklist, rooms))
         return self._launch_triton(worklist, rooms, callback)
 
     def _reference_out(self, worklist: WorkList, rooms: list[RoomRequest]) -> np.ndarray:
@@ -205,57 +209,85 @@ class DigestEngine:
             out[po : po + digest.n_pages] = digest.pages
         return out
 
-    def _page_table(self, pages: Any) -> torch.Tensor:
-        """The room's physical pages as int64 on the kernel's device (no host read-back)."""
-        if not isinstance(pages, torch.Tensor):
-            pages = torch.as_tensor(np.asarray(pages, dtype=np.int64).reshape(-1))
-        return pages.to(device=self.device, dtype=torch.int64, non_blocking=True).contiguous()
+    def _device_pages(self, pages: Any) -> torch.Tensor | None:
+        """The room's page table where it already lives on the kernel's device (no copy,
+        no host read-back); None when it must travel in the staging buffer."""
+        if isinstance(pages, torch.Tensor) and pages.device == self.device:
+            return pages.to(dtype=torch.int64).contiguous()
+        return None
 
     def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> PendingDigest:
+        """Four device calls per batch, whatever its size: one upload, one launch, one
+        download, one event. The upload carries the room table, the work list, the
+        page tables that live on the host, and the zeroed output the kernel adds into."""
         from .kernel import launch_digest  # Triton is imported only when the kernel is used
 
         n_rooms, n_items = len(rooms), len(worklist.work)
-        page_tables = [self._page_table(room.pages) for room in rooms]
+        on_device = [self._device_pages(room.pages) for room in rooms]
+        host_pages = [
+            np.asarray(room.pages.cpu() if isinstance(room.pages, torch.Tensor) else room.pages, dtype=np.int64).reshape(-1)
+            for room, dev in zip(rooms, on_device) if dev is None
+        ]
+        # Regions 256-byte aligned, so Triton sees one pointer alignment and compiles once.
+        sizes = (24 * n_rooms, 16 * n_items, 8 * sum(p.size for p in host_pages), 8 * worklist.out_size)
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(total)
+            total += -(-size // 256) * 256
+        room_at, work_at, pages_at, out_at = starts
+        staging = self._pinned.take(total)
+        inputs = torch.empty(total, dtype=torch.uint8, device=self.device)
+        base = inputs.data_ptr()
 
-        # One staging buffer in: room table (int64 [R, 3]) then work list (int32 [n, 4]),
-        # the work list 256-byte aligned so Triton sees one pointer alignment and
-        # compiles the kernel once, whatever the room count.
-        room_bytes, work_bytes = -(-24 * n_rooms // 256) * 256, 16 * n_items
-        staging = self._pinned.take(room_bytes + work_bytes)
-        table = staging[: 24 * n_rooms].view(torch.int64).view(n_rooms, 3).numpy()
-        table[:, 0] = [p.data_ptr() for p in page_tables]
+        table = staging[room_at : room_at + sizes[0]].view(torch.int64).view(n_rooms, 3).numpy()
+        page_words = staging[pages_at : pages_at + sizes[2]].view(torch.int64).numpy()
+        addresses, cursor, host_iter = [], 0, iter(host_pages)
+        for dev in on_device:
+            if dev is not None:
+                addresses.append(dev.data_ptr())
+                continue
+            pages = next(host_iter)
+            page_words[cursor : cursor + pages.size] = pages
+            addresses.append(base + pages_at + 8 * cursor)
+            cursor += pages.size
+        table[:, 0] = addresses
         table[:, 1] = worklist.ls_offsets
         table[:, 2] = worklist.page_offsets
-        staging[room_bytes : room_bytes + work_bytes].view(torch.int32).view(n_items, 4).numpy()[:] = worklist.work
-        inputs = staging[: room_bytes + work_bytes].to(self.device, non_blocking=True)
-        room_dev = inputs[: 24 * n_rooms].view(torch.int64).view(n_rooms, 3)
-        work_dev = inputs[room_bytes:].view(torch.int32).view(n_items, 4)
+        staging[work_at : work_at + sizes[1]].view(torch.int32).view(n_items, 4).numpy()[:] = worklist.work
+        staging[out_at : out_at + sizes[3]].numpy().fill(0)
+        inputs.copy_(staging[:total], non_blocking=True)
 
-        # One result buffer: the kernel's output, then the room digests.
-        out = torch.zeros(worklist.out_size + n_rooms, dtype=torch.int64, device=self.device)
+        out = inputs[out_at : out_at + sizes[3]].view(torch.int64)
         started = done = None
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         launch_digest(
-            work_dev, room_dev, self._layer_table, self._segment_table, out.view(torch.uint64),
+            inputs[work_at : work_at + sizes[1]].view(torch.int32).view(n_items, 4),
+            inputs[room_at : room_at + sizes[0]].view(torch.int64).view(n_rooms, 3),
+            self._layer_table, self._segment_table, out.view(torch.uint64),
             self.layout.row_bytes // 4, slots=self.layout.slots, block=self.block, rows=self.rows,
         )
-        # Room digest = every cell folded = sum of the room's (layer, segment) block, mod 2^64.
-        ls_blocks = out[: n_rooms * worklist.ls_size].view(n_rooms, worklist.ls_size)
-        torch.sum(ls_blocks, dim=1, out=out[worklist.out_size :])
-        keepalive = [staging, inputs, out, *page_tables]
-        if self.device.type != "cuda":
-            return PendingDigest(worklist, rooms, callback, out[: worklist.out_size], out[worklist.out_size :], keepalive=keepalive)
-        result = self._pinned.take(8 * out.numel())
-        host = result[: 8 * out.numel()].view(torch.int64)
+        keepalive = [staging, inputs, *(d for d in on_device if d is not None)]
+        if self.device.type != "cuda":  # the interpreter has run it already
+            return PendingDigest(worklist, rooms, callback, out, keepalive=keepalive)
+        result = self._pinned.take(sizes[3])
+        host = result[: sizes[3]].view(torch.int64)
         host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event(enable_timing=self.time_kernels)
+        done = self._events.take(self.time_kernels)
         done.record()
         return PendingDigest(
-            worklist, rooms, callback, host[: worklist.out_size], host[worklist.out_size :], done, started,
-            keepalive=keepalive, pinned=[staging, result],
+            worklist, rooms, callback, host, done, started, keepalive=keepalive, pinned=[staging, result],
         )
+
+    def _warm_up(self) -> None:
+        """Compile (or load) the kernel now, at start-up, not on the first room: a cold
+        Triton compile takes about a second. One page of layer 0, never waited for."""
+        try:
+            self._launch_triton(build_worklist(self.layout, len(self.layer_ids), [RoomRequest("warm-up", [0], 0)]),
+                                [RoomRequest("warm-up", [0], 0)], lambda _: None)
+        except Exception:
+            log.exception("digest kernel warm-up failed; the first room will compile it")
 
     # %% collection
 
@@ -307,6 +339,10 @@ class DigestEngine:
         for buffer in ticket.pinned:  # results are copied out above; the event has completed
             self._pinned.give(buffer)
         ticket.pinned.clear()
+        if ticket.done is not None and ticket.started is None:
+            self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
+            ticket.done = None
         ticket.keepalive.clear()
-        frozen_slots = int(wl.work[:, 3].sum(dtype=np.int64)) if len(wl.work) else 0
-        return BatchResult(digests, len(wl.work), frozen_slots * self._frozen_bytes_per_slot, gpu_seconds)
+        per_room = np.bincount(wl.work[:, 0], weights=wl.work[:, 3], minlength=len(ticket.rooms)) if len(wl.work) else ()
+        room_bytes = tuple(int(n) * self._frozen_bytes_per_slot for n in per_room)
+        return BatchResult(digests, len(wl.work), sum(room_bytes), gpu_seconds, room_bytes)

@@ -50,7 +50,7 @@ def _fmix64(k):
     return k ^ (k >> 33)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])  # one compiled kernel whatever the batch size
 def _digest_rows_kernel(
     work_ptr,  # int32 [n_items, 4]: room slot, layer index, logical page, frozen slots
     room_ptr,  # int64 [n_rooms, 3]: address of the room's int64 physical pages, LS offset, page offset

@@ -1,9 +1,9 @@
-"""Reusable pinned host buffers.
+"""Reusable pinned host buffers and CUDA events.
 
 Allocating pinned memory (cudaHostAlloc) costs hundreds of microseconds; a
-digest batch needs one staging buffer in and one result buffer out. Buffers
-come back to the pool once the batch's event has completed, so steady state
-allocates nothing.
+digest batch needs one staging buffer in and one result buffer out, and one
+event. All come back to their pool once the batch's event has completed, so
+steady state allocates nothing and creates no event.
 """
 
 from __future__ import annotations
@@ -54,3 +54,24 @@ class PinnedPool:
             free = self._free.setdefault(buffer.numel(), [])
             if len(free) < self.max_free_per_class:
                 free.append(buffer)
+
+
+class EventPool:
+    """CUDA events to record and give back; creating one is a driver call per batch."""
+
+    def __init__(self, max_free: int = 256):
+        self.max_free = max_free
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def take(self, timing: bool = False):
+        if not timing:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+        return torch.cuda.Event(enable_timing=timing)
+
+    def give(self, event) -> None:
+        with self._lock:
+            if len(self._free) < self.max_free:
+                self._free.append(event)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
@@ -101,6 +101,24 @@ class DecodeMonitor:
         state.finished = True
         return self._submit(state, "decode_finish", None)
 
+    def batch_done(self, finished: Sequence[RoomId], stepped: Sequence[tuple[RoomId, int]]) -> PendingDigest | None:
+        """One decode batch in one launch: `decode_finish` for the rooms that finished in
+        it, `decode_step` for those whose step count is due. A batch of 64 rooms then
+        costs one enqueue, not one per room."""
+        jobs: list[tuple[_Room, str, int | None]] = []
+        for room in finished:
+            state = self._get(room)
+            if state is not None:
+                state.finished = True
+                jobs.append((state, "decode_finish", None))
+        if self.step_interval > 0:
+            for room, step in stepped:
+                if step > 0 and step % self.step_interval == 0:
+                    state = self._get(room)
+                    if state is not None:
+                        jobs.append((state, "decode_step", step))
+        return self._submit_jobs(jobs) if jobs else None
+
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv") -> None:
         """Aborted, retracted or health-check rooms: record `skipped` and forget them."""
         with self._lock:
@@ -118,25 +136,37 @@ class DecodeMonitor:
             return self._rooms.get(room.key)
 
     def _submit(self, state: _Room, stage: str, step: int | None) -> PendingDigest | None:
-        state.in_flight += 1
+        return self._submit_jobs([(state, stage, step)])
+
+    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
+        for state, _, _ in jobs:
+            state.in_flight += 1
         enqueued = time.monotonic()
-        request = RoomRequest(state.room.key, state.pages, state.n_tokens)
-        pending = self.engine.submit([request], lambda batch: self._on_result(state, stage, step, enqueued, batch))
+        requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
+        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch))
         if pending is None:
-            state.in_flight -= 1
+            for state, _, _ in jobs:
+                state.in_flight -= 1
             if self.metrics is not None:
-                self.metrics.records_dropped.labels(sink="digest_queue").inc()
+                self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
         return pending
 
-    def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, batch: BatchResult) -> None:
+    def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult) -> None:
+        if self.metrics is not None and batch.gpu_seconds is not None:
+            self.metrics.digest_gpu_seconds.labels(stage=jobs[0][1]).observe(batch.gpu_seconds)
+        for i, (state, stage, step) in enumerate(jobs):
+            room_bytes = batch.room_bytes[i] if i < len(batch.room_bytes) else None
+            safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes)
+
+    def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,
+                   room_bytes: int | None) -> None:
         state.in_flight -= 1
-        digest = batch.digests[0]
         verdict, reason, comparison = self._judge(state, digest)
         if verdict == "mismatch" and state.first_divergence is None:
             state.first_divergence = stage
             if self.metrics is not None:
                 self.metrics.first_divergence.labels(stage=stage).inc()
-        self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, batch, enqueued)
+        self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued)
         if state.finished and state.in_flight <= 0:
             with self._lock:
                 if self._rooms.get(state.room.key) is state:
@@ -173,7 +203,7 @@ class DecodeMonitor:
                 self.metrics.exchange_errors.labels(kind="fetch").inc()
             return None
 
-    def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, batch=None, enqueued=None):
+    def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None):
         record = room_record(
             role="decode", stage=stage, room=room.room, attempt=room.attempt, digest=digest,
             layout=self.engine.layout.name, step=step, verdict=verdict, reason=reason,
@@ -189,11 +219,9 @@ class DecodeMonitor:
         if m is None:
             return
         m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
-        if batch is not None:
+        if room_bytes is not None:
             m.rooms_digested.labels(stage=stage).inc()
-            m.digest_bytes.labels(stage=stage).inc(batch.bytes_digested)
-            if batch.gpu_seconds is not None:
-                m.digest_gpu_seconds.labels(stage=stage).observe(batch.gpu_seconds)
+            m.digest_bytes.labels(stage=stage).inc(room_bytes)
         if enqueued is not None:
             m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
         if comparison is not None and comparison.verdict == "mismatch":

@@ -106,19 +106,19 @@ def on_decode_batch(runtime: Any, batch: Any) -> None:
     side = decode_side(runtime)
     if side is None:
         return
-    interval = runtime.config.step_interval
+    finished, stepped = [], []
     for req in batch.reqs:
         room = getattr(req, ATTR_ROOM, None)
         if room is None:
             continue
         if req.finished():
             setattr(req, ATTR_ROOM, None)
-            side.monitor.room_finished(room)
+            finished.append(room)
             continue
         steps = getattr(req, ATTR_STEPS, 0) + 1
         setattr(req, ATTR_STEPS, steps)
-        if interval > 0 and steps % interval == 0:
-            side.monitor.decode_step(room, steps)
+        stepped.append((room, steps))
+    side.monitor.batch_done(finished, stepped)  # one launch for the whole batch
 
 
 def finish_room(runtime: Any, req: Any) -> None:

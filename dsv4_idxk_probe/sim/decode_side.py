@@ -175,25 +175,39 @@ class DecodeSide:
             self._finish(room)
 
     def _step_all(self) -> bool:
-        running = [r for r in self.active.values() if r.state == "running"]
-        for room in running:
-            self._step(room)
-        return bool(running)
+        """One decode batch step over every running room.
 
-    def _step(self, room: _Room) -> None:
+        As SGLang's ``process_batch_result_decode`` hands the probe a whole batch:
+        rooms still running get `decode_step` (when due) in one launch; then the
+        step's faults land; then the rooms that produced their last token get
+        `decode_finish` in one launch before their pages can go.
+        """
+        running = [r for r in self.active.values() if r.state == "running"]
+        if not running:
+            return False
+        for room in running:
+            self._advance(room)
+        going_on = [r for r in running if r.steps_done < r.plan.steps]
+        if self.monitor is not None and going_on:
+            self.monitor.batch_done([], [(r.rid, r.steps_done) for r in going_on])
+        for room in going_on:
+            if self.interval > 0 and room.steps_done % self.interval == 0:
+                self._oracle(room, "decode_step", room.steps_done)
+        for room in running:
+            self._apply_faults(room, step=room.steps_done)
+        self._finish_all([r for r in running if r.steps_done == r.plan.steps])
+        if self.cfg.decode_step_ms:
+            time.sleep(self.cfg.decode_step_ms / 1e3)  # the model's forward, which the rig does not run
+        return True
+
+    def _advance(self, room: _Room) -> None:
+        """The step's token: a new C4 slot whenever it completes one."""
         t = room.steps_done + 1
         position = room.plan.prompt_tokens + t - 1
         if (position + 1) % self.layout.tokens_per_slot == 0:  # this token completes a C4 slot
             self._write_slot(room, position // self.layout.tokens_per_slot)
         room.steps_done = t
         self.stats["steps"] += 1
-        if self.monitor is not None:
-            self.monitor.decode_step(room.rid, t)
-        if self.interval > 0 and t % self.interval == 0:
-            self._oracle(room, "decode_step", t)
-        self._apply_faults(room, step=t)
-        if t == room.plan.steps:
-            self._finish(room)
 
     def _write_slot(self, room: _Room, slot: int) -> None:
         """A decode step's new C4 slot, in the tail page or a later one; never a frozen slot."""
@@ -208,17 +222,25 @@ class DecodeSide:
                 self.bufs[li][phys, start : start + seg.slot_bytes].fill_(value)  # no host copy, no sync
 
     def _finish(self, room: _Room) -> None:
-        """decode_finish: the last digest, then the pages may go."""
-        self._oracle(room, "decode_finish", None)
-        for target, _, _ in room.targets:
-            if target.fault.when == "after_step" and target.fault.after_step > room.plan.steps:
-                reason = f"room finished after {room.plan.steps} decode steps"
-                self.events.put(("fault", "decode", _record(target.fault, room.plan.room, False, reason, target)))
-        room.pending = self.monitor.room_finished(room.rid) if self.monitor is not None else None
-        room.state = "retiring"
-        room.truth.clear()
-        self.stats["finished"] += 1
-        self.events.put(("finished", "decode", room.plan.room))
+        self._finish_all([room])
+
+    def _finish_all(self, rooms: list[_Room]) -> None:
+        """decode_finish: the last digest (one launch for all), then the pages may go."""
+        if not rooms:
+            return
+        for room in rooms:
+            self._oracle(room, "decode_finish", None)
+            for target, _, _ in room.targets:
+                if target.fault.when == "after_step" and target.fault.after_step > room.plan.steps:
+                    reason = f"room finished after {room.plan.steps} decode steps"
+                    self.events.put(("fault", "decode", _record(target.fault, room.plan.room, False, reason, target)))
+        pending = self.monitor.batch_done([r.rid for r in rooms], []) if self.monitor is not None else None
+        for room in rooms:
+            room.pending = pending
+            room.state = "retiring"
+            room.truth.clear()
+            self.stats["finished"] += 1
+            self.events.put(("finished", "decode", room.plan.room))
 
     def _retire(self) -> bool:
         done = [r for r in self.active.values() if r.state == "retiring" and (r.pending is None or r.pending.ready())]

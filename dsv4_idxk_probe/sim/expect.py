@@ -11,10 +11,14 @@ from __future__ import annotations
 
 
 def next_digest_point(steps_done: int, steps: int, interval: int) -> tuple[str, int | None]:
-    """The first digest after a room has done `steps_done` of its `steps` decode steps."""
+    """The first digest after a room has done `steps_done` of its `steps` decode steps.
+
+    The last step is never a `decode_step` point: the batch that produces a
+    room's last token hands it to `decode_finish` instead.
+    """
     if interval > 0:
         first = (steps_done // interval + 1) * interval
-        if first <= steps:
+        if first < steps:
             return "decode_step", first
     return "decode_finish", None
 

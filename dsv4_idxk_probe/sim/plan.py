@@ -77,6 +77,7 @@ class RigConfig:
     oracle: bool = True  # decode checks frozen bytes against ground truth at every digest point
     transfer_timeout_s: float = 20.0
     serial_writes: bool = False  # prefill waits for each WRITE: exact per-WRITE timing (benchmarks)
+    decode_step_ms: float = 0.0  # model time per decode batch step (benchmarks); 0 = transport only
     exchange_address: str | None = None  # decode asks here instead of prefill's announced address
     plan: tuple[RoomPlan, ...] | None = None  # explicit rooms (tests); overrides rooms/tokens/steps
 
@@ -97,6 +98,8 @@ class RigConfig:
             raise PlanError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction}")
         if not 0 <= self.min_steps <= self.max_steps:
             raise PlanError(f"need 0 <= min_steps <= max_steps, got {self.min_steps}, {self.max_steps}")
+        if self.decode_step_ms < 0:
+            raise PlanError(f"decode_step_ms must be >= 0, got {self.decode_step_ms}")
         if self.max_running < 1:
             raise PlanError(f"max_running must be >= 1, got {self.max_running}")
         if self.device not in DEVICES:

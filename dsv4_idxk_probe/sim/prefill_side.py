@@ -251,8 +251,12 @@ class _RoomJob:
         pending = monitor.room_sent(rid, self.pages[self.plan.prefix_pages :], self.plan.sent_tokens)
         if pending is None:
             return None
+        if self.side.bufs[0].is_cuda:
+            # SGLang's NIXL path blocks on the stream before the aux data leaves (the rig's
+            # _send does the same with the probe off), so the digest is ready then.
+            torch.cuda.current_stream().synchronize()
         deadline = time.monotonic() + 10.0
-        while not pending.ready():  # SGLang's NIXL path also waits for the stream before the aux send
+        while not pending.ready():
             if time.monotonic() > deadline:
                 return None
             time.sleep(_IDLE_S)

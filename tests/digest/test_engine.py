@@ -85,3 +85,31 @@ def test_bad_buffers_are_refused_with_the_layer_named(buffers, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         DigestEngine(LAYOUT, [7], buffers)
     assert "layer 7" in str(err.value)
+
+
+def test_page_tables_from_host_and_device_mix_in_one_batch(random_buffers):
+    """Page lists, NumPy arrays and tensors on the buffers' device go in one launch (host ones
+    travel in the staging upload); each room's digest equals the reference's, room bytes too."""
+    import numpy as np
+
+    from dsv4_idxk_probe.digest.reference import digest_room
+
+    buffers = [b.to(DEVICE) for b in random_buffers(LAYOUT, 3, 9, seed=5)]
+    engine = DigestEngine(LAYOUT, [0, 3, 7], buffers, backend="triton")
+    rooms = [
+        RoomRequest("list", [4, 2, 8], 2 * 256 + 9),
+        RoomRequest("device", torch.tensor([1, 5], dtype=torch.int32, device=DEVICE), 300),
+        RoomRequest("numpy", np.array([6, 3, 0, 7]), 4 * 256),
+        RoomRequest("empty", [], 0),
+    ]
+    got, done = [], threading.Event()
+    pending = engine.submit(rooms, lambda batch: (got.append(batch), done.set()))
+    assert done.wait(30)
+    host = [b.cpu() for b in buffers]
+    for room, digest, room_bytes in zip(rooms, got[0].digests, got[0].room_bytes):
+        pages = room.pages.cpu().numpy() if isinstance(room.pages, torch.Tensor) else room.pages
+        want = digest_room(host, pages, room.n_tokens, LAYOUT, [0, 3, 7], key=room.key)
+        assert (digest.key, digest.room, list(digest.pages)) == (room.key, want.room, list(want.pages))
+        assert room_bytes == 3 * 132 * sum(min(64, max(0, (room.n_tokens - 256 * k) // 4)) for k in range(len(pages)))
+    assert [int(v) for v in pending.room_digests] == [d.room for d in got[0].digests]
+    engine.close()

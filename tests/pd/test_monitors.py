@@ -159,3 +159,33 @@ def test_inband_round_trip_and_foreign_slots():
     assert InbandDigest.from_slots(value.to_slots()) == value
     assert InbandDigest.from_slots([0, 0, 0, 0]) is None
     assert InbandDigest.from_slots(np.array(value.to_slots(), dtype=np.uint64)) == value
+
+
+def test_one_batch_one_launch_with_each_room_judged_on_its_own(pair):
+    """batch_done digests every due room of a decode batch in one submit; a change in one
+    room is reported for that room alone, and bytes are counted per room."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    rooms = {RoomId(1): ([0, 1], [2, 3]), RoomId(2): ([4], [5]), RoomId(3): ([6, 7], [8, 9])}
+    inbands = {}
+    for i, (room, (src, dst)) in enumerate(rooms.items()):
+        _copy_room(pre_bufs, src, dec_bufs, dst)
+        pending = prefill.room_sent(room, src, 256 * len(src))
+        pre_sink.wait_for(i + 1)
+        inbands[room] = InbandDigest(int(pending.room_digests[0]), prefill.engine.signature, 256 * len(src))
+        decode.room_received(room, dst, 256 * len(src), inbands[room])
+    dec_sink.wait_for(3)
+    dec_bufs[0][9, 100] ^= 1  # room 3, logical page 1, layer id 0, payload
+    submits = []
+    real_submit = decode.engine.submit
+    decode.engine.submit = lambda reqs, cb: submits.append([r.key for r in reqs]) or real_submit(reqs, cb)
+    decode.batch_done([RoomId(1)], [(RoomId(2), 10), (RoomId(3), 10), (RoomId(2), 7)])
+    records = dec_sink.wait_for(6)[3:]
+    assert len(submits) == 1 and sorted(submits[0]) == sorted(r.key for r in rooms)
+    by_room = {r["room"]: (r["stage"], r["verdict"]) for r in records}
+    assert by_room == {"1": ("decode_finish", "match"), "2": ("decode_step", "match"), "3": ("decode_step", "mismatch")}
+    bad = next(r for r in records if r["room"] == "3")
+    assert bad["localisation"]["layer_segments"] == [[0, "payload"]] and bad["localisation"]["pages"] == [1]
+    labels = {"role": "decode", "model": "", "rank": "", "stage": "decode_step"}
+    frozen_row_bytes = LAYOUT.row_bytes * len(LAYER_IDS)
+    assert registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", labels) == 3 * frozen_row_bytes  # rooms 2 and 3
+    assert decode.tracked() == 2  # room 1 finished and is forgotten

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every GPU measurement bench/RESULTS.md records, in one device session.
+#
+# Why one script: a GPU machine is lent for minutes at a time and each start
+# costs one; the steps below share its warm-up. Each step has its own time
+# limit, so one that hangs cannot take the later ones with it, and results
+# are packed after every step, so a cut-off run still returns what finished.
+#
+#   bash bench/gpu_session.sh OUTDIR [STEPS]     STEPS: comma list, default all
+#
+# Needs torch with CUDA and Triton. Packages the machine lacks (nixl, pyzmq,
+# xxhash, prometheus_client, wrapt, orjson, ...) are installed from ./.whl
+# when that folder exists (see bench/README.md for how to fill it).
+set -u
+out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
+steps=${2:-audit,inject,overhead,serving,rig}
+mkdir -p "$out"
+res=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+log="$out/session.log"
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed" | tee -a "$log"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+{ date -u; nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee -a "$log"
+
+step() {  # name, time limit (s), command...
+    local name=$1 limit=$2
+    shift 2
+    case ",$steps," in *",$name,"*) ;; *) return 0 ;; esac
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
+    local started=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
+    tar -czf "$out/results.tgz" -C "$res" . 2>/dev/null
+}
+
+step audit 120 python3 bench/sync_audit.py --out "$res/sync_audit"
+step inject 60 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
+step overhead 200 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --out "$res/overhead"
+step serving 140 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+    --skip-hostpool --out "$res/overhead_serving"
+step rig 60 python3 bench/rig_gpu.py --rooms 200
+step digest 150 python3 bench/digest_gpu.py --out "$res/digest"
+tar -czf "$out/results.tgz" -C "$res" .

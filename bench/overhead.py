@@ -1,0 +1,491 @@
+"""Is the probe free to leave on? Throughput and latency with it off and on, interleaved.
+
+Two legs, each run in interleaved repetitions (A B A B ..., A B C A B C ...)
+so drift on a shared machine hits every variant alike; every ratio is
+against "off" measured in the same repetition:
+
+1. The PD rig (``dsv4_idxk_probe.sim``): two processes moving DSV4-shaped
+   index-K pages over real NIXL, driven through `run_rig` exactly as the demo
+   drives it. The probe is switched on the way an operator does it, through
+   the children's environment: ``off`` leaves DSV4_IDXK_PROBE unset,
+   ``observe`` sets DSV4_IDXK_PROBE=1 and DSV4_IDXK_PROBE_CONFIG (room log
+   dir, step interval). No faults, no byte oracle (it is the rig's own
+   checker, not the probe). Reported per run: rooms/s in the steady part
+   (the first --warmup-frac of finished rooms excluded, so process start
+   and one-time kernel loading are not counted as per-room cost) and over
+   the whole span, and room latency (last chunk sent -> room finished on
+   decode, timed by the parent at event arrival) percentiles. Every
+   observe run must show every room matching at decode_finish in its room
+   log, or the run counts as failed: a probe that did not run is not free.
+
+2. HiCache host-pool copies. The rig has no host-pool leg, so round-trip
+   mode is measured here on host-pool-shaped copies: a pool with the
+   attributes and copy methods of SGLang's DeepSeekV4PagedHostPool (fp8
+   index-K rows of 8448 B, one row per page per C4 layer), wrapped by the
+   product's own adapter factories (dsv4_idxk_probe.sglang.hicache), with
+   the probe config read through DSV4_IDXK_PROBE / DSV4_IDXK_PROBE_CONFIG.
+   One cycle = a backup of --hp-pages pages over all layers, then the
+   per-layer loads of the same pages (what a HiCache hit does). Variants:
+   ``bare``, ``observe`` (round-trip off, index checks on: the default) and
+   ``observe+roundtrip`` (a debugging mode that synchronises). On CUDA both
+   row sets live in device memory (a device-side gather/scatter stands in
+   for SGLang's copy kernel); the probe's per-call work does not read them
+   except in round-trip mode.
+
+Usage:  python3 bench/overhead.py --out DIR [--device cpu|cuda] [--reps 5]
+Prints a short table last; writes overhead.json under --out. Exit status 0
+when every run completed and every observe run verified its rooms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
+
+RIG_VARIANTS = ("off", "observe")
+HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
+HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
+HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="folder for overhead.json (and kept run logs with --keep-logs)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each variant (>= 5 for the table)")
+    p.add_argument("--skip-rig", action="store_true")
+    p.add_argument("--skip-hostpool", action="store_true")
+    rig = p.add_argument_group("rig leg")
+    rig.add_argument("--rooms", type=int, default=0, help="rooms per run; 0: calibrate from --target-seconds")
+    rig.add_argument("--target-seconds", type=float, default=3.0, help="steady seconds per run when calibrating")
+    rig.add_argument("--warmup-frac", type=float, default=0.1, help="first finished rooms left out of the steady rate")
+    rig.add_argument("--layers", type=int, default=8)
+    rig.add_argument("--layout", default="fp8")
+    rig.add_argument("--min-tokens", type=int, default=64)
+    rig.add_argument("--max-tokens", type=int, default=4096)
+    rig.add_argument("--min-steps", type=int, default=8)
+    rig.add_argument("--max-steps", type=int, default=48)
+    rig.add_argument("--max-running", type=int, default=16)
+    rig.add_argument("--decode-step-ms", type=float, default=0.0,
+                     help="model time per decode batch step (0: transport only, the worst case for the ratio)")
+    rig.add_argument("--step-interval", type=int, default=8, help="probe config step_interval (decode_step digests)")
+    rig.add_argument("--prefill-gpu", type=int, default=0)
+    rig.add_argument("--decode-gpu", type=int, default=0)
+    rig.add_argument("--seed", type=int, default=0)
+    rig.add_argument("--run-timeout", type=float, default=300.0)
+    rig.add_argument("--keep-logs", action="store_true", help="keep each observe run's room log under --out")
+    hp = p.add_argument_group("host-pool leg")
+    hp.add_argument("--hp-layers", type=int, default=30, help="C4 layers of the index-K host pool")
+    hp.add_argument("--hp-pages", type=int, default=16, help="pages per backup / load")
+    hp.add_argument("--hp-cycles", type=int, default=40, help="cycles per variant and repetition")
+    return p.parse_args(argv)
+
+
+# %% statistics
+
+
+def pct(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
+
+
+def ratios(runs: dict[str, list[dict]], key: str, base: str) -> dict[str, dict]:
+    """Per-repetition ratio of `key` to the base variant's, and their median."""
+    out = {}
+    for variant, samples in runs.items():
+        if variant == base:
+            continue
+        per_pair = [s[key] / b[key] for s, b in zip(samples, runs[base]) if b[key] > 0]
+        out[variant] = {
+            "per_pair": per_pair,
+            "median": statistics.median(per_pair) if per_pair else float("nan"),
+            "min": min(per_pair, default=float("nan")),
+            "max": max(per_pair, default=float("nan")),
+            "ratio_of_medians": statistics.median(s[key] for s in samples) / statistics.median(b[key] for b in runs[base]),
+        }
+    return out
+
+
+# %% rig leg
+
+
+@dataclass
+class Timeline:
+    """When the parent saw each room's events (perf_counter seconds)."""
+
+    sent: dict = field(default_factory=dict)
+    received: dict = field(default_factory=dict)
+    finished: dict = field(default_factory=dict)
+
+    def __call__(self, event: tuple) -> None:
+        if event[0] in ("sent", "received", "finished"):
+            getattr(self, event[0])[event[2]] = time.perf_counter()
+
+    def summary(self, warmup_frac: float) -> dict:
+        done = sorted(self.finished.items(), key=lambda kv: kv[1])
+        n = len(done)
+        if n < 3 or not self.sent:
+            return {"rooms": n, "steady_rooms_per_s": 0.0, "rooms_per_s": 0.0}
+        w = min(n - 2, int(n * warmup_frac))
+        t0 = done[w][1]
+        steady = [room for room, t in done[w:]]
+        latency = [1e3 * (self.finished[r] - self.sent[r]) for r in steady if r in self.sent]
+        transfer = [1e3 * (self.received[r] - self.sent[r]) for r in steady if r in self.sent and r in self.received]
+        return {
+            "rooms": n,
+            "steady_rooms_per_s": (n - 1 - w) / (done[-1][1] - t0),
+            "rooms_per_s": n / (done[-1][1] - min(self.sent.values())),
+            "latency_ms": {q: pct(latency, int(q[1:])) for q in ("p50", "p90", "p99")},
+            "transfer_ms": {q: pct(transfer, int(q[1:])) for q in ("p50", "p90", "p99")},
+        }
+
+
+def rig_config(args, rooms: int):
+    from dsv4_idxk_probe.sim.plan import RigConfig
+
+    return RigConfig(
+        rooms=rooms, layers=args.layers, layout=args.layout, seed=args.seed, min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens, min_steps=args.min_steps, max_steps=args.max_steps,
+        max_running=args.max_running, device=args.device, prefill_gpu=args.prefill_gpu,
+        decode_gpu=args.decode_gpu, pool_source="builtin", oracle=False, decode_step_ms=args.decode_step_ms,
+    )
+
+
+def rig_env(variant: str, run_dir: Path, step_interval: int):
+    """What an operator sets on both pods: nothing (off), or the variable and a config file."""
+    from dsv4_idxk_probe.sim.plan import RoleEnv
+    from dsv4_idxk_probe.sim.settings import child_env
+
+    if variant == "off":
+        return RoleEnv()
+    config = run_dir / "probe.yaml"
+    config.write_text(yaml.safe_dump({"step_interval": step_interval, "roomlog": {"dir": str(run_dir / "logs")}}))
+    return RoleEnv(common=child_env(probe=True, config=str(config)))
+
+
+def check_logs(log_dir: Path, rooms: int) -> dict:
+    """What the probe wrote: per-stage verdict counts and bytes; ok when every room matched at finish."""
+    from dsv4_idxk_probe.roomlog import expand_inputs, read_entries
+
+    files = expand_inputs([str(log_dir)]) if log_dir.is_dir() else []
+    counts: dict[str, dict[str, int]] = {}
+    bad_lines = 0
+    for entry in read_entries(files):
+        if entry.record is None:
+            bad_lines += 1
+            continue
+        r = entry.record
+        stage = counts.setdefault(r.get("stage", "?"), {})
+        stage[str(r.get("verdict"))] = stage.get(str(r.get("verdict")), 0) + 1
+    finish_match = counts.get("decode_finish", {}).get("match", 0)
+    sent = sum(counts.get("prefill_send", {}).values())
+    return {
+        "verdicts": counts,
+        "bad_lines": bad_lines,
+        "bytes": sum(f.stat().st_size for f in files),
+        "ok": finish_match == rooms and sent == rooms and bad_lines == 0,
+    }
+
+
+def one_rig_run(args, variant: str, rooms: int, work: Path, tag: str) -> dict:
+    from dsv4_idxk_probe.sim.rig import run_rig
+
+    run_dir = work / tag
+    run_dir.mkdir(parents=True)
+    timeline = Timeline()
+    result = run_rig(rig_config(args, rooms), rig_env(variant, run_dir, args.step_interval), on_event=timeline,
+                     timeout_s=args.run_timeout)
+    out = {"variant": variant, "seconds_incl_start": result.seconds, **timeline.summary(args.warmup_frac)}
+    out["completed"] = len(result.finished) == rooms
+    if variant != "off":
+        out["probe_log"] = check_logs(run_dir / "logs", rooms)
+        if args.keep_logs and args.out is not None:
+            import shutil
+
+            shutil.copytree(run_dir / "logs", args.out / "rig-logs" / tag)
+    return out
+
+
+def run_rig_leg(args, work: Path) -> dict:
+    rooms = args.rooms
+    warmups = []
+    probe_rooms = rooms or 48
+    for variant in RIG_VARIANTS:  # caches warm (Triton's kernel cache on CUDA); the off run calibrates
+        run = one_rig_run(args, variant, probe_rooms, work, f"warmup-{variant}")
+        warmups.append(run)
+        print(f"  warm-up {variant:<8} {run['rooms']} rooms, {run['steady_rooms_per_s']:.1f} rooms/s", flush=True)
+    if not rooms:
+        rate = warmups[0]["steady_rooms_per_s"]
+        rooms = int(min(20000, max(48, round(rate * args.target_seconds / (1 - args.warmup_frac)))))
+        print(f"  calibrated: {rooms} rooms per run (~{args.target_seconds:.1f} s steady at {rate:.1f} rooms/s)", flush=True)
+    runs: dict[str, list[dict]] = {v: [] for v in RIG_VARIANTS}
+    for rep in range(args.reps):
+        for variant in RIG_VARIANTS:
+            run = one_rig_run(args, variant, rooms, work, f"rep{rep}-{variant}")
+            runs[variant].append(run)
+            lat = run.get("latency_ms", {})
+            print(f"  rep {rep} {variant:<8} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
+                  f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms"
+                  + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
+    return {
+        "rooms_per_run": rooms,
+        "config": {k: getattr(args, k) for k in ("layers", "layout", "min_tokens", "max_tokens", "min_steps",
+                                                  "max_steps", "max_running", "step_interval", "decode_step_ms",
+                                                  "warmup_frac", "seed")},
+        "warmups": warmups,
+        "runs": runs,
+        "steady_rooms_per_s_ratio": ratios(runs, "steady_rooms_per_s", "off"),
+        "rooms_per_s_ratio": ratios(runs, "rooms_per_s", "off"),
+        "latency_p50_ratio": _latency_ratios(runs, "p50"),
+        "latency_p99_ratio": _latency_ratios(runs, "p99"),
+        "valid": all(r["completed"] for rs in runs.values() for r in rs)
+        and all(r["probe_log"]["ok"] for r in runs["observe"]),
+    }
+
+
+def _latency_ratios(runs: dict, q: str) -> dict:
+    flat = {v: [{"x": r["latency_ms"][q]} for r in rs] for v, rs in runs.items()}
+    return ratios(flat, "x", "off")
+
+
+# %% host-pool leg
+
+
+class HostPoolShape:
+    """What the adapter reads of SGLang's DeepSeekV4PagedHostPool (layer_first), with
+    gather/scatter copies: rows are page groups of `slot_page_size` indices, the group's
+    first index divided by the page size, as the pool computes it."""
+
+    def __init__(self, layers: int, host_pages: int, device_pages: int, device):
+        self.pool_name, self.layer_num, self.item_bytes = "deepseek_v4_c4_indexer", layers, HP_ITEM_BYTES
+        self.slot_page_size, self.num_host_pages = HP_PAGE_TOKENS, host_pages
+        self.layout, self.page_aligned_only = "layer_first", False
+        g = torch.Generator(device="cpu").manual_seed(7)
+        self.device_buffers = [torch.randint(0, 256, (device_pages, HP_ITEM_BYTES), dtype=torch.uint8, generator=g).to(device)
+                               for _ in range(layers)]
+        self.kv_buffer = [torch.zeros(host_pages, HP_ITEM_BYTES, dtype=torch.uint8, device=device) for _ in range(layers)]
+
+    def _rows(self, indices):
+        return indices.reshape(-1, self.slot_page_size)[:, 0] // self.slot_page_size
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        host_rows, device_rows = self._rows(host_indices), self._rows(device_indices)
+        for src, dst in zip(self.device_buffers, self.kv_buffer):
+            dst.index_copy_(0, host_rows, src.index_select(0, device_rows))
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False):
+        rows = self._rows(device_indices)
+        self.device_buffers[layer_id].index_copy_(0, rows, self.kv_buffer[layer_id].index_select(0, self._rows(host_indices)))
+
+    def backup_tokens_from_device_all_layer(self, host_indices, device_indices):
+        raise ValueError("token path not used by this bench")
+
+
+_HP_METHODS = ("backup_from_device_all_layer", "load_to_device_per_layer", "backup_tokens_from_device_all_layer")
+
+
+class WrappedFor:
+    """The adapter's wrappers on HostPoolShape for one variant, configured from the environment."""
+
+    def __init__(self, variant: str, work: Path):
+        from prometheus_client import CollectorRegistry
+
+        from dsv4_idxk_probe.config import load_config
+        from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+
+        config_file = work / f"hostpool-{variant}.yaml"
+        config_file.write_text(yaml.safe_dump({"hicache": {"roundtrip": variant == "observe+roundtrip"}}))
+        env = {ev.DSV4_IDXK_PROBE: "1", ev.DSV4_IDXK_PROBE_CONFIG: str(config_file)}
+        self.registry = CollectorRegistry()
+        self.records: list[dict] = []
+        self.runtime = SimpleNamespace(
+            metrics=ProbeMetrics(self.registry), config=load_config(env), emit=self.records.append,
+            log=logging.getLogger("bench.overhead"),
+        )
+        self.handles: list = []
+
+    def __enter__(self):
+        import wrapt
+
+        from dsv4_idxk_probe.sglang import hicache as adapter
+
+        factories = (adapter.make_backup_wrapper, adapter.make_load_wrapper, adapter.make_backup_tokens_wrapper)
+        for name, factory in zip(_HP_METHODS, factories):
+            self.handles.append((name, wrapt.wrap_function_wrapper(HostPoolShape, name, factory(self.runtime))))
+        return self
+
+    def __exit__(self, *exc):
+        import wrapt
+
+        from dsv4_idxk_probe.hicache import forget
+
+        for name, handle in self.handles:
+            if hasattr(wrapt, "unwrap_object"):
+                wrapt.unwrap_object(HostPoolShape, name, handle)
+            else:  # wrapt 1.x: the proxy keeps the original
+                setattr(HostPoolShape, name, HostPoolShape.__dict__[name].__wrapped__)
+        self.handles.clear()
+        forget(self.runtime)  # stops the flusher after its last flush; the next block starts afresh
+
+    def roundtrip_counts(self) -> dict[str, int]:
+        out = {}
+        for metric in self.registry.collect():
+            if metric.name == "dsv4_idxk_probe_hicache_roundtrip":
+                for s in metric.samples:
+                    if s.name.endswith("_total") and s.value:
+                        key = f"{s.labels['leg']}:{s.labels['verdict']}"
+                        out[key] = out.get(key, 0) + int(s.value)
+        return out
+
+
+def run_hostpool_leg(args, work: Path) -> dict:
+    device = torch.device(args.device)
+    pages = args.hp_pages
+    groups = 8
+    pool = HostPoolShape(args.hp_layers, host_pages=groups * pages + 1, device_pages=groups * pages + 1, device=device)
+
+    def idx(first_page: int):
+        return torch.arange(first_page * HP_PAGE_TOKENS, (first_page + pages) * HP_PAGE_TOKENS, dtype=torch.int64, device=device)
+
+    sets = [(idx(1 + g * pages), idx(1 + ((g + 3) % groups) * pages)) for g in range(groups)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def cycle(k: int) -> None:
+        host, dev = sets[k % groups]
+        pool.backup_from_device_all_layer(None, host, dev, "kernel")
+        for layer in range(args.hp_layers):
+            pool.load_to_device_per_layer(None, host, dev, layer, "kernel")
+        sync()
+
+    wrapped = {v: WrappedFor(v, work) for v in HP_VARIANTS if v != "bare"}
+    for variant in HP_VARIANTS:  # first calls register the pool and warm caches: not timed
+        with wrapped[variant] if variant in wrapped else _Nothing():
+            for k in range(groups):
+                cycle(k)
+    runs: dict[str, list[dict]] = {v: [] for v in HP_VARIANTS}
+    for rep in range(args.reps):
+        for variant in HP_VARIANTS:
+            times = []
+            with wrapped[variant] if variant in wrapped else _Nothing():
+                for k in range(args.hp_cycles):
+                    started = time.perf_counter()
+                    cycle(k)
+                    times.append(time.perf_counter() - started)
+            ms = [1e3 * t for t in times]
+            runs[variant].append({"cycles_per_s": len(times) / sum(times),
+                                  "latency_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99)}})
+        print(f"  rep {rep} " + "  ".join(f"{v} {runs[v][-1]['cycles_per_s']:.1f}/s" for v in HP_VARIANTS), flush=True)
+    counts = wrapped["observe+roundtrip"].roundtrip_counts()
+    legs_matched = all(counts.get(f"{leg}:match", 0) > 0 for leg in ("d2h", "host", "h2d"))
+    mismatches = sum(n for k, n in counts.items() if k.endswith(":mismatch"))
+    return {
+        "pool": {"layers": args.hp_layers, "pages_per_call": pages, "item_bytes": HP_ITEM_BYTES,
+                 "page_tokens": HP_PAGE_TOKENS, "layout": "layer_first", "device": str(device),
+                 "bytes_per_cycle": 2 * args.hp_layers * pages * HP_ITEM_BYTES},
+        "cycles_per_rep": args.hp_cycles,
+        "runs": runs,
+        "cycles_per_s_ratio": ratios(runs, "cycles_per_s", "bare"),
+        "latency_p50_ratio": ratios({v: [{"x": r["latency_ms"]["p50"]} for r in rs] for v, rs in runs.items()}, "x", "bare"),
+        "roundtrip_counts": counts,
+        "valid": legs_matched and mismatches == 0,
+    }
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# %% report
+
+
+def environment(args) -> dict:
+    env = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "command": "python3 bench/overhead.py " + shlex.join(sys.argv[1:]),
+        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "device": args.device,
+    }
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(args.prefill_gpu)
+    return env
+
+
+def print_tables(report: dict) -> None:
+    rig = report.get("rig")
+    if rig:
+        print(f"\nPD rig, {rig['rooms_per_run']} rooms/run, {report['reps']} interleaved reps, device {report['env']['device']}"
+              f" ({'valid' if rig['valid'] else 'INVALID: see JSON'})")
+        print(f"{'variant':<10} {'steady rooms/s':>15} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99 ratio':>9}")
+        for variant, runs in rig["runs"].items():
+            rate = statistics.median(r["steady_rooms_per_s"] for r in runs)
+            lat = {q: statistics.median(r["latency_ms"][q] for r in runs) for q in ("p50", "p90", "p99")}
+            r = rig["steady_rooms_per_s_ratio"].get(variant)
+            p99 = rig["latency_p99_ratio"].get(variant)
+            span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
+            print(f"{variant:<10} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
+                  f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
+    hp = report.get("hostpool")
+    if hp:
+        pool = hp["pool"]
+        print(f"\nHost-pool copies ({pool['layers']} layers x {pool['pages_per_call']} pages x {pool['item_bytes']} B, backup + "
+              f"per-layer loads per cycle, device {pool['device']}; {'valid' if hp['valid'] else 'INVALID'}; "
+              f"round trip {hp['roundtrip_counts']})")
+        print(f"{'variant':<18} {'cycles/s':>9} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p99 ms':>8}")
+        for variant, runs in hp["runs"].items():
+            rate = statistics.median(r["cycles_per_s"] for r in runs)
+            p50 = statistics.median(r["latency_ms"]["p50"] for r in runs)
+            p99 = statistics.median(r["latency_ms"]["p99"] for r in runs)
+            r = hp["cycles_per_s_ratio"].get(variant)
+            span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
+            print(f"{variant:<18} {rate:9.1f} {r['median'] if r else 1.0:7.3f} {span:>15} {p50:8.2f} {p99:8.2f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible", file=sys.stderr)
+        return 2
+    for name in (ev.DSV4_IDXK_PROBE, ev.DSV4_IDXK_PROBE_CONFIG, ev.DSV4_IDXK_PROBE_FAULTS):
+        os.environ.pop(name, None)  # "off" means unset in the children, whatever this shell had
+    torch.set_num_threads(1)
+    report: dict = {"env": environment(args), "reps": args.reps}
+    with tempfile.TemporaryDirectory(prefix="idxk-overhead-") as tmp:
+        work = Path(tmp)
+        if not args.skip_rig:
+            print("PD rig leg (off / observe, interleaved):", flush=True)
+            report["rig"] = run_rig_leg(args, work)
+        if not args.skip_hostpool:
+            print("host-pool leg (bare / observe / observe+roundtrip, interleaved):", flush=True)
+            report["hostpool"] = run_hostpool_leg(args, work)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "overhead.json").write_text(json.dumps(report, indent=1, default=float))
+    print_tables(report)
+    valid = all(leg["valid"] for leg in (report.get("rig"), report.get("hostpool")) if leg)
+    return 0 if valid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

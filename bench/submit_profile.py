@@ -1,0 +1,117 @@
+"""Where the caller's time goes in one `DigestEngine.submit`, part by part.
+
+Why: on a host where every CUDA driver call is expensive (a sandboxed
+runtime intercepts each one), the fixed cost of a submit decides the probe's
+overhead per room. This times each part of one submit on the caller's thread
+(work list, staging fill, upload, launch, download, event) for single-room
+batches and for 16-room batches, after a warm-up, with sync debug mode
+"error" on, and prints medians.
+
+Usage (CUDA):  python3 bench/submit_profile.py [--out DIR] [--layers 30] [--pages 17] [--calls 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
+from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
+from dsv4_idxk_probe.digest import kernel as kernel_module  # noqa: E402
+
+
+class PartTimer:
+    """Wraps functions the submit path calls and adds their wall time to a named bucket."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label: str):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--pages", type=int, default=17)
+    p.add_argument("--calls", type=int, default=300)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    layout = get_layout("fp8")
+    pool_pages = 64 * args.pages + 1
+    buffers = [torch.randint(0, 256, (pool_pages, layout.row_bytes), dtype=torch.uint8, device="cuda")
+               for _ in range(args.layers)]
+    engine = DigestEngine(layout, list(range(args.layers)), buffers)
+    timer = PartTimer()
+    timer.wrap(engine_module, "build_worklist", "work list")
+    timer.wrap(kernel_module, "launch_digest", "kernel launch (Triton)")
+    timer.wrap(engine._pinned, "take", "pinned take")
+    timer.wrap(engine._events, "take", "event take")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+              "pages": args.pages, "calls": args.calls, "cases": {}}
+    torch.cuda.set_sync_debug_mode("error")
+    for rooms_per_submit in (1, 16):
+        for host_pages in (True, False):
+            def request(i):
+                pages = np.arange(args.pages) + (i % 64) * args.pages + 1
+                if not host_pages:
+                    pages = torch.as_tensor(pages, device="cuda")
+                return RoomRequest(f"r{i}", pages, args.pages * 256 - 100)
+
+            batches = [[request(i * rooms_per_submit + j) for j in range(rooms_per_submit)] for i in range(args.calls)]
+            for batch in batches[:20]:  # warm-up: pools fill, the kernel is loaded
+                engine.submit(batch, lambda _: None)
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            time.sleep(0.2)
+            torch.cuda.set_sync_debug_mode("error")
+            timer.totals.clear()
+            walls = []
+            for batch in batches:
+                started = time.perf_counter()
+                engine.submit(batch, lambda _: None)
+                walls.append(time.perf_counter() - started)
+                time.sleep(0.0005)  # the collector gives buffers back, as between real batches
+            case = f"{rooms_per_submit} room(s)/submit, page tables on {'host' if host_pages else 'device'}"
+            parts = {k: 1e6 * v / len(batches) for k, v in timer.totals.items()}
+            parts["other (staging fill, upload, download, event record, queue)"] = (
+                1e6 * statistics.mean(walls) - sum(parts.values()))
+            report["cases"][case] = {"median_us": 1e6 * statistics.median(walls), "mean_us": 1e6 * statistics.mean(walls),
+                                     "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}
+    torch.cuda.set_sync_debug_mode(0)
+    engine.close()
+    print(f"submit on {report['device']}, {args.layers} layers x {args.pages} pages per room, {args.calls} submits per case; "
+          "sync debug mode 'error' (no sync raised)")
+    for case, r in report["cases"].items():
+        print(f"{case:<48} median {r['median_us']:8.1f} us  per room {r['per_room_us']:7.1f} us")
+        for part, us in r["parts_mean_us"].items():
+            print(f"    {part:<62} {us:8.1f} us")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "submit_profile.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
