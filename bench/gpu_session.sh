@@ -13,7 +13,7 @@
 # when that folder exists (see bench/README.md for how to fill it).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,inject,overhead,serving,rig}
+steps=${2:-audit,inject,profile,overhead,serving,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -37,10 +37,11 @@ step() {  # name, time limit (s), command...
     tar -czf "$out/results.tgz" -C "$res" . 2>/dev/null
 }
 
-step audit 120 python3 bench/sync_audit.py --out "$res/sync_audit"
-step inject 60 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
-step overhead 200 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --out "$res/overhead"
-step serving 140 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
+step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
+step profile 30 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
+step overhead 150 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --out "$res/overhead"
+step serving 130 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --decode-step-ms 10 \
     --skip-hostpool --out "$res/overhead_serving"
 step rig 60 python3 bench/rig_gpu.py --rooms 200
 step digest 150 python3 bench/digest_gpu.py --out "$res/digest"

@@ -101,22 +101,25 @@ class DecodeMonitor:
         state.finished = True
         return self._submit(state, "decode_finish", None)
 
+    def step_due(self, batch_index: int) -> bool:
+        """Whether decode batch number `batch_index` (counted from 1) is a `decode_step`
+        point: every `step_interval` batches, every room in that batch at once."""
+        return self.step_interval > 0 and batch_index > 0 and batch_index % self.step_interval == 0
+
     def batch_done(self, finished: Sequence[RoomId], stepped: Sequence[tuple[RoomId, int]]) -> PendingDigest | None:
         """One decode batch in one launch: `decode_finish` for the rooms that finished in
-        it, `decode_step` for those whose step count is due. A batch of 64 rooms then
-        costs one enqueue, not one per room."""
+        it, `decode_step` for `stepped` (room, its step count), which the caller passes
+        on batches where `step_due` says so. A batch of 64 rooms costs one enqueue."""
         jobs: list[tuple[_Room, str, int | None]] = []
         for room in finished:
             state = self._get(room)
             if state is not None:
                 state.finished = True
                 jobs.append((state, "decode_finish", None))
-        if self.step_interval > 0:
-            for room, step in stepped:
-                if step > 0 and step % self.step_interval == 0:
-                    state = self._get(room)
-                    if state is not None:
-                        jobs.append((state, "decode_step", step))
+        for room, step in stepped:
+            state = self._get(room)
+            if state is not None:
+                jobs.append((state, "decode_step", step))
         return self._submit_jobs(jobs) if jobs else None
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv") -> None:

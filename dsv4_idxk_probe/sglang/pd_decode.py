@@ -11,9 +11,10 @@ Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
   ``decode_recv`` digest on the current stream (every decode forward waits on
   that stream, so it runs before the first one);
 * ``SchedulerBatchResultProcessor.process_batch_result_decode`` (after, once
-  per batch): ``decode_step`` every ``step_interval`` decode batches of a
-  room, ``decode_finish`` for rooms that finished in the batch (enqueued
-  before any later batch can reuse their pages);
+  per batch): ``decode_finish`` for rooms that finished in the batch
+  (enqueued before any later batch can reuse their pages) and, every
+  ``step_interval`` decode batches, ``decode_step`` for every other room of
+  the batch; both in one launch;
 * ``SchedulerBatchResultProcessor.process_batch_result_prebuilt`` (after):
   ``decode_finish`` for rooms that finished at once;
 * ``ScheduleBatch.retract_decode`` (after): a retracted room is `skipped`;
@@ -96,8 +97,8 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
 
 
 def on_decode_batch(runtime: Any, batch: Any) -> None:
-    """After a decode batch: `decode_finish` for rooms that finished in it, else
-    count the step and digest every `step_interval` steps.
+    """After a decode batch: `decode_finish` for rooms that finished in it and, on
+    every `step_interval`-th batch, `decode_step` for the rest; one launch.
 
     A finished room's pages were just released, but the digest is enqueued on
     the scheduler stream before any later batch is scheduled, and every forward
@@ -106,6 +107,8 @@ def on_decode_batch(runtime: Any, batch: Any) -> None:
     side = decode_side(runtime)
     if side is None:
         return
+    side.batches += 1
+    due = side.monitor.step_due(side.batches)
     finished, stepped = [], []
     for req in batch.reqs:
         room = getattr(req, ATTR_ROOM, None)
@@ -117,7 +120,8 @@ def on_decode_batch(runtime: Any, batch: Any) -> None:
             continue
         steps = getattr(req, ATTR_STEPS, 0) + 1
         setattr(req, ATTR_STEPS, steps)
-        stepped.append((room, steps))
+        if due:
+            stepped.append((room, steps))
     side.monitor.batch_done(finished, stepped)  # one launch for the whole batch
 
 

@@ -95,6 +95,7 @@ class DecodeSide(_Side):
             )
         self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._peers_cap = config.exchange.table_size
+        self.batches = 0  # decode batches seen: `decode_step` runs every step_interval of them
         self._lock = threading.Lock()
         self.monitor = DecodeMonitor(
             self.engine, runtime.emit, runtime.metrics,

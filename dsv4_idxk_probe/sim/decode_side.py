@@ -75,7 +75,8 @@ class DecodeSide:
         self.free_meta = list(range(self.meta.shape[0] - 1, -1, -1))
         self.waiting: deque[RoomPlan] = deque(self.plan)
         self.active: dict[int, _Room] = {}
-        self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "leaked_pages": 0}
+        self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0}
+        self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
         self.monitor = self.sinks = self.fetcher = None
         if self.settings.enabled:
             config = self.settings.config
@@ -178,21 +179,24 @@ class DecodeSide:
         """One decode batch step over every running room.
 
         As SGLang's ``process_batch_result_decode`` hands the probe a whole batch:
-        rooms still running get `decode_step` (when due) in one launch; then the
-        step's faults land; then the rooms that produced their last token get
-        `decode_finish` in one launch before their pages can go.
+        on every `step_interval`-th batch, the rooms still running get
+        `decode_step` in one launch; then the step's faults land; then the rooms
+        that produced their last token get `decode_finish` in one launch before
+        their pages can go.
         """
         running = [r for r in self.active.values() if r.state == "running"]
         if not running:
             return False
+        self.batches += 1
         for room in running:
             self._advance(room)
-        going_on = [r for r in running if r.steps_done < r.plan.steps]
-        if self.monitor is not None and going_on:
-            self.monitor.batch_done([], [(r.rid, r.steps_done) for r in going_on])
-        for room in going_on:
-            if self.interval > 0 and room.steps_done % self.interval == 0:
+        if self.interval > 0 and self.batches % self.interval == 0:
+            going_on = [r for r in running if r.steps_done < r.plan.steps]
+            if self.monitor is not None and going_on:
+                self.monitor.batch_done([], [(r.rid, r.steps_done) for r in going_on])
+            for room in going_on:
                 self._oracle(room, "decode_step", room.steps_done)
+            self.stats["step_digests"] += len(going_on)
         for room in running:
             self._apply_faults(room, step=room.steps_done)
         self._finish_all([r for r in running if r.steps_done == r.plan.steps])
@@ -272,7 +276,7 @@ class DecodeSide:
                 continue
             if not in_flight and fault.after_step != step:
                 continue
-            when_stage = ("decode_recv", None) if in_flight else expect.next_digest_point(step, room.plan.steps, self.interval)
+            when_stage = ("decode_recv", None) if in_flight else expect.next_digest_point(step, room.plan.steps, self.interval, self.batches)
             self._apply(room, target, rng, snapshot, when_stage)
 
     def _apply(self, room: _Room, target: inject.Target, rng, snapshot, stage) -> None:
@@ -293,7 +297,7 @@ class DecodeSide:
             for j, li in enumerate(target.layers):
                 self.bufs[li][other_phys] = torch.from_numpy(old[j]).to(self.bufs[li].device)
             frozen = self.layout.frozen_slots(other.plan.sent_tokens, other_page)
-            other_stage = expect.next_digest_point(other.steps_done, other.plan.steps, self.interval)
+            other_stage = expect.next_digest_point(other.steps_done, other.plan.steps, self.interval, self.batches)
             effects += self._effects(other, other_page, frozen, target.layers, replacement, other_phys, other_stage)
             detail["partner"] = {"room": other.plan.room, "page": other_page}
         self.events.put(("fault", "decode", _record(target.fault, room.plan.room, True, "", detail=detail, effects=effects)))

@@ -10,29 +10,32 @@ already left, is invisible by design.
 from __future__ import annotations
 
 
-def next_digest_point(steps_done: int, steps: int, interval: int) -> tuple[str, int | None]:
-    """The first digest after a room has done `steps_done` of its `steps` decode steps.
-
-    The last step is never a `decode_step` point: the batch that produces a
-    room's last token hands it to `decode_finish` instead.
+def next_digest_point(steps_done: int, steps: int, interval: int, batch: int) -> tuple[str, int | None]:
+    """The first digest after a room has done `steps_done` of its `steps` decode steps,
+    the last of them in decode batch `batch` (for a room just received: the batches
+    done so far). Running rooms step once per batch; `decode_step` runs on every
+    `interval`-th batch. The batch that produces a room's last token hands it to
+    `decode_finish` instead.
     """
     if interval > 0:
-        first = (steps_done // interval + 1) * interval
-        if first < steps:
-            return "decode_step", first
+        due = (batch // interval + 1) * interval
+        step = steps_done + due - batch
+        if step < steps:
+            return "decode_step", step
     return "decode_finish", None
 
 
 def first_stage(
-    when: str, after_step: int, steps: int, interval: int, *, page_in_last_write: bool = True
+    when: str, after_step: int, steps: int, interval: int, *, batch: int | None = None, page_in_last_write: bool = True
 ) -> tuple[str, int | None] | None:
-    """Expected first stage of a change to frozen bytes; None when no stage can see it."""
+    """Expected first stage of a change to frozen bytes; None when no stage can see it.
+    `batch`: the decode batch of step `after_step` (default: a room received before batch 1)."""
     if when == "before_send":
         # After the prefill digest: only pages still to be sent carry the change to decode.
         return ("decode_recv", None) if page_in_last_write else None
     if when == "in_flight":
         return "decode_recv", None
-    return next_digest_point(after_step, steps, interval)
+    return next_digest_point(after_step, steps, interval, after_step if batch is None else batch)
 
 
 def effect(room: int, layer_ids: list[int], page: int, segments: list[str], stage: tuple[str, int | None] | None) -> dict:

@@ -178,7 +178,8 @@ def test_one_batch_one_launch_with_each_room_judged_on_its_own(pair):
     submits = []
     real_submit = decode.engine.submit
     decode.engine.submit = lambda reqs, cb: submits.append([r.key for r in reqs]) or real_submit(reqs, cb)
-    decode.batch_done([RoomId(1)], [(RoomId(2), 10), (RoomId(3), 10), (RoomId(2), 7)])
+    assert [decode.step_due(b) for b in (0, 9, 10, 20)] == [False, False, True, True]
+    decode.batch_done([RoomId(1)], [(RoomId(2), 10), (RoomId(3), 10)])
     records = dec_sink.wait_for(6)[3:]
     assert len(submits) == 1 and sorted(submits[0]) == sorted(r.key for r in rooms)
     by_room = {r["room"]: (r["stage"], r["verdict"]) for r in records}

@@ -158,6 +158,19 @@ def test_first_stage_rules(when, after, steps, interval, want):
     assert expect.first_stage(when, after, steps, interval) == want
 
 
+@pytest.mark.parametrize(
+    "steps_done, steps, interval, batch, want",
+    [
+        (0, 10, 4, 2, ("decode_step", 2)),  # received after batch 2: batch 4 is its step 2
+        (3, 10, 4, 7, ("decode_step", 4)),  # step 3 in batch 7: batch 8 is its step 4
+        (3, 5, 4, 5, ("decode_finish", None)),  # batch 8 would be step 6: it finished at step 5
+        (1, 10, 4, 8, ("decode_step", 5)),  # batch 8 is itself a step batch: the next one is 12
+    ],
+)
+def test_step_digests_follow_the_batch_count_not_the_room(steps_done, steps, interval, batch, want):
+    assert expect.next_digest_point(steps_done, steps, interval, batch) == want
+
+
 def test_before_send_on_a_page_already_sent_is_invisible():
     assert expect.first_stage("before_send", 0, 10, 4, page_in_last_write=False) is None
 
