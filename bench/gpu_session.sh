@@ -8,9 +8,13 @@
 #
 #   bash bench/gpu_session.sh OUTDIR [STEPS]     STEPS: comma list, default all
 #
-# Needs torch with CUDA and Triton. Packages the machine lacks (nixl, pyzmq,
-# xxhash, prometheus_client, wrapt, orjson, ...) are installed from ./.whl
-# when that folder exists (see bench/README.md for how to fill it).
+# Needs torch with CUDA and Triton. Packages the machine lacks (nixl,
+# nixl-cu13, pyzmq, xxhash, prometheus_client, wrapt, orjson, pyyaml, rich
+# and its two dependencies) are installed from ./.whl when that folder
+# exists; fill it on a machine with an index, for the GPU machine's Python:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION
+# with the versions of requirements/constraints.txt.
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
 steps=${2:-audit,inject,profile,overhead,serving,rig}

@@ -111,7 +111,8 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO) -> None:
     first = ", ".join(f"{stage} {s['first_divergence'].get(stage, 0):,}" for stage in DECODE_STAGES)
     print(f"first divergence: {first}", file=out)
     print(
-        f"prefill-only rooms {s['prefill_only_rooms']:,}; live verdict disagreements "
+        f"prefill-only rooms {s['prefill_only_rooms']:,}; rooms without decode_finish "
+        f"{s['rooms_without_decode_finish']:,}; live verdict disagreements "
         f"{s['live_verdict_disagreements']:,}; duplicate records {s['duplicate_records']:,}; "
         f"conflicting prefill records {s['conflicting_prefill_records']:,}; bad lines {s['bad_lines']:,}",
         file=out,
@@ -154,7 +155,8 @@ except ImportError:
 
 
 def write_json(analysis: Analysis, path: str, status: int) -> None:
-    """Summary first, then one room per line inside the array, streamed (a million rooms fit)."""
+    """Summary first, then one room per line inside the array, streamed (a million rooms fit),
+    then the rooms only prefill logged: unverified, since no decode record names them."""
     head: dict[str, Any] = {
         "tool": "dsv4-idxk-probe diff",
         "format": 1,
@@ -170,5 +172,12 @@ def write_json(analysis: Analysis, path: str, status: int) -> None:
         for room in analysis.rooms.values():
             f.write(separator)
             f.write(_json_bytes(room.to_json()))
+            separator = b",\n"
+        f.write(b'\n],"prefill_only":[\n')
+        separator = b""
+        for room, attempt in analysis.prefill_only_keys:
+            f.write(separator)
+            f.write(_json_bytes({"room": room, "attempt": attempt, "verdict": "unverified",
+                                 "reason": "prefill sent it; no decode record in these logs"}))
             separator = b",\n"
         f.write(b"\n]}\n")

@@ -48,26 +48,35 @@ def _as_rows(rows) -> np.ndarray:
 
 
 def segment_digests(rows, frozen_slots, layout: RowLayout) -> np.ndarray:
-    """Digest of each (row, segment) over its frozen slots: uint64 [n_rows, n_segments]."""
+    """Digest of each (row, segment) over its frozen slots: uint64 [n_rows, n_segments].
+
+    All word arithmetic is in uint32, which NumPy wraps mod 2^32 exactly as
+    the definition asks; only rows with unfrozen slots (a room's tail page)
+    pay for masking.
+    """
     rows = _as_rows(rows)
     if rows.shape[1] != layout.row_bytes:
         raise ValueError(f"rows have {rows.shape[1]} bytes, layout {layout.name!r} has {layout.row_bytes}")
-    frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1, 1)
+    frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1)
     if frozen.shape[0] != rows.shape[0]:
         raise ValueError(f"{frozen.shape[0]} frozen counts for {rows.shape[0]} rows")
-    words = rows.view("<u4").astype(np.uint64)
+    words = rows.view("<u4")
+    partial = np.flatnonzero(frozen < layout.slots)
     out = np.zeros((rows.shape[0], len(layout.segments)), dtype=np.uint64)
     for s, seg in enumerate(layout.segments):
         n_words = layout.slots * seg.slot_words
-        j = np.arange(seg.word_offset, seg.word_offset + n_words, dtype=np.uint64)
-        salt = (j * np.uint64(SALT_MUL) + np.uint64(SALT_ADD)) & _U32
+        j = np.arange(seg.word_offset, seg.word_offset + n_words, dtype=np.uint32)
+        salt = j * np.uint32(SALT_MUL) + np.uint32(SALT_ADD)
         x = words[:, seg.word_offset : seg.word_offset + n_words] ^ salt
-        a = (x * np.uint64(MIX_A)) & _U32
-        a ^= a >> np.uint64(16)
-        b = ((x ^ (x >> np.uint64(15))) * np.uint64(MIX_B)) & _U32
-        keep = (np.arange(n_words) < frozen * seg.slot_words).astype(np.uint64)
-        sum_a = (a * keep).sum(axis=1) & _U32
-        sum_b = (b * keep).sum(axis=1) & _U32
+        a = x * np.uint32(MIX_A)
+        a ^= a >> np.uint32(16)
+        b = (x ^ (x >> np.uint32(15))) * np.uint32(MIX_B)
+        if partial.size:
+            cut = np.arange(n_words) >= (frozen[partial] * seg.slot_words)[:, None]
+            a[partial] = np.where(cut, np.uint32(0), a[partial])
+            b[partial] = np.where(cut, np.uint32(0), b[partial])
+        sum_a = a.sum(axis=1, dtype=np.uint32).astype(np.uint64)
+        sum_b = b.sum(axis=1, dtype=np.uint32).astype(np.uint64)
         out[:, s] = (sum_b << np.uint64(32)) | sum_a
     return out
 

@@ -135,6 +135,11 @@ class RoomResult:
         return max((s.verdict for s in self.stages), key=SEVERITY.__getitem__)
 
     @property
+    def closed(self) -> bool:
+        """Whether decode's last word on the room is in the logs: `decode_finish` or `skipped`."""
+        return any(s.stage == "decode_finish" or s.verdict == "skipped" for s in self.stages)
+
+    @property
     def first_divergence(self) -> StageResult | None:
         """The earliest decode stage whose digest mismatches prefill's."""
         bad = [s for s in self.stages if s.verdict == "mismatch"]
@@ -165,6 +170,7 @@ class RoomResult:
             "first_divergence": {"stage": first.stage, "step": first.step} if first else None,
             "last_match_before": {"stage": intact.stage, "step": intact.step} if first and intact else None,
             "stages": [s.to_json() for s in ordered],
+            "closed": self.closed,
         }
 
 
@@ -176,6 +182,7 @@ class Tally:
     room_verdicts: Counter
     first_divergence: Counter
     bad_rooms: list[RoomResult]  # not all-match, worst first
+    rooms_without_finish: int = 0  # seen on decode, neither finished nor skipped in these logs
 
 
 @dataclass
@@ -185,6 +192,7 @@ class Analysis:
     files: list[str] = field(default_factory=list)
     rooms: dict[Key, RoomResult] = field(default_factory=dict)
     prefill_only: int = 0
+    prefill_only_keys: list = field(default_factory=list)  # (room, attempt): sent, never seen on decode
     errors: list[str] = field(default_factory=list)
     n_errors: int = 0
     record_kinds: Counter = field(default_factory=Counter)
@@ -204,7 +212,9 @@ class Analysis:
         rooms: Counter = Counter()
         first: Counter = Counter()
         bad = []
+        open_rooms = 0
         for room in self.rooms.values():
+            open_rooms += not room.closed
             worst = "skipped"
             for s in room.stages:
                 stages[s.stage][s.verdict] += 1
@@ -216,7 +226,7 @@ class Analysis:
             if worst != "match" and worst != "skipped":
                 bad.append(room)
         bad.sort(key=lambda r: (-SEVERITY[r.verdict], r.room, r.attempt))
-        return Tally(stages, rooms, first, bad)
+        return Tally(stages, rooms, first, bad, open_rooms)
 
     def room_verdicts(self) -> Counter:
         return self.tally.room_verdicts
@@ -235,6 +245,7 @@ class Analysis:
             "stage_verdicts": {k: dict(v) for k, v in t.stage_verdicts.items()},
             "first_divergence": dict(t.first_divergence),
             "prefill_only_rooms": self.prefill_only,
+            "rooms_without_decode_finish": t.rooms_without_finish,
             "live_verdict_disagreements": self.live_disagreements,
             "duplicate_records": self.duplicates,
             "conflicting_prefill_records": self.conflicts,
@@ -426,7 +437,8 @@ class _Joiner:
         for key, result, packed in self.deferred:
             self._judge(key, self.a.rooms[key], result, packed)
         self.deferred.clear()
-        self.a.prefill_only = sum(1 for key in self.prefill if key not in self.a.rooms)
+        self.a.prefill_only_keys = [key for key in self.prefill if key not in self.a.rooms]
+        self.a.prefill_only = len(self.a.prefill_only_keys)
 
 
 def _first_role(path: Path) -> int:

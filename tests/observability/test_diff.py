@@ -104,6 +104,22 @@ def test_unverified_not_comparable_and_prefill_only(logs, tmp_path):
     assert rooms[("2", 0)]["verdict"] == "unverified"
     assert rooms[("3", 0)]["verdict"] == "not_comparable"
     assert ("4", 0) not in rooms and report["summary"]["prefill_only_rooms"] == 1
+    assert report["prefill_only"] == [{"room": "4", "attempt": 0, "verdict": "unverified",
+                                       "reason": "prefill sent it; no decode record in these logs"}]
+
+
+def test_rooms_decode_never_finished_are_counted_and_marked(logs, tmp_path):
+    """A room whose decode_finish is missing (decode died, or logs cut early) is not silently "match"."""
+    prefill, decode = logs([RoomPlan(1), RoomPlan(2)])
+    for f in decode.glob("*.jsonl"):
+        kept = [line for line in f.read_text().splitlines(keepends=True)
+                if not ('"room":"2"' in line.replace(" ", "") and "decode_finish" in line)]
+        f.write_text("".join(kept))
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 0
+    report = load(tmp_path / "d.json")
+    rooms = rooms_by_id(report)
+    assert report["summary"]["rooms_without_decode_finish"] == 1
+    assert (rooms[("2", 0)]["closed"], rooms[("1", 0)]["closed"]) == (False, True)
 
 
 def test_attempts_are_joined_separately(logs, tmp_path):
