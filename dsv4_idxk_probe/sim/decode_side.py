@@ -238,13 +238,14 @@ class DecodeSide:
                 if target.fault.when == "after_step" and target.fault.after_step > room.plan.steps:
                     reason = f"room finished after {room.plan.steps} decode steps"
                     self.events.put(("fault", "decode", _record(target.fault, room.plan.room, False, reason, target)))
+        for room in rooms:  # announced first: a room's log line never precedes its event
+            self.stats["finished"] += 1
+            self.events.put(("finished", "decode", room.plan.room))
         pending = self.monitor.batch_done([r.rid for r in rooms], []) if self.monitor is not None else None
         for room in rooms:
             room.pending = pending
             room.state = "retiring"
             room.truth.clear()
-            self.stats["finished"] += 1
-            self.events.put(("finished", "decode", room.plan.room))
 
     def _retire(self) -> bool:
         done = [r for r in self.active.values() if r.state == "retiring" and (r.pending is None or r.pending.ready())]

@@ -218,6 +218,13 @@ class _Run:
         proc = self.procs["decode"]
         proc.kill()
         proc.join(10)
+        try:  # what it said before it died (each event is one atomic pipe write)
+            while True:
+                event = self.events["decode"].get_nowait()
+                if event[0] != "done":
+                    self._handle(event)
+        except queue.Empty:
+            pass
         self.result.decode_killed = True
         self.done.add("decode")
         self.on_event(("killed", "decode"))

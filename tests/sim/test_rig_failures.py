@@ -41,8 +41,10 @@ def test_decode_killed_mid_run(tmp_path):
     planned = {p.room for p in cfg.room_plan()}
     with_finish = {room for room, r in rooms.items() if any(s["stage"] == "decode_finish" for s in r["stages"])}
     assert set(check.unfinished) == planned - with_finish
-    # a room decode finished in its last instants may lose its queued log line with the process
-    assert with_finish <= result.finished and planned - result.finished <= set(check.unfinished)
+    # killed mid-batch: a room's finish line can reach the disk while its event dies in the
+    # process's queue, or the other way round; at most one decode batch is in that window
+    assert len(with_finish - result.finished) <= cfg.max_running
+    assert planned - result.finished - with_finish <= set(check.unfinished)
     assert all(r["verdict"] == "match" for r in rooms.values())  # what was checked before the crash was fine
 
 
