@@ -63,16 +63,24 @@ METHODS = {
 
 
 class StandalonePool:
-    """Just enough of DeepSeekV4PagedHostPool for the adapter, with device-side copies."""
+    """Just enough of DeepSeekV4PagedHostPool (layer_first) for the adapter, with device-side
+    gather/scatter copies: a row is a page group of `slot_page_size` indices, found as the
+    group's first index over the page size, as the pool computes it. Shared by the benches."""
 
-    def __init__(self, device):
-        self.pool_name, self.layer_num, self.item_bytes = "standalone_indexer", LAYERS, ITEM
-        self.slot_page_size, self.num_host_pages, self.layout, self.page_aligned_only = PAGE, HOST_PAGES, "layer_first", False
-        self.device_buffers = [torch.zeros(DEVICE_PAGES, ITEM, dtype=torch.uint8, device=device) for _ in range(LAYERS)]
-        self.kv_buffer = [torch.zeros(HOST_PAGES, ITEM, dtype=torch.uint8, device=device) for _ in range(LAYERS)]
+    def __init__(self, device, *, layers: int = LAYERS, host_pages: int = HOST_PAGES, device_pages: int = DEVICE_PAGES,
+                 item_bytes: int = ITEM, page_tokens: int = PAGE, name: str = "standalone_indexer", seed: int | None = None):
+        self.pool_name, self.layer_num, self.item_bytes = name, layers, item_bytes
+        self.slot_page_size, self.num_host_pages, self.layout, self.page_aligned_only = page_tokens, host_pages, "layer_first", False
+        g = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        self.device_buffers = [
+            (torch.randint(0, 256, (device_pages, item_bytes), dtype=torch.uint8, generator=g) if g is not None
+             else torch.zeros(device_pages, item_bytes, dtype=torch.uint8)).to(device)
+            for _ in range(layers)
+        ]
+        self.kv_buffer = [torch.zeros(host_pages, item_bytes, dtype=torch.uint8, device=device) for _ in range(layers)]
 
     def _rows(self, indices):
-        return indices.reshape(-1, PAGE)[:, 0] // PAGE
+        return indices.reshape(-1, self.slot_page_size)[:, 0] // self.slot_page_size
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         host_rows, device_rows = self._rows(host_indices), self._rows(device_indices)

@@ -60,6 +60,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
+from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this script's folder)
 
 RIG_VARIANTS = ("off", "observe")
 HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
@@ -269,34 +270,13 @@ def _latency_ratios(runs: dict, q: str) -> dict:
 # %% host-pool leg
 
 
-class HostPoolShape:
-    """What the adapter reads of SGLang's DeepSeekV4PagedHostPool (layer_first), with
-    gather/scatter copies: rows are page groups of `slot_page_size` indices, the group's
-    first index divided by the page size, as the pool computes it."""
+class HostPoolShape(StandalonePool):
+    """What the adapter reads of SGLang's DeepSeekV4PagedHostPool (the DSV4 C4 index-K pool),
+    with random rows; a subclass so that wrapping it leaves the shared stand-in alone."""
 
     def __init__(self, layers: int, host_pages: int, device_pages: int, device):
-        self.pool_name, self.layer_num, self.item_bytes = "deepseek_v4_c4_indexer", layers, HP_ITEM_BYTES
-        self.slot_page_size, self.num_host_pages = HP_PAGE_TOKENS, host_pages
-        self.layout, self.page_aligned_only = "layer_first", False
-        g = torch.Generator(device="cpu").manual_seed(7)
-        self.device_buffers = [torch.randint(0, 256, (device_pages, HP_ITEM_BYTES), dtype=torch.uint8, generator=g).to(device)
-                               for _ in range(layers)]
-        self.kv_buffer = [torch.zeros(host_pages, HP_ITEM_BYTES, dtype=torch.uint8, device=device) for _ in range(layers)]
-
-    def _rows(self, indices):
-        return indices.reshape(-1, self.slot_page_size)[:, 0] // self.slot_page_size
-
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
-        host_rows, device_rows = self._rows(host_indices), self._rows(device_indices)
-        for src, dst in zip(self.device_buffers, self.kv_buffer):
-            dst.index_copy_(0, host_rows, src.index_select(0, device_rows))
-
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False):
-        rows = self._rows(device_indices)
-        self.device_buffers[layer_id].index_copy_(0, rows, self.kv_buffer[layer_id].index_select(0, self._rows(host_indices)))
-
-    def backup_tokens_from_device_all_layer(self, host_indices, device_indices):
-        raise ValueError("token path not used by this bench")
+        super().__init__(device, layers=layers, host_pages=host_pages, device_pages=device_pages, item_bytes=HP_ITEM_BYTES,
+                         page_tokens=HP_PAGE_TOKENS, name="deepseek_v4_c4_indexer", seed=7)
 
 
 _HP_METHODS = ("backup_from_device_all_layer", "load_to_device_per_layer", "backup_tokens_from_device_all_layer")
