@@ -24,9 +24,10 @@ export PYTHONUNBUFFERED=1
 log="$out/session.log"
 
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    site="$res/site"  # installed packages; the packed results leave it out
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
         || { echo "wheel install failed" | tee -a "$log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=$site:$PWD
 fi
 { date -u; nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee -a "$log"
 
@@ -38,7 +39,7 @@ step() {  # name, time limit (s), command...
     local started=$SECONDS
     timeout "$limit" "$@" 2>&1 | tee -a "$log"
     echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
-    tar -czf "$out/results.tgz" -C "$res" . 2>/dev/null
+    tar -czf "$out/results.tgz" --exclude=./site -C "$res" . 2>/dev/null
 }
 
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
@@ -49,4 +50,4 @@ step serving 130 python3 bench/overhead.py --device cuda --reps 5 --target-secon
     --skip-hostpool --out "$res/overhead_serving"
 step rig 60 python3 bench/rig_gpu.py --rooms 200
 step digest 150 python3 bench/digest_gpu.py --out "$res/digest"
-tar -czf "$out/results.tgz" -C "$res" .
+tar -czf "$out/results.tgz" --exclude=./site -C "$res" .
