@@ -69,6 +69,7 @@ class PendingDigest:
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
     pinned: list = field(default_factory=list)  # staging buffers to give back once done
     final_rooms: np.ndarray | None = None  # a private copy, once collected
+    counted: bool = True  # False for the engine's own warm-up batch
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -282,12 +283,17 @@ class DigestEngine:
 
     def _warm_up(self) -> None:
         """Compile (or load) the kernel now, at start-up, not on the first room: a cold
-        Triton compile takes about a second. One page of layer 0, never waited for."""
+        Triton compile takes about a second. An empty room (no frozen slot), never waited
+        for; the collector recycles its buffers like any batch's, and counts no room."""
+        rooms = [RoomRequest("warm-up", [0], 0)]
         try:
-            self._launch_triton(build_worklist(self.layout, len(self.layer_ids), [RoomRequest("warm-up", [0], 0)]),
-                                [RoomRequest("warm-up", [0], 0)], lambda _: None)
+            ticket = self._launch_triton(build_worklist(self.layout, len(self.layer_ids), rooms), rooms, lambda _: None)
         except Exception:
             log.exception("digest kernel warm-up failed; the first room will compile it")
+            return
+        ticket.counted = False
+        self._ensure_thread()
+        self._queue.put_nowait(ticket)
 
     # %% collection
 
@@ -334,7 +340,8 @@ class DigestEngine:
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
-        self.stats.completed_rooms += len(digests)
+        if ticket.counted:
+            self.stats.completed_rooms += len(digests)
         ticket.final_rooms = ticket.room_digests.copy()
         for buffer in ticket.pinned:  # results are copied out above; the event has completed
             self._pinned.give(buffer)

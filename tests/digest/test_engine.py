@@ -113,3 +113,15 @@ def test_page_tables_from_host_and_device_mix_in_one_batch(random_buffers):
         assert room_bytes == 3 * 132 * sum(min(64, max(0, (room.n_tokens - 256 * k) // 4)) for k in range(len(pages)))
     assert [int(v) for v in pending.room_digests] == [d.room for d in got[0].digests]
     engine.close()
+
+
+def test_warm_up_batch_is_collected_but_not_counted(random_buffers):
+    """The start-up launch (run at construction on CUDA; called by hand here) goes through
+    the collector, so its buffers are recycled, and never shows in the room counts."""
+    engine = DigestEngine(LAYOUT, [0, 1], [b.to(DEVICE) for b in random_buffers(LAYOUT, 2, 4, seed=3)], backend="triton")
+    engine._warm_up()
+    done = threading.Event()
+    engine.submit([RoomRequest("real", [1, 2], 300)], lambda batch: done.set())
+    assert done.wait(30)
+    engine.close()
+    assert (engine.stats.submitted_rooms, engine.stats.completed_rooms, engine.stats.callback_errors) == (1, 1, 0)
