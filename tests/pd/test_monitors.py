@@ -7,12 +7,11 @@ localised to its (layer, page, segment), with earlier stages shown as match.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from recordsink import Sink
 
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
@@ -20,24 +19,6 @@ from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, Room
 
 LAYER_IDS = [0, 2, 4]
 LAYOUT = get_layout("fp8")
-
-
-class Sink:
-    """Collects emitted records; lets a test wait for a number of them."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, record: dict) -> None:
-        with self.cond:
-            self.records.append(record)
-            self.cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 10.0) -> list[dict]:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.records) >= n, timeout), f"got {len(self.records)} of {n} records"
-            return list(self.records)
 
 
 def _buffers(seed: int, pages: int = 12) -> list[torch.Tensor]:
