@@ -246,8 +246,8 @@ def part_logbytes(args, work: Path) -> dict:
             if mismatch:  # a byte changed on decode before receipt: mismatch at every stage, localised
                 pair.dec_buffers[k % args.layers][int(p[0]), 7] ^= 0x40
             pair.send_and_receive(room, p, n_tokens)
-            for step in range(1, args.log_steps + 1):
-                if pair.decode.decode_step(RoomId(room), step) is not None:
+            for step in range(1, args.log_steps + 1):  # alone in its batches: batch number = step
+                if pair.decode.step_due(step) and pair.decode.batch_done([], [(RoomId(room), step)]) is not None:
                     pair.submitted += 1
             pair.decode.room_finished(RoomId(room))
             pair.submitted += 1

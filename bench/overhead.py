@@ -40,6 +40,7 @@ when every run completed and every observe run verified its rooms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -357,14 +358,14 @@ def run_hostpool_leg(args, work: Path) -> dict:
 
     wrapped = {v: WrappedFor(v, work) for v in HP_VARIANTS if v != "bare"}
     for variant in HP_VARIANTS:  # first calls register the pool and warm caches: not timed
-        with wrapped[variant] if variant in wrapped else _Nothing():
+        with wrapped[variant] if variant in wrapped else contextlib.nullcontext():
             for k in range(groups):
                 cycle(k)
     runs: dict[str, list[dict]] = {v: [] for v in HP_VARIANTS}
     for rep in range(args.reps):
         for variant in HP_VARIANTS:
             times = []
-            with wrapped[variant] if variant in wrapped else _Nothing():
+            with wrapped[variant] if variant in wrapped else contextlib.nullcontext():
                 for k in range(args.hp_cycles):
                     started = time.perf_counter()
                     cycle(k)
@@ -387,14 +388,6 @@ def run_hostpool_leg(args, work: Path) -> dict:
         "roundtrip_counts": counts,
         "valid": legs_matched and mismatches == 0,
     }
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # %% report

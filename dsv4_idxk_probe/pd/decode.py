@@ -86,20 +86,10 @@ class DecodeMonitor:
             self._publish(old, "decode_step", None, "skipped", "evicted: tracking table full", None, None, None)
         return self._submit(state, "decode_recv", None)
 
-    def decode_step(self, room: RoomId, step: int) -> PendingDigest | None:
-        """Called every decode step; digests every `step_interval` steps."""
-        if self.step_interval <= 0 or step <= 0 or step % self.step_interval:
-            return None
-        state = self._get(room)
-        return self._submit(state, "decode_step", step) if state else None
-
     def room_finished(self, room: RoomId) -> PendingDigest | None:
-        """Before the room's pages are released: last digest, then forget the room."""
-        state = self._get(room)
-        if state is None:
-            return None
-        state.finished = True
-        return self._submit(state, "decode_finish", None)
+        """Before the room's pages are released: last digest, then forget the room
+        (a batch of one, for rooms that finish outside a decode batch)."""
+        return self.batch_done([room], [])
 
     def step_due(self, batch_index: int) -> bool:
         """Whether decode batch number `batch_index` (counted from 1) is a `decode_step`

@@ -61,7 +61,7 @@ def test_clean_room_matches_at_every_stage(pair):
     _copy_room(pre_bufs, src, dec_bufs, dst)
     inband = _send(prefill, pre_sink, room, src, 600)
     decode.room_received(room, dst, 600, inband)
-    decode.decode_step(room, 10)
+    decode.batch_done([], [(room, 10)])
     decode.room_finished(room)
     records = dec_sink.wait_for(3)
     assert [(r["stage"], r["verdict"]) for r in records] == [
@@ -84,7 +84,7 @@ def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
     decode.room_received(room, dst, 3 * 256, inband)
     dec_sink.wait_for(1)
     dec_bufs[1][dst[2], 8192 + 7] ^= 0x10  # layer id 2, logical page 2, scale segment
-    decode.decode_step(room, 10)
+    decode.batch_done([], [(room, 10)])
     records = dec_sink.wait_for(2)
     assert records[0]["verdict"] == "match"
     bad = records[1]
