@@ -17,7 +17,7 @@
 # with the versions of requirements/constraints.txt.
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,inject,profile,overhead,serving,rig}
+steps=${2:-audit,inject,costs,profile,serving,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -44,10 +44,13 @@ step() {  # name, time limit (s), command...
 
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
+step costs 60 python3 bench/launch_costs.py --out "$res/launch_costs"
 step profile 30 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
+step serving 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+    --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving"
+step serving8 180 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+    --step-interval 8 --skip-hostpool --out "$res/overhead_serving8"
 step overhead 150 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --out "$res/overhead"
-step serving 130 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --decode-step-ms 10 \
-    --skip-hostpool --out "$res/overhead_serving"
 step rig 60 python3 bench/rig_gpu.py --rooms 200
 step digest 150 python3 bench/digest_gpu.py --out "$res/digest"
 tar -czf "$out/results.tgz" --exclude=./site -C "$res" .

@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     rig.add_argument("--seed", type=int, default=0)
     rig.add_argument("--run-timeout", type=float, default=300.0)
     rig.add_argument("--keep-logs", action="store_true", help="keep each observe run's room log under --out")
+    rig.add_argument("--profile-runs", action="store_true",
+                     help="after the legs, one more observe run with each child's serving loop under cProfile "
+                          "(not counted in any ratio); prints where the probe's calls spend their time")
     hp = p.add_argument_group("host-pool leg")
     hp.add_argument("--hp-layers", type=int, default=30, help="C4 layers of the index-K host pool")
     hp.add_argument("--hp-pages", type=int, default=16, help="pages per backup / load")
@@ -217,6 +220,7 @@ def one_rig_run(args, variant: str, rooms: int, work: Path, tag: str) -> dict:
                      timeout_s=args.run_timeout)
     out = {"variant": variant, "seconds_incl_start": result.seconds, **timeline.summary(args.warmup_frac)}
     out["completed"] = len(result.finished) == rooms
+    out["loop"] = loop_costs(result.stats)
     if variant != "off":
         out["probe_log"] = check_logs(run_dir / "logs", rooms)
         if args.keep_logs and args.out is not None:
@@ -224,6 +228,20 @@ def one_rig_run(args, variant: str, rooms: int, work: Path, tag: str) -> dict:
 
             shutil.copytree(run_dir / "logs", args.out / "rig-logs" / tag)
     return out
+
+
+def loop_costs(stats: dict) -> dict:
+    """Per decode batch: microseconds inside probe calls on the decode loop, and how late
+    the model-time sleep woke up (the probe's threads holding the GIL); per room on prefill."""
+    decode, prefill = stats.get("decode", {}), stats.get("prefill", {})
+    batches, rooms = max(1, decode.get("batches", 0)), max(1, prefill.get("rooms_sent", 0))
+    return {
+        "decode_probe_us_per_batch": 1e6 * decode.get("probe_s", 0.0) / batches,
+        "decode_sleep_late_us_per_batch": 1e6 * decode.get("sleep_late_s", 0.0) / batches,
+        "decode_probe_calls_per_batch": decode.get("probe_calls", 0) / batches,
+        "prefill_probe_us_per_room": 1e6 * prefill.get("probe_s", 0.0) / rooms,
+        "by_kind": {**decode.get("probe_by_kind", {}), **prefill.get("probe_by_kind", {})},
+    }
 
 
 def run_rig_leg(args, work: Path) -> dict:
@@ -243,9 +261,11 @@ def run_rig_leg(args, work: Path) -> dict:
         for variant in RIG_VARIANTS:
             run = one_rig_run(args, variant, rooms, work, f"rep{rep}-{variant}")
             runs[variant].append(run)
-            lat = run.get("latency_ms", {})
+            lat, loop = run.get("latency_ms", {}), run["loop"]
             print(f"  rep {rep} {variant:<8} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
-                  f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms"
+                  f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
+                  f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
+                  f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
     return {
         "rooms_per_run": rooms,
@@ -419,6 +439,17 @@ def print_tables(report: dict) -> None:
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
             print(f"{variant:<10} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
                   f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
+        print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room")
+        for variant, runs in rig["runs"].items():
+            loop = {k: statistics.median(r["loop"][k] for r in runs) for k in runs[0]["loop"] if k != "by_kind"}
+            kinds = sorted({k for r in runs for k in r["loop"]["by_kind"]})
+            per_call = "  ".join(
+                f"{k} median {statistics.median(r['loop']['by_kind'][k]['median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                f" mean {statistics.median(1e6 * r['loop']['by_kind'][k]['total_s'] / r['loop']['by_kind'][k]['calls'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                f" cpu {statistics.median(r['loop']['by_kind'][k]['cpu_median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                for k in kinds)
+            print(f"{variant:<10} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
+                  f"{loop['prefill_probe_us_per_room']:8.1f}  {per_call}")
     hp = report.get("hostpool")
     if hp:
         pool = hp["pool"]
@@ -433,6 +464,32 @@ def print_tables(report: dict) -> None:
             r = hp["cycles_per_s_ratio"].get(variant)
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
             print(f"{variant:<18} {rate:9.1f} {r['median'] if r else 1.0:7.3f} {span:>15} {p50:8.2f} {p99:8.2f}")
+
+
+def profile_observe_run(args, work: Path, rooms: int) -> None:
+    """One observe run with both children's loops profiled; print the probe's share."""
+    import pstats
+
+    from dsv4_idxk_probe.sim.child import PROFILE_ENV
+
+    folder = work / "profiles"
+    folder.mkdir()
+    os.environ[PROFILE_ENV] = str(folder)
+    try:
+        one_rig_run(args, "observe", rooms, work, "profiled")
+    finally:
+        os.environ.pop(PROFILE_ENV, None)
+    for role in ("decode", "prefill"):
+        path = folder / f"{role}.pstats"
+        if not path.exists():
+            print(f"no profile from {role}")
+            continue
+        print(f"\n== {role} serving loop under cProfile ({rooms} rooms): probe functions by cumulative time")
+        stats = pstats.Stats(str(path)).sort_stats("cumulative")
+        stats.print_stats(r"dsv4_idxk_probe/(digest|pd|roomlog|metrics|exchange)|triton|torch/cuda", 25)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            stats.dump_stats(str(args.out / f"{role}.pstats"))
 
 
 def main(argv=None) -> int:
@@ -452,6 +509,8 @@ def main(argv=None) -> int:
         if not args.skip_hostpool:
             print("host-pool leg (bare / observe / observe+roundtrip, interleaved):", flush=True)
             report["hostpool"] = run_hostpool_leg(args, work)
+        if args.profile_runs:
+            profile_observe_run(args, work, report.get("rig", {}).get("rooms_per_run") or args.rooms or 80)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "overhead.json").write_text(json.dumps(report, indent=1, default=float))

@@ -3,7 +3,7 @@
 Why: on a host where every CUDA driver call is expensive (a sandboxed
 runtime intercepts each one), the fixed cost of a submit decides the probe's
 overhead per room. This times each part of one submit on the caller's thread
-(work list, staging fill, upload, launch, download, event) for single-room
+(cell plan, room table, upload, launch, event) for single-room
 batches and for 16-room batches, after a warm-up, with sync debug mode
 "error" on, and prints medians.
 
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
-from dsv4_idxk_probe.digest import kernel as kernel_module  # noqa: E402
 
 
 class PartTimer:
@@ -64,9 +63,9 @@ def main(argv=None) -> int:
                for _ in range(args.layers)]
     engine = DigestEngine(layout, list(range(args.layers)), buffers)
     timer = PartTimer()
-    timer.wrap(engine_module, "build_worklist", "work list")
-    timer.wrap(kernel_module, "launch_digest", "kernel launch (Triton)")
-    timer.wrap(engine._pinned, "take", "pinned take")
+    timer.wrap(engine_module, "plan_cells", "cell plan")
+    timer.wrap(engine._kernel, "launch", "kernel launch (Triton)")
+    timer.wrap(engine._staging, "take", "staging take")
     timer.wrap(engine._events, "take", "event take")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
                 time.sleep(0.0005)  # the collector gives buffers back, as between real batches
             case = f"{rooms_per_submit} room(s)/submit, page tables on {'host' if host_pages else 'device'}"
             parts = {k: 1e6 * v / len(batches) for k, v in timer.totals.items()}
-            parts["other (staging fill, upload, download, event record, queue)"] = (
+            parts["other (room table, upload, event record, queue)"] = (
                 1e6 * statistics.mean(walls) - sum(parts.values()))
             report["cases"][case] = {"median_us": 1e6 * statistics.median(walls), "mean_us": 1e6 * statistics.mean(walls),
                                      "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}

@@ -22,7 +22,7 @@ _EXPORTS = {
     "Comparison": ".result",
     "RoomDigest": ".result",
     "compare": ".result",
-    "RoomRequest": ".worklist",
+    "RoomRequest": ".room_table",
 }
 
 __all__ = sorted(_EXPORTS)

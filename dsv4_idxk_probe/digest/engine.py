@@ -1,11 +1,12 @@
 """Digest rooms of one index-K pool without stalling the caller.
 
-`DigestEngine.submit` builds the work list on the host, launches the Triton
-kernel on the caller's current stream, queues a copy of the results into
-pinned host memory behind a CUDA event, and returns. A background thread
-polls the event (never blocks on it) and hands finished rooms to the
-callback. The caller's thread never calls ``.item()``, ``.cpu()``,
-``.tolist()`` or a synchronise on this path.
+`DigestEngine.submit` writes a small room table into a pinned staging
+buffer, uploads it, launches the Triton kernel on the caller's current
+stream (the kernel stores its cells straight into the same pinned buffer)
+and records a CUDA event: three device calls, whatever the batch. A
+background thread polls the event (never blocks on it), folds the cells
+into room digests and hands them to the callback. The caller's thread never
+calls ``.item()``, ``.cpu()``, ``.tolist()`` or a synchronise on this path.
 
 Without CUDA the same API digests with the NumPy reference (or with the
 Triton kernel under ``TRITON_INTERPRET=1``), at submit time so the snapshot
@@ -24,11 +25,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..background import yield_to_serving
 from . import reference
 from .layout import RowLayout, layout_signature
-from .pinned import EventPool, PinnedPool
+from .pinned import EventPool, Staging, StagingPool
 from .result import RoomDigest
-from .worklist import RoomRequest, WorkList, build_worklist
+from .room_table import ROOM_COLUMNS, CellPlan, RoomRequest, plan_cells
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +62,14 @@ class PendingDigest:
     submitting stream has been synchronised by someone else (SGLang's NIXL path
     blocks on it before sending, which is how the in-band slot is filled)."""
 
-    worklist: WorkList
+    plan: CellPlan
     rooms: list[RoomRequest]
     callback: Callable[[BatchResult], None]
-    host_out: Any  # np.ndarray, or a pinned int64 tensor being filled
-    done: Any = None  # CUDA event; None when the result is already on the host
+    cells: np.ndarray  # uint64 [n_cells, n_segments], filled by the kernel (or the reference)
+    done: Any = None  # CUDA event; None when the cells are already on the host
     started: Any = None  # CUDA timing event
+    staging: Staging | None = None  # to give back once done
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
-    pinned: list = field(default_factory=list)  # staging buffers to give back once done
     final_rooms: np.ndarray | None = None  # a private copy, once collected
     counted: bool = True  # False for the engine's own warm-up batch
 
@@ -76,14 +78,11 @@ class PendingDigest:
 
     @property
     def room_digests(self) -> np.ndarray:
-        """uint64 [n_rooms], in submit order: each room's cells folded (a sum mod 2^64 of
-        its (layer, segment) block, taken on the host: a few words per room)."""
+        """uint64 [n_rooms], in submit order: the sum mod 2^64 of each room's cells."""
         if self.final_rooms is not None:
             return self.final_rooms
-        out = self.host_out
-        out = (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
-        blocks = out[: len(self.rooms) * self.worklist.ls_size].reshape(len(self.rooms), self.worklist.ls_size)
-        return blocks.sum(axis=1, dtype=np.uint64)
+        return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) for i in range(len(self.rooms))],
+                        dtype=np.uint64)
 
 
 class DigestEngine:
@@ -102,7 +101,7 @@ class DigestEngine:
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         time_kernels: bool = False,
-        prealloc: int = 64,
+        prealloc: int = 32,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -128,14 +127,13 @@ class DigestEngine:
         # 8448 B, 256 for larger rows, one row per program.
         self.block = block or (128 if layout.row_bytes <= 8448 else 256)
         self.rows = rows
-        self._pinned = PinnedPool(pin=self.device.type == "cuda")
+        self._staging = StagingPool(self.device)
         self._events = EventPool()
         if self.backend == "triton" and self.device.type == "cuda":
-            # Pinned allocation costs milliseconds: reserve for bursts of
-            # single-room batches (up to 64 pages) now rather than on the hot path.
-            out_words = len(self.layer_ids) * len(layout.segments) + 64
-            self._pinned.reserve(256 + 16 * len(self.layer_ids) * 64 + 256 + 8 * 64 + 256 + 8 * out_words, prealloc)
-            self._pinned.reserve(8 * out_words, prealloc)
+            # Pinned allocation costs milliseconds: reserve now, not on the hot path,
+            # for bursts of batches up to the smallest size class (64 KiB), and of
+            # single-room batches up to 64 pages where those need more.
+            self._staging.reserve(8 * (32 + 64 + len(self.layer_ids) * 64 * len(layout.segments)), prealloc)
         self.poll_interval_s = poll_interval_s
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
@@ -144,12 +142,17 @@ class DigestEngine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         if self.backend == "triton":
-            self._layer_table = torch.tensor(
-                [[b.data_ptr(), lid] for b, lid in zip(self.buffers, self.layer_ids)], dtype=torch.int64
-            ).reshape(-1, 2).to(self.device)
-            self._segment_table = torch.tensor(
-                [[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32
-            ).to(self.device)
+            from .kernel import DigestKernel  # Triton is imported only when the kernel is used
+
+            self._tables = (  # kept alive here: the kernel holds only their addresses
+                torch.tensor([[b.data_ptr(), lid] for b, lid in zip(self.buffers, self.layer_ids)], dtype=torch.int64)
+                .reshape(-1, 2).to(self.device),
+                torch.tensor([[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32).to(self.device),
+            )
+            self._kernel = DigestKernel(
+                self._tables[0].data_ptr(), len(self.layer_ids), self._tables[1].data_ptr(), layout,
+                block=self.block, rows=self.rows,
+            )
             if self.device.type == "cuda":
                 self._warm_up()
 
@@ -194,92 +197,68 @@ class DigestEngine:
     # %% launch
 
     def _launch(self, rooms: list[RoomRequest], callback) -> PendingDigest:
-        worklist = build_worklist(self.layout, len(self.layer_ids), rooms)
+        plan = plan_cells(rooms, len(self.layer_ids))
         if self.backend == "reference":
-            return PendingDigest(worklist, rooms, callback, self._reference_out(worklist, rooms))
-        return self._launch_triton(worklist, rooms, callback)
+            return PendingDigest(plan, rooms, callback, self._reference_cells(plan, rooms))
+        return self._launch_triton(plan, rooms, callback)
 
-    def _reference_out(self, worklist: WorkList, rooms: list[RoomRequest]) -> np.ndarray:
-        out = np.zeros(worklist.out_size, dtype=np.uint64)
+    def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> np.ndarray:
+        cells = np.zeros((plan.n_cells, len(self.layout.segments)), dtype=np.uint64)
         for slot, room in enumerate(rooms):
             pages = room.pages.cpu().numpy() if isinstance(room.pages, torch.Tensor) else room.pages
-            digest = reference.digest_room(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids)
-            ls = worklist.ls_offsets[slot]
-            out[ls : ls + digest.layer_segment.size] = digest.layer_segment.reshape(-1)
-            po = worklist.page_offsets[slot]
-            out[po : po + digest.n_pages] = digest.pages
-        return out
+            plan.block(cells, slot)[:] = reference.room_cells(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids)
+        return cells
 
     def _device_pages(self, pages: Any) -> torch.Tensor | None:
-        """The room's page table where it already lives on the kernel's device (no copy,
-        no host read-back); None when it must travel in the staging buffer."""
-        if isinstance(pages, torch.Tensor) and pages.device == self.device:
-            return pages.to(dtype=torch.int64).contiguous()
-        return None
+        """The room's page table where it already lives on the kernel's device, read in
+        place (int32 or int64); None when it must travel in the staging buffer."""
+        if not isinstance(pages, torch.Tensor) or pages.device != self.device:
+            return None
+        if pages.dtype not in (torch.int32, torch.int64) or not pages.is_contiguous():
+            pages = pages.to(dtype=torch.int64).contiguous()  # one more device op, for odd callers only
+        return pages
 
-    def _launch_triton(self, worklist: WorkList, rooms: list[RoomRequest], callback) -> PendingDigest:
-        """Four device calls per batch, whatever its size: one upload, one launch, one
-        download, one event. The upload carries the room table, the work list, the
-        page tables that live on the host, and the zeroed output the kernel adds into."""
-        from .kernel import launch_digest  # Triton is imported only when the kernel is used
-
-        n_rooms, n_items = len(rooms), len(worklist.work)
+    def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
+        """Three device calls per batch, whatever its size: upload the room table (and
+        the page tables that live on the host), launch, record the event. The kernel
+        stores cells into the back of the same pinned buffer, so nothing is downloaded."""
+        n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device = [self._device_pages(room.pages) for room in rooms]
         host_pages = [
             np.asarray(room.pages.cpu() if isinstance(room.pages, torch.Tensor) else room.pages, dtype=np.int64).reshape(-1)
             for room, dev in zip(rooms, on_device) if dev is None
         ]
-        # Regions 256-byte aligned, so Triton sees one pointer alignment and compiles once.
-        sizes = (24 * n_rooms, 16 * n_items, 8 * sum(p.size for p in host_pages), 8 * worklist.out_size)
-        starts, total = [], 0
-        for size in sizes:
-            starts.append(total)
-            total += -(-size // 256) * 256
-        room_at, work_at, pages_at, out_at = starts
-        staging = self._pinned.take(total)
-        inputs = torch.empty(total, dtype=torch.uint8, device=self.device)
-        base = inputs.data_ptr()
+        table_words = ROOM_COLUMNS * n_rooms
+        input_words = -(-(table_words + sum(p.size for p in host_pages)) // 32) * 32  # cells 256-byte aligned
+        staging = self._staging.take(8 * (input_words + plan.n_cells * n_segments))
+        words, read_base = staging.words, staging.read_address
 
-        table = staging[room_at : room_at + sizes[0]].view(torch.int64).view(n_rooms, 3).numpy()
-        page_words = staging[pages_at : pages_at + sizes[2]].view(torch.int64).numpy()
-        addresses, cursor, host_iter = [], 0, iter(host_pages)
-        for dev in on_device:
+        table = words[:table_words].reshape(n_rooms, ROOM_COLUMNS)
+        cursor, host_iter = table_words, iter(host_pages)
+        for slot, dev in enumerate(on_device):
             if dev is not None:
-                addresses.append(dev.data_ptr())
-                continue
-            pages = next(host_iter)
-            page_words[cursor : cursor + pages.size] = pages
-            addresses.append(base + pages_at + 8 * cursor)
-            cursor += pages.size
-        table[:, 0] = addresses
-        table[:, 1] = worklist.ls_offsets
-        table[:, 2] = worklist.page_offsets
-        staging[work_at : work_at + sizes[1]].view(torch.int32).view(n_items, 4).numpy()[:] = worklist.work
-        staging[out_at : out_at + sizes[3]].numpy().fill(0)
-        inputs.copy_(staging[:total], non_blocking=True)
+                address, id_bytes = dev.data_ptr(), dev.element_size()
+            else:
+                pages = next(host_iter)
+                words[cursor : cursor + pages.size] = pages
+                address, id_bytes = read_base + 8 * cursor, 8
+                cursor += pages.size
+            table[slot] = (address, id_bytes, plan.page_counts[slot], rooms[slot].n_tokens, plan.first_cells[slot])
+        if staging.twin is not None:
+            staging.upload(8 * cursor)
+        cells = words[input_words : input_words + plan.n_cells * n_segments].view(np.uint64).reshape(-1, n_segments)
 
-        out = inputs[out_at : out_at + sizes[3]].view(torch.int64)
-        started = done = None
+        started = None
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        launch_digest(
-            inputs[work_at : work_at + sizes[1]].view(torch.int32).view(n_items, 4),
-            inputs[room_at : room_at + sizes[0]].view(torch.int64).view(n_rooms, 3),
-            self._layer_table, self._segment_table, out.view(torch.uint64),
-            self.layout.row_bytes // 4, slots=self.layout.slots, block=self.block, rows=self.rows,
-        )
-        keepalive = [staging, inputs, *(d for d in on_device if d is not None)]
+        self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages)
+        keepalive = [d for d in on_device if d is not None]
         if self.device.type != "cuda":  # the interpreter has run it already
-            return PendingDigest(worklist, rooms, callback, out, keepalive=keepalive)
-        result = self._pinned.take(sizes[3])
-        host = result[: sizes[3]].view(torch.int64)
-        host.copy_(out, non_blocking=True)
+            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive)
         done = self._events.take(self.time_kernels)
         done.record()
-        return PendingDigest(
-            worklist, rooms, callback, host, done, started, keepalive=keepalive, pinned=[staging, result],
-        )
+        return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
 
     def _warm_up(self) -> None:
         """Compile (or load) the kernel now, at start-up, not on the first room: a cold
@@ -287,7 +266,7 @@ class DigestEngine:
         for; the collector recycles its buffers like any batch's, and counts no room."""
         rooms = [RoomRequest("warm-up", [0], 0)]
         try:
-            ticket = self._launch_triton(build_worklist(self.layout, len(self.layer_ids), rooms), rooms, lambda _: None)
+            ticket = self._launch_triton(plan_cells(rooms, len(self.layer_ids)), rooms, lambda _: None)
         except Exception:
             log.exception("digest kernel warm-up failed; the first room will compile it")
             return
@@ -316,16 +295,14 @@ class DigestEngine:
             except Exception:  # a callback must never kill the collector
                 self.stats.callback_errors += 1
                 log.exception("digest callback failed")
+            if not self._queue.empty():
+                yield_to_serving()  # between batches too, when several are waiting
 
     def _finish(self, ticket: PendingDigest) -> BatchResult:
-        out = ticket.host_out
-        out = (out.numpy() if isinstance(out, torch.Tensor) else out).view(np.uint64)
-        wl = ticket.worklist
-        n_layers, n_segments = len(self.layer_ids), len(self.layout.segments)
-        digests = []
+        """Fold each room's cells (the event has completed), then recycle the buffers."""
+        plan, digests, room_bytes = ticket.plan, [], []
         for slot, room in enumerate(ticket.rooms):
-            ls = wl.ls_offsets[slot]
-            po = wl.page_offsets[slot]
+            layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
             digests.append(
                 RoomDigest(
                     key=room.key,
@@ -333,23 +310,23 @@ class DigestEngine:
                     n_tokens=room.n_tokens,
                     layer_ids=self.layer_ids,
                     segments=self.layout.segment_names,
-                    layer_segment=out[ls : ls + n_layers * n_segments].reshape(n_layers, n_segments).copy(),
-                    pages=out[po : po + room.n_pages].copy(),
+                    layer_segment=layer_segment,
+                    pages=pages,
                 )
             )
+            frozen = min(max(room.n_tokens, 0) // self.layout.tokens_per_slot, room.n_pages * self.layout.slots)
+            room_bytes.append(frozen * len(self.layer_ids) * self._frozen_bytes_per_slot)
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
         if ticket.counted:
             self.stats.completed_rooms += len(digests)
-        ticket.final_rooms = ticket.room_digests.copy()
-        for buffer in ticket.pinned:  # results are copied out above; the event has completed
-            self._pinned.give(buffer)
-        ticket.pinned.clear()
+        ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) for d in digests], dtype=np.uint64)
+        if ticket.staging is not None:  # the cells are folded above; the event has completed
+            self._staging.give(ticket.staging)
+            ticket.staging = None
         if ticket.done is not None and ticket.started is None:
             self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
             ticket.done = None
         ticket.keepalive.clear()
-        per_room = np.bincount(wl.work[:, 0], weights=wl.work[:, 3], minlength=len(ticket.rooms)) if len(wl.work) else ()
-        room_bytes = tuple(int(n) * self._frozen_bytes_per_slot for n in per_room)
-        return BatchResult(digests, len(wl.work), sum(room_bytes), gpu_seconds, room_bytes)
+        return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes))

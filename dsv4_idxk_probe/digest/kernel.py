@@ -1,27 +1,29 @@
 """Triton kernel: digest many rooms' index-K rows in one launch.
 
-One program digests ROWS consecutive (room, layer, logical page) rows: it
-finds each row through its layer's base address and its room's page table
-(all ROWS look-ups at once, so their latency is paid once), hashes the
-frozen words of each segment into two 32-bit lane sums, turns each segment digest
-into its cell contribution, and adds that into the room's (layer, segment)
-matrix and page vector with relaxed 64-bit atomics (only atomicity is needed: results are read
-after the kernel). Sums mod 2^32 / 2^64 do not
-depend on tiling or on the order programs run in, which is what lets this
-kernel agree bit for bit with `reference.py`.
+The grid is (room, layer, block of ROWS logical pages). A program reads its
+room's entry in the room table (where the page table is, how many pages and
+tokens the room has, where its cells go), finds each row through its
+layer's base address and the room's page table, hashes the frozen words of
+each segment into two 32-bit lane sums, and stores each (layer, page,
+segment) cell contribution. Programs past a room's last page return at once.
+Every cell is stored exactly once, so the output needs no zeroing and no
+atomics; the host folds cells into the (layer, segment) matrix, the page
+vector and the room digest (sums mod 2^64, as `reference.py` defines them).
 
-The same code reads device memory and pinned host memory (through the
-pointer the GPU can address), and runs under ``TRITON_INTERPRET=1`` on CPU
-tensors, which is how CI checks it.
+Every table is passed as a plain address, so a launch hands Triton eight
+integers and nothing to inspect. The same code reads device memory and
+pinned host memory (the engine has the kernel store its cells straight into
+pinned host memory, which spares a download), and runs under
+``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from . import reference as ref
+from .room_table import ROOM_COLUMNS
 
 # %% kernel
 
@@ -35,10 +37,9 @@ _CELL_SEGMENT = tl.constexpr(ref.CELL_SEGMENT)
 _FMIX_1 = tl.constexpr(ref.FMIX_1)
 _FMIX_2 = tl.constexpr(ref.FMIX_2)
 
-WORK_COLUMNS = 4  # room slot, layer index, logical page, frozen slots
-ROOM_COLUMNS = 3  # page-table address, (layer, segment) block offset, page block offset
-LAYER_COLUMNS = 2  # buffer base address, global layer id
-SEGMENT_COLUMNS = 2  # word offset in the row, words per slot
+_ROOM_COLUMNS = tl.constexpr(ROOM_COLUMNS)
+LAYER_COLUMNS = 2  # int64: buffer base address, global layer id
+SEGMENT_COLUMNS = 2  # int32: word offset in the row, words per slot
 
 
 @triton.jit
@@ -50,45 +51,58 @@ def _fmix64(k):
     return k ^ (k >> 33)
 
 
-@triton.jit(do_not_specialize=["n_items"])  # one compiled kernel whatever the batch size
-def _digest_rows_kernel(
-    work_ptr,  # int32 [n_items, 4]: room slot, layer index, logical page, frozen slots
-    room_ptr,  # int64 [n_rooms, 3]: address of the room's int64 physical pages, LS offset, page offset
-    layer_ptr,  # int64 [n_layers, 2]: address of the layer's uint8 buffer, global layer id
-    segment_ptr,  # int32 [n_segments, 2]: word offset in row, words per slot
-    out_ptr,  # uint64 flat: every room's (layer, segment) matrix and page vector, zeroed
-    cells_ptr,  # uint64 [n_items, n_segments]: raw segment digests (only if WRITE_CELLS)
-    n_items,  # work items in the list
+@triton.jit(
+    do_not_specialize=[
+        "room_table", "layer_table", "segment_table", "cells", "row_words", "slots", "page_tokens", "tokens_per_slot",
+    ]
+)  # one compiled kernel whatever the addresses and sizes
+def _digest_rooms_kernel(
+    room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
+    layer_table,  # address of int64 [n_layers, 2]: the layer's uint8 buffer address, global layer id
+    segment_table,  # address of int32 [n_segments, 2]: word offset in the row, words per slot
+    cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
     row_words,  # 32-bit words per row (the row stride)
-    slots,  # slots per row: bounds each segment's loop
+    slots,  # slots per row
+    page_tokens,  # tokens per page (slots * tokens_per_slot)
+    tokens_per_slot,
     NUM_SEGMENTS: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per program: amortises the table look-ups' latency
+    ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
     BLOCK: tl.constexpr,  # words per row per step
-    WRITE_CELLS: tl.constexpr,
 ):
-    items = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    valid = items < n_items
-    # Lanes past the end re-read the last item, so every load is in bounds and
-    # needs no mask; only their stores and atomics are masked off.
-    item = tl.minimum(items, n_items - 1)
-    room = tl.load(work_ptr + item * 4 + 0).to(tl.int64)
-    layer = tl.load(work_ptr + item * 4 + 1).to(tl.int64)
-    logical_page = tl.load(work_ptr + item * 4 + 2).to(tl.int64)
-    frozen = tl.load(work_ptr + item * 4 + 3)
+    room = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    first_page = tl.program_id(2).to(tl.int64) * ROWS
+    entry = room_table.to(tl.pointer_type(tl.int64)) + room * _ROOM_COLUMNS
+    n_pages = tl.load(entry + 2)
+    if first_page >= n_pages:
+        return
+    id_bytes = tl.load(entry + 1)
+    n_tokens = tl.load(entry + 3)
+    first_cell = tl.load(entry + 4)
+    n_layers = tl.num_programs(1)
 
-    page_table = tl.load(room_ptr + room * 3 + 0).to(tl.pointer_type(tl.int64))
-    ls_offset = tl.load(room_ptr + room * 3 + 1)
-    page_offset = tl.load(room_ptr + room * 3 + 2)
-    base = tl.load(layer_ptr + layer * 2 + 0).to(tl.pointer_type(tl.uint32))
-    layer_id = tl.load(layer_ptr + layer * 2 + 1).to(tl.uint64)
-    physical_page = tl.load(page_table + logical_page)
-    rows = base + physical_page * row_words  # [ROWS] pointers
+    # Lanes past the room's last page re-read its last page, so every load is
+    # in bounds and needs no mask; only their stores are masked off.
+    logical = first_page + tl.arange(0, ROWS)
+    valid = logical < n_pages
+    page = tl.minimum(logical, n_pages - 1)
+    if id_bytes == 8:
+        physical = tl.load(tl.load(entry).to(tl.pointer_type(tl.int64)) + page)
+    else:
+        physical = tl.load(tl.load(entry).to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
+    frozen = tl.minimum(tl.maximum((n_tokens - page * page_tokens) // tokens_per_slot, 0), slots)
+
+    layer_entry = layer_table.to(tl.pointer_type(tl.int64)) + layer * 2
+    base = tl.load(layer_entry).to(tl.pointer_type(tl.uint32))
+    layer_id = tl.load(layer_entry + 1).to(tl.uint64)
+    rows = base + physical * row_words  # [ROWS] pointers
+    segments = segment_table.to(tl.pointer_type(tl.int32))
+    out = cells.to(tl.pointer_type(tl.uint64)) + (first_cell + layer * n_pages + page) * NUM_SEGMENTS
 
     lanes = tl.arange(0, BLOCK)
-    page_sum = tl.zeros([ROWS], dtype=tl.uint64)
     for s in tl.static_range(NUM_SEGMENTS):
-        word_offset = tl.load(segment_ptr + s * 2 + 0)
-        slot_words = tl.load(segment_ptr + s * 2 + 1)
+        word_offset = tl.load(segments + s * 2 + 0)
+        slot_words = tl.load(segments + s * 2 + 1)
         n_words = frozen * slot_words  # [ROWS]
         acc_a = tl.zeros([ROWS, BLOCK], dtype=tl.uint32)
         acc_b = tl.zeros([ROWS, BLOCK], dtype=tl.uint32)
@@ -108,63 +122,64 @@ def _digest_rows_kernel(
         sum_a = tl.sum(acc_a, axis=1).to(tl.uint64) & 0xFFFFFFFF
         sum_b = tl.sum(acc_b, axis=1).to(tl.uint64) & 0xFFFFFFFF
         digest = (sum_b << 32) | sum_a
-        if WRITE_CELLS:
-            tl.store(cells_ptr + items * NUM_SEGMENTS + s, digest, mask=valid)
         segment_no = tl.full([ROWS], s + 1, dtype=tl.uint64)
-        salt = layer_id * _CELL_LAYER + logical_page.to(tl.uint64) * _CELL_PAGE + segment_no * _CELL_SEGMENT
-        cell = _fmix64(digest ^ salt)
-        tl.atomic_add(out_ptr + ls_offset + layer * NUM_SEGMENTS + s, cell, mask=valid, sem="relaxed")
-        page_sum += cell
-    tl.atomic_add(out_ptr + page_offset + logical_page, page_sum, mask=valid, sem="relaxed")
+        salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + segment_no * _CELL_SEGMENT
+        tl.store(out + s, _fmix64(digest ^ salt), mask=valid)
 
 
 # %% launcher
 
 
-def launch_digest(
-    work: torch.Tensor,
-    rooms: torch.Tensor,
-    layers: torch.Tensor,
-    segments: torch.Tensor,
-    out: torch.Tensor,
-    row_words: int,
-    *,
-    cells: torch.Tensor | None = None,
-    slots: int,
-    block: int = 256,
-    rows: int = 4,
-    num_warps: int = 4,
-) -> None:
-    """Check the tables, then launch on the current stream; never synchronises.
+_ARG_NAMES = (
+    "room_table", "layer_table", "segment_table", "cells", "row_words", "slots", "page_tokens", "tokens_per_slot",
+    "NUM_SEGMENTS", "ROWS", "BLOCK",
+)
 
-    `out` must be zeroed (the kernel accumulates into it) and sized for every
-    room's blocks. Results are valid once the stream reaches this point.
+
+class DigestKernel:
+    """The kernel bound to one pool: its layer and segment tables and its layout.
+
+    `launch` is what a submit calls on the serving thread, so it does nothing
+    but compute the grid and launch on the current stream; it never
+    synchronises. Cells are valid once the stream reaches the launch.
+
+    The first launch goes through Triton's JIT entry point, which binds and
+    specialises the arguments on every call (tens of microseconds). Every
+    argument here is an integer the kernel does not specialise on, so the
+    compiled kernel it returns fits every later launch: once its signature is
+    checked to be exactly the arguments passed, later launches call it
+    directly (`CompiledKernel[grid](*args)`, Triton's launcher for a compiled
+    kernel) and skip the binding.
     """
-    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == WORK_COLUMNS, "work: int32 [n, 4]"
-    assert rooms.dtype == torch.int64 and rooms.shape[1:] == (ROOM_COLUMNS,), "rooms: int64 [n, 3]"
-    assert layers.dtype == torch.int64 and layers.shape[1:] == (LAYER_COLUMNS,), "layers: int64 [n, 2]"
-    assert segments.dtype == torch.int32 and segments.shape[1:] == (SEGMENT_COLUMNS,), "segments: int32 [n, 2]"
-    assert out.dtype == torch.uint64, "out: uint64"
-    assert block & (block - 1) == 0 and rows & (rows - 1) == 0, "block and rows must be powers of two"
-    n_items = work.shape[0]
-    if n_items == 0:
-        return
-    write_cells = cells is not None
-    if write_cells:
-        assert cells.dtype == torch.uint64 and cells.shape == (n_items, segments.shape[0]), "cells: uint64 [n, segments]"
-    _digest_rows_kernel[(triton.cdiv(n_items, rows),)](
-        work,
-        rooms,
-        layers,
-        segments,
-        out,
-        cells if write_cells else out,
-        n_items,
-        row_words,
-        slots,
-        NUM_SEGMENTS=segments.shape[0],
-        ROWS=rows,
-        BLOCK=block,
-        WRITE_CELLS=write_cells,
-        num_warps=num_warps,
-    )
+
+    def __init__(self, layer_table: int, n_layers: int, segment_table: int, layout, *, block: int, rows: int,
+                 num_warps: int = 4):
+        if block & (block - 1) or rows & (rows - 1):
+            raise ValueError(f"block ({block}) and rows ({rows}) must be powers of two")
+        self.layer_table, self.n_layers, self.segment_table = layer_table, n_layers, segment_table
+        self.constants = (layout.row_bytes // 4, layout.slots, layout.page_tokens, layout.tokens_per_slot)
+        self.meta = {"NUM_SEGMENTS": len(layout.segments), "ROWS": rows, "BLOCK": block}
+        self.num_warps = num_warps
+        self.rows = rows
+        self.compiled = None  # the compiled kernel, launched directly once it is known to fit
+
+    def launch(self, room_table: int, cells: int, n_rooms: int, max_pages: int) -> None:
+        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers)."""
+        if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
+            return
+        grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
+        args = (room_table, self.layer_table, self.segment_table, cells, *self.constants)
+        if self.compiled is not None:
+            self.compiled[grid](*args, *self.meta.values())
+            return
+        compiled = _digest_rooms_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
+        if _fits(compiled):
+            self.compiled = compiled
+
+
+def _fits(compiled) -> bool:
+    """Whether `compiled` takes exactly this module's arguments, in this order: then its
+    launcher can be called with them directly. Anything unexpected (another Triton,
+    the interpreter) keeps the JIT entry point."""
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    return isinstance(signature, dict) and tuple(signature) == _ARG_NAMES and callable(getattr(compiled, "__getitem__", None))

@@ -1,27 +1,61 @@
-"""Reusable pinned host buffers and CUDA events.
+"""Reusable staging buffers and CUDA events.
 
 Allocating pinned memory (cudaHostAlloc) costs hundreds of microseconds; a
-digest batch needs one staging buffer in and one result buffer out, and one
-event. All come back to their pool once the batch's event has completed, so
-steady state allocates nothing and creates no event.
+digest batch needs one staging buffer, and one event. Both come back to
+their pool once the batch's event has completed, so steady state allocates
+nothing and creates no event.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-_MIN_BYTES = 4096
+# One size class covers every batch up to 64 KiB (a decode batch of 16 rooms of
+# 30 layers x 9 pages), so the buffers reserved at start-up serve nearly every
+# batch and the serving thread never waits for a pinned allocation.
+_MIN_BYTES = 64 * 1024
 
 
-class PinnedPool:
-    """Free lists of uint8 host tensors by power-of-two size class."""
+@dataclass
+class Staging:
+    """A host buffer with its int64 NumPy view made once, and on CUDA a device twin of
+    the same size: the submit writes tables into `words`, uploads the front of `host`
+    into `twin`, and the kernel stores its cells into the back of `host` (pinned
+    memory the GPU addresses directly), so nothing is downloaded."""
 
-    def __init__(self, pin: bool, max_free_per_class: int = 64):
-        self.pin = pin
+    host: torch.Tensor  # uint8, pinned on CUDA
+    words: np.ndarray  # int64 view of `host`
+    twin: torch.Tensor | None  # uint8 on the device, or None when the kernel reads `host`
+    host_address: int = 0
+    read_address: int = 0  # where the kernel reads what the host wrote: the twin, else `host`
+    _fronts: dict = field(default_factory=dict)  # size -> (twin view, host view), made once
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+    def upload(self, nbytes: int) -> None:
+        """Queue a copy of the first `nbytes` (rounded up to a power of two, so the views
+        are made once per size, not per call) into the twin, on the current stream."""
+        size = min(self.nbytes, max(1024, 1 << max(0, nbytes - 1).bit_length()))
+        views = self._fronts.get(size)
+        if views is None:
+            views = self._fronts[size] = (self.twin[:size], self.host[:size])
+        views[0].copy_(views[1], non_blocking=True)
+
+
+class StagingPool:
+    """Free lists of `Staging` buffers by power-of-two size class."""
+
+    def __init__(self, device: torch.device, max_free_per_class: int = 64):
+        self.device = device
+        self.pin = device.type == "cuda"
         self.max_free_per_class = max_free_per_class
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[Staging]] = {}
         self._lock = threading.Lock()
         self.allocations = 0
 
@@ -29,29 +63,39 @@ class PinnedPool:
     def size_class(nbytes: int) -> int:
         return max(_MIN_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
 
+    def _allocate(self, size: int) -> Staging:
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        twin = torch.empty(size, dtype=torch.uint8, device=self.device) if self.pin else None
+        read = twin if twin is not None else host
+        return Staging(host, host.numpy().view(np.int64), twin, host.data_ptr(), read.data_ptr())
+
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""
         size = self.size_class(nbytes)
-        buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for _ in range(count)]
+        buffers = [self._allocate(size) for _ in range(count)]
         with self._lock:
             self.allocations += count
             self._free.setdefault(size, []).extend(buffers)
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of at least `nbytes` (slice it); give it back when done.
+    def take(self, nbytes: int) -> Staging:
+        """A buffer of at least `nbytes`; give it back once the GPU is done with it.
 
-        Takes the smallest free buffer that fits; allocates only when none does.
+        Takes from the buffer's own size class first, then the smallest larger
+        one; allocates only when none is free.
         """
         size = self.size_class(nbytes)
         with self._lock:
-            for cls in sorted(c for c, free in self._free.items() if c >= size and free):
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            for cls in sorted(c for c, f in self._free.items() if c > size and f):
                 return self._free[cls].pop()
             self.allocations += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return self._allocate(size)
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: Staging) -> None:
         with self._lock:
-            free = self._free.setdefault(buffer.numel(), [])
+            free = self._free.setdefault(buffer.nbytes, [])
             if len(free) < self.max_free_per_class:
                 free.append(buffer)
 

@@ -101,16 +101,23 @@ def cell_contributions(digests: np.ndarray, layer_ids, logical_pages) -> np.ndar
     return fmix64(digests ^ salt)
 
 
-def fold_room(
-    cells: np.ndarray, layer_index, logical_pages, n_layers: int, n_pages: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fold cell contributions into the (layer, segment) matrix and the page vector (sums mod 2^64)."""
-    n_segments = cells.shape[1]
-    layer_segment = np.zeros((n_layers, n_segments), dtype=np.uint64)
-    pages = np.zeros(n_pages, dtype=np.uint64)
-    np.add.at(layer_segment, np.asarray(layer_index, dtype=np.int64), cells)
-    np.add.at(pages, np.asarray(logical_pages, dtype=np.int64), cells.sum(axis=1, dtype=np.uint64))
-    return layer_segment, pages
+def fold_cells(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fold one room's cell contributions, uint64 [layers, pages, segments], into its
+    (layer, segment) matrix and its page vector (sums mod 2^64)."""
+    return block.sum(axis=1, dtype=np.uint64), block.sum(axis=(0, 2), dtype=np.uint64)
+
+
+def room_cells(buffers: Sequence, physical_pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int]) -> np.ndarray:
+    """Every cell contribution of one room: uint64 [layers, pages, segments]."""
+    pages = np.asarray(physical_pages, dtype=np.int64).reshape(-1)
+    n_pages = len(pages)
+    frozen = np.array([layout.frozen_slots(n_tokens, k) for k in range(n_pages)], dtype=np.int64)
+    cells = np.zeros((len(layer_ids), n_pages, len(layout.segments)), dtype=np.uint64)
+    for li, (buf, layer_id) in enumerate(zip(buffers, layer_ids)):
+        if n_pages:
+            rows = _as_rows(buf)[pages]
+            cells[li] = cell_contributions(segment_digests(rows, frozen, layout), [layer_id] * n_pages, np.arange(n_pages))
+    return cells
 
 
 def digest_room(
@@ -129,17 +136,7 @@ def digest_room(
     """
     if len(buffers) != len(layer_ids):
         raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
-    pages = np.asarray(physical_pages, dtype=np.int64).reshape(-1)
-    n_pages = len(pages)
-    frozen = np.array([layout.frozen_slots(n_tokens, k) for k in range(n_pages)], dtype=np.int64)
-    layer_segment = np.zeros((len(layer_ids), len(layout.segments)), dtype=np.uint64)
-    page_vector = np.zeros(n_pages, dtype=np.uint64)
-    for li, (buf, layer_id) in enumerate(zip(buffers, layer_ids)):
-        rows = _as_rows(buf)[pages] if n_pages else np.zeros((0, layout.row_bytes), np.uint8)
-        cells = cell_contributions(segment_digests(rows, frozen, layout), [layer_id] * n_pages, np.arange(n_pages))
-        ls, pv = fold_room(cells, np.zeros(n_pages, np.int64), np.arange(n_pages), 1, n_pages)
-        layer_segment[li] = ls[0]
-        page_vector += pv
+    layer_segment, page_vector = fold_cells(room_cells(buffers, physical_pages, n_tokens, layout, layer_ids))
     return RoomDigest(
         key=key,
         signature=layout_signature(layout, layer_ids),

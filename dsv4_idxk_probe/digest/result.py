@@ -16,6 +16,17 @@ import numpy as np
 MASK64 = (1 << 64) - 1
 
 
+def _hex_words(values: np.ndarray) -> list[str]:
+    """uint64 values as 16-digit lowercase hex strings, formatted in one pass."""
+    text = np.ascontiguousarray(values, dtype=">u8").tobytes().hex()
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
+
+
+def _hex_rows(matrix: np.ndarray) -> list[list[str]]:
+    words, width = _hex_words(matrix.reshape(-1)), matrix.shape[1] if matrix.ndim == 2 else 0
+    return [words[i : i + width] for i in range(0, len(words), width)] if width else [[] for _ in range(len(matrix))]
+
+
 @dataclass
 class RoomDigest:
     """Digest of one room's index-K, keyed logically (never by physical page)."""
@@ -54,8 +65,8 @@ class RoomDigest:
             "layer_ids": list(self.layer_ids),
             "segments": list(self.segments),
             "room": f"{self.room:016x}",
-            "layer_segment": [[f"{int(v):016x}" for v in row] for row in self.layer_segment],
-            "pages": [f"{int(v):016x}" for v in self.pages],
+            "layer_segment": _hex_rows(self.layer_segment),
+            "pages": _hex_words(self.pages),
         }
 
     @classmethod

@@ -48,14 +48,31 @@ def page_bucket(page: int) -> str:
 
 
 class _Bound:
-    """A metric whose base labels are already filled in."""
+    """A metric whose base labels are already filled in.
+
+    Children are cached by their labels, as prometheus_client advises for hot
+    paths: `labels()` validates and locks on every call (a few microseconds,
+    holding the GIL the serving thread needs), a dict lookup does not. Label
+    values are bounded by design (stages, verdicts, page buckets), and the
+    cache is cleared if a caller ever proves otherwise.
+    """
+
+    _MAX_CHILDREN = 4096
 
     def __init__(self, metric, base: Mapping[str, str]):
         self._metric = metric
         self._base = dict(base)
+        self._children: dict = {}
 
     def labels(self, **labels):
-        return self._metric.labels(**self._base, **labels)
+        key = tuple(labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._metric.labels(**self._base, **labels)
+            if len(self._children) >= self._MAX_CHILDREN:
+                self._children.clear()
+            self._children[key] = child
+        return child
 
 
 class ProbeMetrics:

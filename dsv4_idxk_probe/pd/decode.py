@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..background import yield_to_serving
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
-from ..digest.worklist import RoomRequest
+from ..digest.room_table import RoomRequest
 from ..metrics.definitions import ProbeMetrics
 from ..safety import record_error, safe_invoke
 from .inband import InbandDigest
@@ -148,6 +149,8 @@ class DecodeMonitor:
         if self.metrics is not None and batch.gpu_seconds is not None:
             self.metrics.digest_gpu_seconds.labels(stage=jobs[0][1]).observe(batch.gpu_seconds)
         for i, (state, stage, step) in enumerate(jobs):
+            if i:
+                yield_to_serving()  # a batch's rooms one at a time, never holding the GIL for all of them
             room_bytes = batch.room_bytes[i] if i < len(batch.room_bytes) else None
             safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes)
 

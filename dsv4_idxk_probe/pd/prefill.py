@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import RoomDigest
-from ..digest.worklist import RoomRequest
+from ..digest.room_table import RoomRequest
 from ..metrics.definitions import ProbeMetrics
 from ..safety import safe_invoke
 from .records import room_record

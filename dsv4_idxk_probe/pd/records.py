@@ -24,9 +24,17 @@ DECODE_STAGES = STAGES[1:]
 VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
 
 
+_instance: tuple[int, str] = (-1, "")
+
+
 def instance_id() -> str:
-    """host:pid, to tell processes apart in merged logs."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """host:pid, to tell processes apart in merged logs (looked up once per process:
+    gethostname is a system call, and every record asks)."""
+    global _instance
+    pid = os.getpid()
+    if _instance[0] != pid:
+        _instance = (pid, f"{socket.gethostname()}:{pid}")
+    return _instance[1]
 
 
 def room_record(

@@ -10,18 +10,47 @@ needs no JSON canonicalisation: anyone can verify a line from its bytes.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import xxhash
 
-try:  # SGLang depends on orjson, so serving images have it; it parses ~3x faster
+try:  # SGLang depends on orjson, so serving images have it; it parses ~3x and writes ~15x faster
     from orjson import JSONDecodeError as _OrjsonError
+    from orjson import dumps as _orjson_dumps
     from orjson import loads as _loads
 
     _PARSE_ERRORS: tuple = (ValueError, _OrjsonError)
 except ImportError:  # the standard library gives the same records, slower
+    _orjson_dumps = None
     _loads = json.loads
     _PARSE_ERRORS = (ValueError,)
+
+
+def _dumps(record: dict[str, Any]) -> bytes:
+    """Compact JSON. orjson writes it on the probe's threads in well under a microsecond
+    per record (the standard library takes ~7 us, all of it holding the GIL the serving
+    thread needs); it writes non-ASCII text as UTF-8 where the standard library escapes
+    it, and both are valid lines. NaN and infinities are refused either way."""
+    if _orjson_dumps is None:
+        return json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    body = _orjson_dumps(record)
+    if b"null" in body and _has_non_finite(record):  # orjson would write them as null
+        raise ValueError("a record must not hold NaN or infinity")
+    return body
+
+
+def _has_non_finite(value: Any) -> bool:
+    """NaN or infinity anywhere in `value`; a list is searched unless it starts with a
+    string (digest vectors are long lists of hex strings, and never hold floats)."""
+    kind = type(value)
+    if kind is float:
+        return not math.isfinite(value)
+    if kind is dict:
+        return any(_has_non_finite(v) for v in value.values())
+    if kind is list or kind is tuple:
+        return bool(value) and type(value[0]) is not str and any(_has_non_finite(v) for v in value)
+    return False
 
 CHECKSUM_KEY = "h"
 _SUFFIX_HEAD = b',"h":"'
@@ -42,7 +71,7 @@ def encode_line(record: dict[str, Any]) -> bytes:
         raise ValueError("a record must be a non-empty dict")
     if CHECKSUM_KEY in record:
         raise ValueError(f"key {CHECKSUM_KEY!r} is reserved for the line checksum")
-    body = json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    body = _dumps(record)
     head = body[:-1]  # drop the closing brace; the checksum member goes before it
     return b"%s%s%s\"}\n" % (head, _SUFFIX_HEAD, xxhash.xxh64_hexdigest(head).encode("ascii"))
 

@@ -8,7 +8,11 @@ role's module (with torch, NIXL and the probe) is imported only here.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
+
+#: set to a folder to profile each child's serving loop (its main thread) into <folder>/<role>.pstats
+PROFILE_ENV = "DSV4_IDXK_RIG_PROFILE_DIR"
 
 #: errors whose message already says what is wrong (file, field); no traceback needed
 _CLEAR_ERRORS = ("ConfigError", "FaultSpecError", "PlanError", "LayoutError", "TransportError", "PeerError")
@@ -33,7 +37,14 @@ def child_main(role: str, cfg, events, peer, control) -> None:
             from .prefill_side import PrefillSide as Side
         else:
             from .decode_side import DecodeSide as Side
-        Side(cfg, events, peer, control).run()
+        side = Side(cfg, events, peer, control)
+        profile_dir = os.environ.get(PROFILE_ENV)
+        if not profile_dir:
+            side.run()
+            return
+        import cProfile  # a benchmark's question: where does the serving loop's time go?
+
+        cProfile.runctx("side.run()", {}, {"side": side}, os.path.join(profile_dir, f"{role}.pstats"))
     except BaseException as exc:  # the parent must hear about every failure
         events.put(("error", role, describe(exc)))
         raise SystemExit(2) from None

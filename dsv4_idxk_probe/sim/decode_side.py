@@ -26,6 +26,7 @@ from ..digest import DigestEngine, get_layout
 from ..pd import DecodeMonitor, InbandDigest, RoomId
 from . import content, expect, inject
 from .faults import load_fault_spec
+from .loopclock import LoopClock
 from .plan import RigConfig, RoomPlan
 from .pool import build_buffers, build_meta, select_device
 from .probe_io import ProbeSinks, VectorFetcher, parse_address
@@ -77,6 +78,7 @@ class DecodeSide:
         self.active: dict[int, _Room] = {}
         self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0}
         self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
+        self.clock = LoopClock()
         self.monitor = self.sinks = self.fetcher = None
         if self.settings.enabled:
             config = self.settings.config
@@ -162,12 +164,13 @@ class DecodeSide:
         """All WRITEs landed: read the metadata row, then the decode_recv stage."""
         row = self.meta[room.meta_row].cpu().numpy().view(np.uint64)
         inband = InbandDigest.from_slots(row[META_INBAND_SLOTS]) if int(row[META_ROOM_SLOT]) == room.plan.room else None
-        if self.fetcher is not None and inband is not None:
-            self.fetcher.remember(room.rid.key, int(row[META_ENDPOINT_SLOT]))
         self._apply_faults(room, in_flight=True)
         self._oracle(room, "decode_recv", None)
         if self.monitor is not None:
-            self.monitor.room_received(room.rid, room.sent_phys, room.plan.sent_tokens, inband)
+            with self.clock.probe("receive"):
+                if self.fetcher is not None and inband is not None:
+                    self.fetcher.remember(room.rid.key, int(row[META_ENDPOINT_SLOT]))
+                self.monitor.room_received(room.rid, room.sent_phys, room.plan.sent_tokens, inband)
         room.state = "running"
         self.stats["received"] += 1
         self.events.put(("received", "decode", room.plan.room))
@@ -193,7 +196,8 @@ class DecodeSide:
         if self.interval > 0 and self.batches % self.interval == 0:
             going_on = [r for r in running if r.steps_done < r.plan.steps]
             if self.monitor is not None and going_on:
-                self.monitor.batch_done([], [(r.rid, r.steps_done) for r in going_on])
+                with self.clock.probe("step"):
+                    self.monitor.batch_done([], [(r.rid, r.steps_done) for r in going_on])
             for room in going_on:
                 self._oracle(room, "decode_step", room.steps_done)
             self.stats["step_digests"] += len(going_on)
@@ -201,7 +205,7 @@ class DecodeSide:
             self._apply_faults(room, step=room.steps_done)
         self._finish_all([r for r in running if r.steps_done == r.plan.steps])
         if self.cfg.decode_step_ms:
-            time.sleep(self.cfg.decode_step_ms / 1e3)  # the model's forward, which the rig does not run
+            self.clock.sleep(self.cfg.decode_step_ms / 1e3)
         return True
 
     def _advance(self, room: _Room) -> None:
@@ -241,7 +245,10 @@ class DecodeSide:
         for room in rooms:  # announced first: a room's log line never precedes its event
             self.stats["finished"] += 1
             self.events.put(("finished", "decode", room.plan.room))
-        pending = self.monitor.batch_done([r.rid for r in rooms], []) if self.monitor is not None else None
+        pending = None
+        if self.monitor is not None:
+            with self.clock.probe("finish"):
+                pending = self.monitor.batch_done([r.rid for r in rooms], [])
         for room in rooms:
             room.pending = pending
             room.state = "retiring"
@@ -350,7 +357,7 @@ class DecodeSide:
         if self.sinks is not None:
             self.sinks.close()
         self.endpoint.close()
-        self.events.put(("done", "decode", self.stats))
+        self.events.put(("done", "decode", {**self.stats, "batches": self.batches, **self.clock.stats()}))
 
 
 def _record(fault, room: int, applied: bool, reason: str, target=None, *, detail=None, effects=None) -> dict:

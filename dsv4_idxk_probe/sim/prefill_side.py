@@ -22,6 +22,7 @@ from ..digest import DigestEngine, get_layout
 from ..pd import InbandDigest, PrefillMonitor, RoomId
 from . import content, expect, inject
 from .faults import TRANSFER_KINDS, load_fault_spec
+from .loopclock import LoopClock
 from .plan import PAGE_TOKENS, RigConfig, RoomPlan
 from .pool import build_buffers, build_meta, select_device
 from .probe_io import ProbeSinks, endpoint_slot, start_exchange
@@ -68,6 +69,7 @@ class PrefillSide:
         self.decode_gone = False
         self.stopping = False
         self.stats = {"rooms_sent": 0, "writes": 0, "bytes": 0, "failed": 0, "transfer_seconds": 0.0, "write_seconds": 0.0}
+        self.clock = LoopClock()
         self.monitor = self.sinks = self.server = None
         if self.settings.enabled:
             self.sinks = ProbeSinks(self.settings.config, "prefill")
@@ -178,7 +180,7 @@ class PrefillSide:
         if self.sinks is not None:
             self.sinks.close()
         self.endpoint.close()
-        self.events.put(("done", "prefill", self.stats))
+        self.events.put(("done", "prefill", {**self.stats, **self.clock.stats()}))
 
 
 class _RoomJob:
@@ -248,7 +250,8 @@ class _RoomJob:
         if monitor is None:
             return None
         rid = RoomId(self.plan.room, self.info.attempt)
-        pending = monitor.room_sent(rid, self.pages[self.plan.prefix_pages :], self.plan.sent_tokens)
+        with self.side.clock.probe("send"):
+            pending = monitor.room_sent(rid, self.pages[self.plan.prefix_pages :], self.plan.sent_tokens)
         if pending is None:
             return None
         if self.side.bufs[0].is_cuda:

@@ -101,28 +101,32 @@ def test_kernel_localises_a_flipped_bit_like_the_reference(seed, flip_layer, fli
     assert result.exact and result.layer_segments == [([10, 20][flip_layer], segment)] and result.pages == [flip_page]
 
 
-def test_cells_output_holds_segment_digests(random_buffers):
-    """The optional per-(row, segment) output equals reference.segment_digests."""
-    from dsv4_idxk_probe.digest.kernel import launch_digest
-    from dsv4_idxk_probe.digest.worklist import build_worklist
+def test_kernel_stores_every_cell_of_every_room_once(random_buffers):
+    """Called directly: each (layer, page, segment) cell the kernel stores equals
+    reference.room_cells, for int32 and int64 page tables in one launch, and no cell
+    of the output is left unwritten (it starts as a sentinel)."""
+    from dsv4_idxk_probe.digest.kernel import DigestKernel
+    from dsv4_idxk_probe.digest.room_table import plan_cells
 
     layout = get_layout("fp8")
-    buffers = random_buffers(layout, 2, 3, seed=4)
-    buffers = [b.to(DEVICE) for b in buffers]
-    pages = torch.tensor([1, 2], device=DEVICE)
-    rooms = [RoomRequest("c", pages, 256 + 20)]
-    wl = build_worklist(layout, 2, rooms)
-    work = torch.from_numpy(wl.work).to(DEVICE)
-    room_table = torch.tensor([[pages.data_ptr(), wl.ls_offsets[0], wl.page_offsets[0]]], dtype=torch.int64, device=DEVICE)
-    layer_table = torch.tensor([[b.data_ptr(), i] for i, b in enumerate(buffers)], dtype=torch.int64, device=DEVICE)
-    seg_table = torch.tensor([[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32, device=DEVICE)
-    out = torch.zeros(wl.out_size, dtype=torch.int64, device=DEVICE)
-    cells = torch.zeros((len(wl.work), 2), dtype=torch.int64, device=DEVICE)
-    launch_digest(
-        work, room_table, layer_table, seg_table, out.view(torch.uint64), layout.row_bytes // 4,
-        slots=layout.slots, cells=cells.view(torch.uint64), rows=4,
-    )
-    expected = np.concatenate(
-        [ref.segment_digests(b.cpu().numpy()[[1, 2]], [64, 5], layout) for b in buffers]
-    )
-    assert np.array_equal(cells.cpu().numpy().view(np.uint64), expected)
+    buffers = [b.to(DEVICE) for b in random_buffers(layout, 2, 5, seed=4)]
+    rooms = [
+        RoomRequest("a", torch.tensor([1, 2], dtype=torch.int64, device=DEVICE), 256 + 20),
+        RoomRequest("b", torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE), 2 * 256 + 3),
+    ]
+    plan = plan_cells(rooms, 2)
+    table = torch.tensor(
+        [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
+         for r, first in zip(rooms, plan.first_cells)], dtype=torch.int64, device=DEVICE)
+    layers = torch.tensor([[b.data_ptr(), lid] for b, lid in zip(buffers, [10, 20])], dtype=torch.int64, device=DEVICE)
+    segments = torch.tensor([[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32, device=DEVICE)
+    cells = torch.full((plan.n_cells, 2), 0x5A5A5A5A, dtype=torch.int64, device=DEVICE)
+    kernel = DigestKernel(layers.data_ptr(), 2, segments.data_ptr(), layout, block=256, rows=2)
+    kernel.launch(table.data_ptr(), cells.data_ptr(), len(rooms), plan.max_pages)
+    got = cells.cpu().numpy().view(np.uint64)
+    host = [b.cpu() for b in buffers]
+    for slot, room in enumerate(rooms):
+        expected = ref.room_cells(host, room.pages.cpu().numpy(), room.n_tokens, layout, [10, 20])
+        assert np.array_equal(plan.block(got, slot), expected), room.key
+
+

@@ -1,0 +1,60 @@
+"""Where a rig process's serving loop spends its time with the probe on.
+
+Two ways the probe can slow a serving loop: time inside its calls on the
+loop's thread, and late wake-ups from the model-time sleep when the probe's
+background threads hold the GIL. Both are measured here, per kind of call,
+and reported with the process's counters, so a benchmark can say which one
+costs what (a mean far above the median means rare long calls: a pinned
+allocation, a wait for the GIL).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+class _Timing:
+    """Wall and thread-CPU time of one call: wall far above CPU means the loop waited
+    (for the GIL, a lock, a blocking driver call), not that the probe computed."""
+
+    def __init__(self, durations: list, cpu: list):
+        self.durations, self.cpu = durations, cpu
+        self.started = self.cpu_started = 0.0
+
+    def __enter__(self):
+        self.started, self.cpu_started = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.durations.append(time.perf_counter() - self.started)
+        self.cpu.append(time.thread_time() - self.cpu_started)
+
+
+class LoopClock:
+    def __init__(self):
+        self.calls: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self.sleep_late_s = 0.0
+        self.sleeps = 0
+
+    def probe(self, kind: str) -> _Timing:
+        """`with clock.probe("receive"):` around one probe call on the loop's thread."""
+        return _Timing(self.calls.setdefault(kind, []), self.cpu.setdefault(kind, []))
+
+    def sleep(self, seconds: float) -> None:
+        """The model's forward, which the rig does not run; counts how late it wakes."""
+        started = time.perf_counter()
+        time.sleep(seconds)
+        self.sleep_late_s += max(0.0, time.perf_counter() - started - seconds)
+        self.sleeps += 1
+
+    def stats(self) -> dict:
+        by_kind = {
+            kind: {"calls": len(d), "total_s": sum(d), "median_us": 1e6 * statistics.median(d),
+                   "max_us": 1e6 * max(d), "cpu_median_us": 1e6 * statistics.median(self.cpu[kind])}
+            for kind, d in self.calls.items() if d
+        }
+        return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
+                "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
+                "sleep_late_s": self.sleep_late_s, "sleeps": self.sleeps}
