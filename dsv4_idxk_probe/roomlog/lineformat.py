@@ -31,13 +31,18 @@ def _dumps(record: dict[str, Any]) -> bytes:
     """Compact JSON. orjson writes it on the probe's threads in well under a microsecond
     per record (the standard library takes ~7 us, all of it holding the GIL the serving
     thread needs); it writes non-ASCII text as UTF-8 where the standard library escapes
-    it, and both are valid lines. NaN and infinities are refused either way."""
-    if _orjson_dumps is None:
-        return json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-    body = _orjson_dumps(record)
-    if b"null" in body and _has_non_finite(record):  # orjson would write them as null
-        raise ValueError("a record must not hold NaN or infinity")
-    return body
+    it, and both are valid lines. What orjson refuses (lone surrogates, integers past 64
+    bits) goes to the standard library; NaN and infinities are refused either way."""
+    if _orjson_dumps is not None:
+        try:
+            body = _orjson_dumps(record)
+        except TypeError:  # orjson.JSONEncodeError
+            pass
+        else:
+            if b"null" in body and _has_non_finite(record):  # orjson would write them as null
+                raise ValueError("a record must not hold NaN or infinity")
+            return body
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 def _has_non_finite(value: Any) -> bool:
@@ -92,7 +97,10 @@ def decode_line(line: bytes) -> dict[str, Any]:
     try:
         record = _loads(line)
     except _PARSE_ERRORS as exc:
-        raise LineError(f"checksum matches but the JSON does not parse: {exc}") from None
+        try:  # the standard library also reads escapes orjson refuses (lone surrogates)
+            record = json.loads(line)
+        except ValueError:
+            raise LineError(f"checksum matches but the JSON does not parse: {exc}") from None
     if not isinstance(record, dict):
         raise LineError("line is not a JSON object")
     del record[CHECKSUM_KEY]

@@ -23,7 +23,7 @@ Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
   a MAX all-reduce of the flags over the attention-TP CPU group, as upstream's
   own checksum does, so every rank drops the same requests.
 
-Only frozen bytes are digested (the monitor's work lists), so the tail slots
+Only frozen bytes are digested (the kernel counts them from each room's tokens), so the tail slots
 later decode steps write never count. No SGLang import.
 """
 

@@ -143,3 +143,26 @@ def test_every_metric_is_documented():
     doc = (REPO / "docs" / "observability.md").read_text()
     missing = [f.name for f in families() if f.name + ("_total" if f.type == "counter" else "") not in doc]
     assert not missing, f"docs/observability.md does not mention {missing}"
+
+
+def test_labelled_children_are_cached_and_still_count_into_the_registry():
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, **BASE)
+    first = metrics.rooms_verified.labels(stage="decode_recv", verdict="match")
+    assert metrics.rooms_verified.labels(stage="decode_recv", verdict="match") is first
+    for _ in range(3):
+        metrics.rooms_verified.labels(stage="decode_recv", verdict="match").inc()
+    metrics.rooms_verified.labels(verdict="match", stage="decode_recv").inc()  # other keyword order, same series
+    value = registry.get_sample_value(
+        "dsv4_idxk_probe_rooms_verified_total", {**BASE, "stage": "decode_recv", "verdict": "match"})
+    assert value == 4
+
+
+def test_the_child_cache_stays_bounded(monkeypatch):
+    from dsv4_idxk_probe.metrics import definitions
+
+    monkeypatch.setattr(definitions._Bound, "_MAX_CHILDREN", 4)
+    metrics = ProbeMetrics(CollectorRegistry(), **BASE)
+    for i in range(10):
+        metrics.probe_errors.labels(site=f"s{i}").inc()
+    assert len(metrics.probe_errors._children) <= 4

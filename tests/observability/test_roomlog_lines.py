@@ -68,3 +68,17 @@ def test_reencoded_json_is_rejected_even_when_equivalent():
 def test_unwritable_records_are_refused(bad):
     with pytest.raises((ValueError, TypeError)):
         encode_line(bad)
+
+
+@pytest.mark.parametrize("text", ["plain", "caf\u00e9 \u4e2d", "lone \ud800 surrogate", "\x00 control"])
+def test_any_text_round_trips_whichever_encoder_writes_it(text):
+    """UTF-8 from orjson, escapes from the standard library (lone surrogates): both read back."""
+    record = {"v": 1, "reason": text, "extra": {"big": 2**70, "ok": [1.5, None]}}
+    assert decode_line(encode_line(record)) == record
+
+
+@pytest.mark.parametrize("bad", [{"x": {"y": [1.0, float("inf")]}}, {"x": [None, float("-inf")]},
+                                 {"x": {"y": float("nan")}}])
+def test_non_finite_numbers_are_refused_wherever_they_hide(bad):
+    with pytest.raises(ValueError):
+        encode_line(bad)

@@ -171,3 +171,21 @@ def test_one_batch_one_launch_with_each_room_judged_on_its_own(pair):
     frozen_row_bytes = LAYOUT.row_bytes * len(LAYER_IDS)
     assert registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", labels) == 3 * frozen_row_bytes  # rooms 2 and 3
     assert decode.tracked() == 2  # room 1 finished and is forgotten
+
+
+def test_a_batch_is_judged_room_by_room_with_the_gil_offered_in_between(pair, monkeypatch):
+    """The collector hands the GIL to the serving thread between the rooms of a batch
+    (dsv4_idxk_probe.background), so a 64-room batch never holds it for all 64."""
+    import dsv4_idxk_probe.pd.decode as decode_module
+
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    yields = []
+    monkeypatch.setattr(decode_module, "yield_to_serving", lambda: yields.append(len(dec_sink.records)))
+    rooms = [RoomId(40 + i) for i in range(4)]
+    for room in rooms:
+        decode.room_received(room, [i for i in range(2)], 512, None)
+    dec_sink.wait_for(4)
+    yields.clear()
+    decode.batch_done(rooms, [])
+    dec_sink.wait_for(8)
+    assert yields == [5, 6, 7]  # after the batch's first, second and third room, not after its last

@@ -52,6 +52,18 @@ def test_every_room_verified_and_nothing_mismatches(clean):
     assert any(p.prefix_pages for p in plan) and any(p.prompt_tokens % 256 for p in plan)
 
 
+def test_loop_clock_counts_every_probe_call_on_both_serving_loops(clean):
+    """What bench/overhead.py reads: one timed call per receipt, per finishing batch, per step batch, per send."""
+    result, *_ = clean
+    decode, prefill = result.stats["decode"], result.stats["prefill"]
+    calls = decode["probe_by_kind"]
+    assert calls["receive"]["calls"] == ROOMS
+    assert 0 < calls["finish"]["calls"] <= ROOMS and calls["step"]["calls"] <= decode["batches"] // INTERVAL
+    assert prefill["probe_by_kind"]["send"]["calls"] == ROOMS
+    assert decode["probe_calls"] == sum(k["calls"] for k in calls.values()) and decode["probe_s"] > 0
+    assert all(k["cpu_median_us"] > 0 and k["max_us"] >= k["median_us"] for k in calls.values())
+
+
 def test_pages_were_reused(clean):
     result, *_ = clean
     pages = result.info["decode"]["pages"]

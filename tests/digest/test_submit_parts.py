@@ -1,0 +1,98 @@
+"""The parts of a submit that make it cheap: staging buffers, their upload, the direct launch."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4_idxk_probe.digest import get_layout
+from dsv4_idxk_probe.digest import kernel as kernel_module
+from dsv4_idxk_probe.digest.pinned import StagingPool
+
+
+def test_staging_pool_reuses_buffers_by_size_class():
+    pool = StagingPool(torch.device("cpu"))
+    first = pool.take(100)
+    assert first.nbytes == StagingPool.size_class(100) and first.words.dtype == np.int64
+    assert first.host_address == first.host.data_ptr() == first.read_address  # no twin: the kernel reads host
+    pool.give(first)
+    assert pool.take(200) is first  # same class: no new allocation
+    bigger = pool.take(first.nbytes + 1)
+    assert bigger is not first and bigger.nbytes == 2 * first.nbytes
+    assert pool.allocations == 2
+
+
+def test_upload_copies_a_power_of_two_prefix_through_views_made_once():
+    pool = StagingPool(torch.device("cpu"))
+    staging = pool.take(4096)
+    staging.twin = torch.zeros_like(staging.host)  # a CPU stand-in for the device twin
+    staging.words[:300] = np.arange(300)
+    staging.upload(8 * 300)  # 2400 bytes -> the first 4096 travel
+    copied = staging.twin.numpy().view(np.int64)
+    assert np.array_equal(copied[:300], np.arange(300)) and not copied[512:].any()
+    views = dict(staging._fronts)
+    staging.upload(3000)
+    assert staging._fronts == views and len(views) == 1  # the same size reuses its views
+
+
+class _FakeJit:
+    """A fake of Triton's JIT entry point (no GPU here): records launches and returns a
+    compiled kernel whose signature is `signature`."""
+
+    def __init__(self, signature):
+        self.jit_launches, self.direct_launches = [], []
+        outer = self
+
+        class Compiled:
+            src = SimpleNamespace(signature=signature)
+
+            def __getitem__(self, grid):
+                return lambda *args: outer.direct_launches.append((grid, args))
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit_launches.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+def _kernel(monkeypatch, signature):
+    fake = _FakeJit(signature)
+    monkeypatch.setattr(kernel_module, "_digest_rooms_kernel", fake)
+    return fake, kernel_module.DigestKernel(111, 3, 222, get_layout("fp8"), block=128, rows=2)
+
+
+def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(monkeypatch):
+    signature = {name: "i64" for name in kernel_module._ARG_NAMES}
+    fake, kernel = _kernel(monkeypatch, signature)
+    kernel.launch(1000, 2000, n_rooms=4, max_pages=5)
+    kernel.launch(1001, 2001, n_rooms=2, max_pages=1)
+    assert len(fake.jit_launches) == 1 and fake.jit_launches[0][0] == (4, 3, 3)
+    grid, args = fake.direct_launches[0]
+    layout = get_layout("fp8")
+    assert grid == (2, 3, 1)
+    assert args == (1001, 111, 222, 2001, layout.row_bytes // 4, layout.slots, layout.page_tokens,
+                    layout.tokens_per_slot, len(layout.segments), 2, 128)
+
+
+@pytest.mark.parametrize("signature", [
+    {name: "i64" for name in kernel_module._ARG_NAMES[:-1]},  # an argument fewer
+    {name: "i64" for name in reversed(kernel_module._ARG_NAMES)},  # another order
+    None,  # no signature to check (another Triton)
+])
+def test_a_compiled_kernel_that_does_not_fit_keeps_the_jit_entry_point(monkeypatch, signature):
+    fake, kernel = _kernel(monkeypatch, signature)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
+    assert len(fake.jit_launches) == 2 and fake.direct_launches == []
+
+
+def test_nothing_is_launched_for_empty_batches(monkeypatch):
+    fake, kernel = _kernel(monkeypatch, {name: "i64" for name in kernel_module._ARG_NAMES})
+    kernel.launch(1000, 2000, n_rooms=0, max_pages=3)
+    kernel.launch(1000, 2000, n_rooms=2, max_pages=0)
+    assert fake.jit_launches == [] and fake.direct_launches == []
