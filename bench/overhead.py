@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     rig.add_argument("--run-timeout", type=float, default=300.0)
     rig.add_argument("--keep-logs", action="store_true", help="keep each observe run's room log under --out")
     rig.add_argument("--profile-runs", action="store_true",
-                     help="after the legs, one more observe run with each child's serving loop under cProfile "
-                          "(not counted in any ratio); prints where the probe's calls spend their time")
+                     help="after the legs, one more observe run with the parts of every digest submit timed in "
+                          "both children (not counted in any ratio); prints where a submit's time goes")
     hp = p.add_argument_group("host-pool leg")
     hp.add_argument("--hp-layers", type=int, default=30, help="C4 layers of the index-K host pool")
     hp.add_argument("--hp-pages", type=int, default=16, help="pages per backup / load")
@@ -241,6 +241,7 @@ def loop_costs(stats: dict) -> dict:
         "decode_probe_calls_per_batch": decode.get("probe_calls", 0) / batches,
         "prefill_probe_us_per_room": 1e6 * prefill.get("probe_s", 0.0) / rooms,
         "by_kind": {**decode.get("probe_by_kind", {}), **prefill.get("probe_by_kind", {})},
+        "parts": {role: stats.get(role, {}).get("parts", {}) for role in ("decode", "prefill")},
     }
 
 
@@ -466,30 +467,21 @@ def print_tables(report: dict) -> None:
             print(f"{variant:<18} {rate:9.1f} {r['median'] if r else 1.0:7.3f} {span:>15} {p50:8.2f} {p99:8.2f}")
 
 
-def profile_observe_run(args, work: Path, rooms: int) -> None:
-    """One observe run with both children's loops profiled; print the probe's share."""
-    import pstats
+def profile_observe_run(args, work: Path, rooms: int) -> dict:
+    """One more observe run (not in any ratio) with the parts of every digest submit timed
+    inside both children; print where a submit's time goes in a serving process."""
+    from dsv4_idxk_probe.sim.child import PART_TIMES_ENV
 
-    from dsv4_idxk_probe.sim.child import PROFILE_ENV
-
-    folder = work / "profiles"
-    folder.mkdir()
-    os.environ[PROFILE_ENV] = str(folder)
+    os.environ[PART_TIMES_ENV] = "1"
     try:
-        one_rig_run(args, "observe", rooms, work, "profiled")
+        run = one_rig_run(args, "observe", rooms, work, "profiled")
     finally:
-        os.environ.pop(PROFILE_ENV, None)
-    for role in ("decode", "prefill"):
-        path = folder / f"{role}.pstats"
-        if not path.exists():
-            print(f"no profile from {role}")
-            continue
-        print(f"\n== {role} serving loop under cProfile ({rooms} rooms): probe functions by cumulative time")
-        stats = pstats.Stats(str(path)).sort_stats("cumulative")
-        stats.print_stats(r"dsv4_idxk_probe/(digest|pd|roomlog|metrics|exchange)|triton|torch/cuda", 25)
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            stats.dump_stats(str(args.out / f"{role}.pstats"))
+        os.environ.pop(PART_TIMES_ENV, None)
+    print(f"\nsubmit parts inside the rig's processes ({rooms} rooms, one observe run, not in the ratios):")
+    for role, parts in run["loop"]["parts"].items():
+        for label, p in parts.items():
+            print(f"  {role:<8} {label:<28} calls {p['calls']:6d}  median {p['median_us']:8.1f} us  mean {p['mean_us']:8.1f} us")
+    return run
 
 
 def main(argv=None) -> int:
@@ -510,7 +502,7 @@ def main(argv=None) -> int:
             print("host-pool leg (bare / observe / observe+roundtrip, interleaved):", flush=True)
             report["hostpool"] = run_hostpool_leg(args, work)
         if args.profile_runs:
-            profile_observe_run(args, work, report.get("rig", {}).get("rooms_per_run") or args.rooms or 80)
+            report["profiled_run"] = profile_observe_run(args, work, report.get("rig", {}).get("rooms_per_run") or args.rooms or 80)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "overhead.json").write_text(json.dumps(report, indent=1, default=float))

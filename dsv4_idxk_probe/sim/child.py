@@ -11,8 +11,8 @@ import logging
 import os
 import traceback
 
-#: set to a folder to profile each child's serving loop (its main thread) into <folder>/<role>.pstats
-PROFILE_ENV = "DSV4_IDXK_RIG_PROFILE_DIR"
+#: set (to anything) to time the parts of every digest submit in each child (bench/overhead.py --profile-runs)
+PART_TIMES_ENV = "DSV4_IDXK_RIG_PART_TIMES"
 
 #: errors whose message already says what is wrong (file, field); no traceback needed
 _CLEAR_ERRORS = ("ConfigError", "FaultSpecError", "PlanError", "LayoutError", "TransportError", "PeerError")
@@ -38,13 +38,9 @@ def child_main(role: str, cfg, events, peer, control) -> None:
         else:
             from .decode_side import DecodeSide as Side
         side = Side(cfg, events, peer, control)
-        profile_dir = os.environ.get(PROFILE_ENV)
-        if not profile_dir:
-            side.run()
-            return
-        import cProfile  # a benchmark's question: where does the serving loop's time go?
-
-        cProfile.runctx("side.run()", {}, {"side": side}, os.path.join(profile_dir, f"{role}.pstats"))
+        if os.environ.get(PART_TIMES_ENV) and side.monitor is not None:
+            side.clock.time_parts(side.monitor.engine)
+        side.run()
     except BaseException as exc:  # the parent must hear about every failure
         events.put(("error", role, describe(exc)))
         raise SystemExit(2) from None

@@ -35,12 +35,42 @@ class LoopClock:
     def __init__(self):
         self.calls: dict[str, list[float]] = {}
         self.cpu: dict[str, list[float]] = {}
+        self.parts: dict[str, list[float]] = {}
         self.sleep_late_s = 0.0
         self.sleeps = 0
 
     def probe(self, kind: str) -> _Timing:
         """`with clock.probe("receive"):` around one probe call on the loop's thread."""
         return _Timing(self.calls.setdefault(kind, []), self.cpu.setdefault(kind, []))
+
+    def time_parts(self, engine) -> None:
+        """Also time the parts of every digest submit in this process: a benchmark's
+        question (where does a submit's time go inside a serving process?), not a
+        serving feature. Wraps the engine's own objects, and the upload and event
+        record of every staging buffer and event in the process."""
+        import torch
+
+        from ..digest.pinned import Staging
+
+        parts = [(engine, "submit", "submit (all)"), (engine, "_launch", "digest or device calls"),
+                 (engine, "_ensure_thread", "collector check"), (engine._queue, "put_nowait", "queue put")]
+        if engine.backend == "triton":
+            parts += [(engine._kernel, "launch", "kernel launch"), (Staging, "upload", "upload"),
+                      (torch.cuda.Event, "record", "event record"), (engine._staging, "take", "staging take")]
+        for owner, name, label in parts:
+            self._wrap(owner, name, label)
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        original, durations = getattr(owner, name), self.parts.setdefault(label, [])
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                durations.append(time.perf_counter() - started)
+
+        setattr(owner, name, timed)
 
     def sleep(self, seconds: float) -> None:
         """The model's forward, which the rig does not run; counts how late it wakes."""
@@ -57,4 +87,6 @@ class LoopClock:
         }
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
-                "sleep_late_s": self.sleep_late_s, "sleeps": self.sleeps}
+                "sleep_late_s": self.sleep_late_s, "sleeps": self.sleeps,
+                "parts": {label: {"calls": len(d), "median_us": 1e6 * statistics.median(d), "mean_us": 1e6 * sum(d) / len(d)}
+                          for label, d in self.parts.items() if d}}
