@@ -15,6 +15,7 @@ is the same, and still delivers results on the background thread.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -74,7 +75,14 @@ class PendingDigest:
     counted: bool = True  # False for the engine's own warm-up batch
 
     def ready(self) -> bool:
-        return self.done is None or self.done.query()
+        done = self.done  # read once: the collector clears it when it recycles the event
+        return done is None or done.query()
+
+    def wait(self) -> None:
+        """Block until `room_digests` is readable: a host sync, for enforce mode only."""
+        done = self.done
+        if done is not None:
+            done.synchronize()  # if recycled meanwhile, this waits for a later batch: longer, still right
 
     @property
     def room_digests(self) -> np.ndarray:
@@ -139,6 +147,7 @@ class DigestEngine:
         self.stats = EngineStats()
         self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._orphans: collections.deque[PendingDigest] = collections.deque()  # launched, then dropped
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         if self.backend == "triton":
@@ -164,11 +173,15 @@ class DigestEngine:
         Returns None (and counts the drop) when too many batches are pending;
         it never waits.
         """
+        if self._queue.full():  # checked first: a launched batch must not be dropped
+            self.stats.dropped_batches += 1
+            return None
         ticket = self._launch(list(rooms), callback)
         self._ensure_thread()
         try:
             self._queue.put_nowait(ticket)
-        except queue.Full:
+        except queue.Full:  # another thread filled the queue since: the GPU may still write
+            self._orphans.append(ticket)  # its staging buffer, so the collector recycles it later
             self.stats.dropped_batches += 1
             return None
         self.stats.submitted_rooms += len(ticket.rooms)
@@ -295,8 +308,28 @@ class DigestEngine:
             except Exception:  # a callback must never kill the collector
                 self.stats.callback_errors += 1
                 log.exception("digest callback failed")
+            self._recycle_orphans()
             if not self._queue.empty():
                 yield_to_serving()  # between batches too, when several are waiting
+
+    def _recycle_orphans(self) -> None:
+        """Give back the buffers of dropped batches whose kernel has finished."""
+        for _ in range(len(self._orphans)):
+            ticket = self._orphans.popleft()
+            if ticket.ready():
+                self._release(ticket)
+            else:
+                self._orphans.append(ticket)
+
+    def _release(self, ticket: PendingDigest) -> None:
+        """Give a completed batch's staging buffer and event back to their pools."""
+        if ticket.staging is not None:
+            self._staging.give(ticket.staging)
+            ticket.staging = None
+        if ticket.done is not None and ticket.started is None:
+            self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
+            ticket.done = None
+        ticket.keepalive.clear()
 
     def _finish(self, ticket: PendingDigest) -> BatchResult:
         """Fold each room's cells (the event has completed), then recycle the buffers."""
@@ -322,11 +355,5 @@ class DigestEngine:
         if ticket.counted:
             self.stats.completed_rooms += len(digests)
         ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) for d in digests], dtype=np.uint64)
-        if ticket.staging is not None:  # the cells are folded above; the event has completed
-            self._staging.give(ticket.staging)
-            ticket.staging = None
-        if ticket.done is not None and ticket.started is None:
-            self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
-            ticket.done = None
-        ticket.keepalive.clear()
+        self._release(ticket)
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes))

@@ -79,10 +79,9 @@ def _digest_rooms_kernel(
     id_bytes = tl.load(entry + 1)
     n_tokens = tl.load(entry + 3)
     first_cell = tl.load(entry + 4)
-    n_layers = tl.num_programs(1)
 
-    # Lanes past the room's last page re-read its last page, so every load is
-    # in bounds and needs no mask; only their stores are masked off.
+    # Lanes past the room's last page re-read its last page, so the table loads
+    # are in bounds and need no mask; only their stores are masked off.
     logical = first_page + tl.arange(0, ROWS)
     valid = logical < n_pages
     page = tl.minimum(logical, n_pages - 1)
@@ -108,11 +107,11 @@ def _digest_rooms_kernel(
         acc_b = tl.zeros([ROWS, BLOCK], dtype=tl.uint32)
         for start in range(0, slots * slot_words, BLOCK):
             idx = start + lanes
-            # Whole rows are read (unfrozen words of a tail row too: they are in
-            # bounds); only frozen words are summed.
+            # Only frozen words are read: a block can run past its segment (64 scale
+            # words in a 128-word block), and past the last row of the buffer.
             mask = idx[None, :] < n_words[:, None]
             j = word_offset + idx  # word position in the row
-            w = tl.load(rows[:, None] + j[None, :])
+            w = tl.load(rows[:, None] + j[None, :], mask=mask, other=0)
             x = w ^ (j.to(tl.uint32) * _SALT_MUL + _SALT_ADD)[None, :]
             a = x * _MIX_A
             a = a ^ (a >> 16)
@@ -162,6 +161,7 @@ class DigestKernel:
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
+        self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
     def launch(self, room_table: int, cells: int, n_rooms: int, max_pages: int) -> None:
         """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers)."""
@@ -169,12 +169,21 @@ class DigestKernel:
             return
         grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
         args = (room_table, self.layer_table, self.segment_table, cells, *self.constants)
-        if self.compiled is not None:
+        device = _current_device()
+        if self.compiled is not None and device == self.compiled_on:
             self.compiled[grid](*args, *self.meta.values())
             return
         compiled = _digest_rooms_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
         if _fits(compiled):
-            self.compiled = compiled
+            self.compiled, self.compiled_on = compiled, device
+
+
+def _current_device():
+    """The device Triton launches on now (None under the interpreter)."""
+    try:
+        return triton.runtime.driver.active.get_current_device()
+    except Exception:
+        return None
 
 
 def _fits(compiled) -> bool:

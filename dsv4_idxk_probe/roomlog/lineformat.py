@@ -10,7 +10,6 @@ needs no JSON canonicalisation: anyone can verify a line from its bytes.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import xxhash
@@ -28,34 +27,36 @@ except ImportError:  # the standard library gives the same records, slower
 
 
 def _dumps(record: dict[str, Any]) -> bytes:
-    """Compact JSON. orjson writes it on the probe's threads in well under a microsecond
-    per record (the standard library takes ~7 us, all of it holding the GIL the serving
-    thread needs); it writes non-ASCII text as UTF-8 where the standard library escapes
-    it, and both are valid lines. What orjson refuses (lone surrogates, integers past 64
-    bits) goes to the standard library; NaN and infinities are refused either way."""
+    """Compact JSON. orjson writes it on the probe's threads in under a microsecond per
+    record (the standard library takes ~7 us, all of it holding the GIL the serving
+    thread needs). orjson writes non-ASCII text as UTF-8 and NaN or infinity as null;
+    records hold neither by construction (the only float is the timestamp), and both
+    are valid lines. What orjson refuses (lone surrogates, integers past 64 bits) goes
+    to the standard library, which escapes surrogates and refuses NaN, and is kept only
+    if it reads back unchanged: integers past 64 bits would come back as floats."""
     if _orjson_dumps is not None:
         try:
-            body = _orjson_dumps(record)
+            return _orjson_dumps(record)
         except TypeError:  # orjson.JSONEncodeError
             pass
-        else:
-            if b"null" in body and _has_non_finite(record):  # orjson would write them as null
-                raise ValueError("a record must not hold NaN or infinity")
-            return body
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    body = json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    if _orjson_dumps is not None and _parse(body) != record:
+        raise ValueError("a record must hold integers of at most 64 bits (readers would get floats)")
+    return body
 
 
-def _has_non_finite(value: Any) -> bool:
-    """NaN or infinity anywhere in `value`; a list is searched unless it starts with a
-    string (digest vectors are long lists of hex strings, and never hold floats)."""
-    kind = type(value)
-    if kind is float:
-        return not math.isfinite(value)
-    if kind is dict:
-        return any(_has_non_finite(v) for v in value.values())
-    if kind is list or kind is tuple:
-        return bool(value) and type(value[0]) is not str and any(_has_non_finite(v) for v in value)
-    return False
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a room log line")
+
+
+def _parse(data: bytes) -> Any:
+    """orjson, then the standard library for what orjson refuses (escaped lone surrogates),
+    which must not accept NaN or infinity where orjson would not."""
+    try:
+        return _loads(data)
+    except _PARSE_ERRORS:
+        return json.loads(data, parse_constant=_refuse_constant)
+
 
 CHECKSUM_KEY = "h"
 _SUFFIX_HEAD = b',"h":"'
@@ -95,12 +96,9 @@ def decode_line(line: bytes) -> dict[str, Any]:
     if xxhash.xxh64_hexdigest(memoryview(line)[:head_end]).encode("ascii") != line[end - 18 : end - 2]:
         raise LineError("line checksum does not match (edited or corrupted line)")
     try:
-        record = _loads(line)
-    except _PARSE_ERRORS as exc:
-        try:  # the standard library also reads escapes orjson refuses (lone surrogates)
-            record = json.loads(line)
-        except ValueError:
-            raise LineError(f"checksum matches but the JSON does not parse: {exc}") from None
+        record = _parse(line)
+    except ValueError as exc:
+        raise LineError(f"checksum matches but the JSON does not parse: {exc}") from None
     if not isinstance(record, dict):
         raise LineError("line is not a JSON object")
     del record[CHECKSUM_KEY]

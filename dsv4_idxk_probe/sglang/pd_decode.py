@@ -173,8 +173,7 @@ def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
         pending, inband, n_tokens = received
         if pending is None or inband is None or inband.signature != side.signature or inband.n_tokens != n_tokens:
             continue
-        if not pending.ready():
-            pending.done.synchronize()
+        pending.wait()
         flags[i] = int(int(pending.room_digests[0]) != inband.room_digest)
     return flags
 

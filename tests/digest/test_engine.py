@@ -125,3 +125,37 @@ def test_warm_up_batch_is_collected_but_not_counted(random_buffers):
     assert done.wait(30)
     engine.close()
     assert (engine.stats.submitted_rooms, engine.stats.completed_rooms, engine.stats.callback_errors) == (1, 1, 0)
+
+
+def test_a_full_queue_drops_before_anything_is_launched(random_buffers):
+    engine = DigestEngine(LAYOUT, [0], [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=2)],
+                          backend="triton", max_pending=1)
+    started, gate = threading.Event(), threading.Event()
+    engine.submit([RoomRequest("first", [0], 256)], lambda b: started.set() or gate.wait(10))
+    assert started.wait(10)  # the collector holds "first"; the queue's one place is free
+    engine.submit([RoomRequest("queued", [0], 256)], lambda b: None)
+    launched = []
+    real_launch = engine._launch
+    engine._launch = lambda rooms, cb: launched.append(rooms) or real_launch(rooms, cb)
+    assert engine.submit([RoomRequest("dropped", [1], 256)], lambda b: None) is None
+    assert launched == [] and engine.stats.dropped_batches == 1
+    gate.set()
+    engine.close()
+
+
+def test_a_batch_dropped_after_its_launch_gives_its_buffer_back_only_once_done(random_buffers):
+    """Another thread can fill the queue between the check and the put: the launched
+    batch's staging buffer may still be written by the GPU, so the collector recycles it."""
+    engine = DigestEngine(LAYOUT, [0], [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=2)],
+                          backend="triton", max_pending=1)
+    started, gate = threading.Event(), threading.Event()
+    engine.submit([RoomRequest("first", [0], 256)], lambda b: started.set() or gate.wait(10))
+    assert started.wait(10)  # the collector holds "first"; the queue's one place is free
+    engine.submit([RoomRequest("queued", [0], 256)], lambda b: None)
+    engine._queue.full = lambda: False  # the race: the check said "room left"
+    assert engine.submit([RoomRequest("raced", [1], 256)], lambda b: None) is None
+    orphan = engine._orphans[0]
+    assert orphan.staging is not None and engine.stats.dropped_batches == 1
+    gate.set()
+    engine.close()
+    assert not engine._orphans and orphan.staging is None  # recycled by the collector

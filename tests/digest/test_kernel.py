@@ -130,3 +130,42 @@ def test_kernel_stores_every_cell_of_every_room_once(random_buffers):
         assert np.array_equal(plan.block(got, slot), expected), room.key
 
 
+
+
+_GUARD_SCRIPT = r"""
+import mmap, ctypes, sys
+import numpy as np, torch
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+layout = get_layout(sys.argv[1])
+n_pages, page = 4, 4096
+nbytes = n_pages * layout.row_bytes
+total = -(-nbytes // page) * page + page
+region = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+guard = base + total - page
+assert libc.mprotect(guard, page, 0) == 0  # the page after the buffer cannot be read
+rows = np.frombuffer(region, dtype=np.uint8, count=nbytes, offset=guard - nbytes - base).reshape(n_pages, -1)
+rows[:] = 7
+engine = DigestEngine(layout, [1], [torch.from_numpy(rows)], backend="triton")
+kernel = engine.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
+reference = DigestEngine(layout, [1], [torch.from_numpy(rows.copy())], backend="reference")
+expected = reference.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
+assert np.array_equal(kernel.layer_segment, expected.layer_segment)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="host memory behind a guard page is read by the CPU interpreter")
+@pytest.mark.parametrize("layout_name", ["fp8", "fp4", "bf16"])
+def test_the_last_row_of_a_buffer_is_digested_without_reading_past_it(layout_name):
+    """The buffer ends right before an unreadable page; a load past the row's frozen
+    words (a 128-word block over 64 scale words) would kill the process. In a child
+    process, so a regression fails this test instead of the suite."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _GUARD_SCRIPT, layout_name], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])

@@ -96,3 +96,19 @@ def test_nothing_is_launched_for_empty_batches(monkeypatch):
     kernel.launch(1000, 2000, n_rooms=0, max_pages=3)
     kernel.launch(1000, 2000, n_rooms=2, max_pages=0)
     assert fake.jit_launches == [] and fake.direct_launches == []
+
+
+def test_the_argument_names_checked_are_the_kernels_own():
+    import inspect
+
+    assert tuple(inspect.signature(kernel_module._digest_rooms_kernel.fn).parameters) == kernel_module._ARG_NAMES
+
+
+def test_a_launch_on_another_device_goes_through_the_jit(monkeypatch):
+    signature = {name: "i64" for name in kernel_module._ARG_NAMES}
+    fake, kernel = _kernel(monkeypatch, signature)
+    monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
+    monkeypatch.setattr(kernel_module, "_current_device", lambda: 1)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
+    assert len(fake.jit_launches) == 2 and fake.direct_launches == []

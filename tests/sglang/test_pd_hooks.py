@@ -168,6 +168,9 @@ class _NotYetReady:
     def ready(self):
         return self.passed
 
+    def wait(self):
+        self.done.synchronize()
+
     @property
     def room_digests(self):
         assert self.passed, "read before the stream passed the digest"
@@ -355,7 +358,8 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
         prefill, decode = worlds
         good = _decode_flow(worlds, (runtime, sink, None))
         bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7))
-        pending = SimpleNamespace(ready=lambda: True, done=None, room_digests=np.array([5], dtype=np.uint64))
+        pending = SimpleNamespace(ready=lambda: True, wait=lambda: None, done=None,
+                                  room_digests=np.array([5], dtype=np.uint64))
         side = runtime.sides["decode"]
         bad.req._dsv4_idxk_recv = (pending, InbandDigest(6, side.signature, 10), 10)
         aborted, kept = [], []

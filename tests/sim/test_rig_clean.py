@@ -60,7 +60,7 @@ def test_loop_clock_counts_every_probe_call_on_both_serving_loops(clean):
     assert calls["receive"]["calls"] == ROOMS
     assert 0 < calls["finish"]["calls"] <= ROOMS and calls["step"]["calls"] <= decode["batches"] // INTERVAL
     assert prefill["probe_by_kind"]["send"]["calls"] == ROOMS
-    assert decode["probe_calls"] == sum(k["calls"] for k in calls.values()) and decode["probe_s"] > 0
+    assert decode["probe_s"] > 0 and decode["sleeps"] == 0  # this rig run models no forward time
     assert all(k["cpu_median_us"] > 0 and k["max_us"] >= k["median_us"] for k in calls.values())
 
 
