@@ -127,13 +127,20 @@ def test_warm_up_batch_is_collected_but_not_counted(random_buffers):
     assert (engine.stats.submitted_rooms, engine.stats.completed_rooms, engine.stats.callback_errors) == (1, 1, 0)
 
 
-def test_a_full_queue_drops_before_anything_is_launched(random_buffers):
+def _engine_with_full_queue(random_buffers):
+    """A Triton-backend engine of queue size 1: the collector is held inside its first
+    callback until `gate` is set, and a second batch fills the queue."""
     engine = DigestEngine(LAYOUT, [0], [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=2)],
                           backend="triton", max_pending=1)
     started, gate = threading.Event(), threading.Event()
     engine.submit([RoomRequest("first", [0], 256)], lambda b: started.set() or gate.wait(10))
     assert started.wait(10)  # the collector holds "first"; the queue's one place is free
     engine.submit([RoomRequest("queued", [0], 256)], lambda b: None)
+    return engine, gate
+
+
+def test_a_full_queue_drops_before_anything_is_launched(random_buffers):
+    engine, gate = _engine_with_full_queue(random_buffers)
     launched = []
     real_launch = engine._launch
     engine._launch = lambda rooms, cb: launched.append(rooms) or real_launch(rooms, cb)
@@ -146,12 +153,7 @@ def test_a_full_queue_drops_before_anything_is_launched(random_buffers):
 def test_a_batch_dropped_after_its_launch_gives_its_buffer_back_only_once_done(random_buffers):
     """Another thread can fill the queue between the check and the put: the launched
     batch's staging buffer may still be written by the GPU, so the collector recycles it."""
-    engine = DigestEngine(LAYOUT, [0], [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=2)],
-                          backend="triton", max_pending=1)
-    started, gate = threading.Event(), threading.Event()
-    engine.submit([RoomRequest("first", [0], 256)], lambda b: started.set() or gate.wait(10))
-    assert started.wait(10)  # the collector holds "first"; the queue's one place is free
-    engine.submit([RoomRequest("queued", [0], 256)], lambda b: None)
+    engine, gate = _engine_with_full_queue(random_buffers)
     engine._queue.full = lambda: False  # the race: the check said "room left"
     assert engine.submit([RoomRequest("raced", [1], 256)], lambda b: None) is None
     orphan = engine._orphans[0]
