@@ -44,7 +44,7 @@ step() {  # name, time limit (s), command...
 
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
-step costs 60 python3 bench/launch_costs.py --out "$res/launch_costs"
+step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
 step profile 30 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
 step serving 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving"

@@ -8,7 +8,12 @@ itself. Also checks that a kernel can read a table from pinned host memory
 and store into pinned host memory through plain addresses (the zero-copy
 path), and that the stores are visible once an event after it completes.
 
-Usage (CUDA):  python3 bench/launch_costs.py [--calls 2000] [--out DIR]
+With `--nixl`, everything is measured again while the process also holds a
+NIXL agent (UCX backend, progress thread on, as the rig and SGLang's NIXL
+connector create it): inside the rig's processes the same calls cost 3-8x
+more, and the agent's spinning progress thread is the first suspect.
+
+Usage (CUDA):  python3 bench/launch_costs.py [--calls 2000] [--nixl] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def per_call_us(fn, calls: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--nixl", action="store_true", help="measure again with a NIXL agent in the process")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,26 +87,35 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
 
     a, b, c = pinned_a.data_ptr(), pinned_b.data_ptr(), pinned_c.data_ptr()
-    costs = {
-        "event record": per_call_us(event.record, args.calls),
-        "event query": per_call_us(event.query, args.calls),
-        "current stream": per_call_us(torch.cuda.current_stream, args.calls),
-        "H2D copy 4 KB (pinned, non_blocking)": per_call_us(
-            lambda: device_staging.copy_(staging, non_blocking=True), args.calls),
-        "D2H copy 4 KB (into pinned, non_blocking)": per_call_us(
-            lambda: staging.copy_(device_staging, non_blocking=True), args.calls),
-        "torch.empty 4 KB on device": per_call_us(lambda: torch.empty(4096, dtype=torch.uint8, device=dev), args.calls),
-        "tensor slice + view": per_call_us(lambda: staging[256:1024].view(torch.int64), args.calls),
-        "Triton launch, 3 tensor args": per_call_us(lambda: _tensor_args[(1,)](dev_a, dev_b, dev_c, 16), args.calls),
-        "Triton launch, 4 int args (pinned addresses)": per_call_us(
-            lambda: _address_args[(1,)](a, b, c, 16), args.calls),
-        "Triton launch, 3-D grid, 4 int args": per_call_us(
-            lambda: _address_args[(1, 1, 1)](a, b, c, 16), args.calls),
+    cases = {
+        "event record": event.record,
+        "event query": event.query,
+        "current stream": torch.cuda.current_stream,
+        "H2D copy 4 KB (pinned, non_blocking)": lambda: device_staging.copy_(staging, non_blocking=True),
+        "D2H copy 4 KB (into pinned, non_blocking)": lambda: staging.copy_(device_staging, non_blocking=True),
+        "torch.empty 4 KB on device": lambda: torch.empty(4096, dtype=torch.uint8, device=dev),
+        "tensor slice + view": lambda: staging[256:1024].view(torch.int64),
+        "Triton launch, 3 tensor args": lambda: _tensor_args[(1,)](dev_a, dev_b, dev_c, 16),
+        "Triton launch, 4 int args (pinned addresses)": lambda: _address_args[(1,)](a, b, c, 16),
+        "Triton launch, 3-D grid, 4 int args": lambda: _address_args[(1, 1, 1)](a, b, c, 16),
     }
+    costs = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
+    with_nixl = None
+    if args.nixl:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from dsv4_idxk_probe.sim.transport import NixlEndpoint
+
+        endpoint = NixlEndpoint("launch-costs", [torch.zeros((256, 4096), dtype=torch.uint8, device=dev)])
+        try:
+            time.sleep(0.5)  # the progress thread is running
+            with_nixl = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
+        finally:
+            endpoint.close()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "calls": args.calls, "zero_copy_ok": zero_copy_ok, "us_per_call": costs}
+              "calls": args.calls, "zero_copy_ok": zero_copy_ok, "us_per_call": costs,
+              "us_per_call_with_nixl_agent": with_nixl}
     for name, us in costs.items():
-        print(f"{name:48s} {us:8.2f} us")
+        print(f"{name:48s} {us:8.2f} us" + (f"   with a NIXL agent {with_nixl[name]:8.2f} us" if with_nixl else ""))
     print(f"zero-copy (kernel reads and stores pinned host memory through addresses): {'ok' if zero_copy_ok else 'WRONG'}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
