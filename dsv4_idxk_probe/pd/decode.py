@@ -132,15 +132,19 @@ class DecodeMonitor:
     def _submit(self, state: _Room, stage: str, step: int | None) -> PendingDigest | None:
         return self._submit_jobs([(state, stage, step)])
 
+    def _count_in_flight(self, jobs: list[tuple[_Room, str, int | None]], delta: int) -> None:
+        """Digests outstanding per room; the serving and collector threads both change them."""
+        with self._lock:
+            for state, _, _ in jobs:
+                state.in_flight += delta
+
     def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
-        for state, _, _ in jobs:
-            state.in_flight += 1
+        self._count_in_flight(jobs, +1)
         enqueued = time.monotonic()
         requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
         pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch))
         if pending is None:
-            for state, _, _ in jobs:
-                state.in_flight -= 1
+            self._count_in_flight(jobs, -1)
             if self.metrics is not None:
                 self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
         return pending
@@ -156,17 +160,16 @@ class DecodeMonitor:
 
     def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,
                    room_bytes: int | None) -> None:
-        state.in_flight -= 1
+        self._count_in_flight([(state, stage, step)], -1)
         verdict, reason, comparison = self._judge(state, digest)
         if verdict == "mismatch" and state.first_divergence is None:
             state.first_divergence = stage
             if self.metrics is not None:
                 self.metrics.first_divergence.labels(stage=stage).inc()
         self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued)
-        if state.finished and state.in_flight <= 0:
-            with self._lock:
-                if self._rooms.get(state.room.key) is state:
-                    del self._rooms[state.room.key]
+        with self._lock:
+            if state.finished and state.in_flight <= 0 and self._rooms.get(state.room.key) is state:
+                del self._rooms[state.room.key]
 
     def _judge(self, state: _Room, digest: RoomDigest) -> tuple[str, str, Comparison | None]:
         """Verdict against the best prefill evidence we have."""
