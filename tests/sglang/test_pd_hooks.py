@@ -317,18 +317,12 @@ def test_change_after_receipt_is_found_at_next_stage(worlds, patched):
 
 def test_dead_prefill_exchange_makes_a_corrupt_room_unlocalised_not_stuck(worlds, patched):
     runtime, sink, _ = patched
-    prefill, decode = worlds
-    send_room(prefill)
-    runtime.sides["prefill"].server.close()  # the prefill rank is gone
-    pdworld.transfer_index_k(prefill, decode)
-    decode.index_k[0][pdworld.DECODE_PAGES[1], 0] ^= 1
-    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
-    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
-    pdworld.prealloc_queue(decode)._send_kv_metadata(
-        dreq, kv_indices, pdworld.PAGE, None, decode_prefix_len=pdworld.PREFIX_TOKENS
-    )
-    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
-    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+
+    def prefill_gone_and_a_byte_flipped(decode):
+        runtime.sides["prefill"].server.close()  # the prefill rank is gone before decode asks
+        decode.index_k[0][pdworld.DECODE_PAGES[1], 0] ^= 1
+
+    _decode_flow(worlds, patched, corrupt=prefill_gone_and_a_byte_flipped)
     record = sink.wait_for(1, stage="decode_recv")[0]
     assert record["verdict"] == "mismatch" and record["localisation"] is None
     assert runtime.sides["decode"].client.failures.get("timeout") == 1
