@@ -1,12 +1,13 @@
 """Digest rooms of one index-K pool without stalling the caller.
 
 `DigestEngine.submit` writes a small room table into a pinned staging
-buffer, uploads it, launches the Triton kernel on the caller's current
-stream (the kernel stores its cells straight into the same pinned buffer)
-and records a CUDA event: three device calls, whatever the batch. A
-background thread polls the event (never blocks on it), folds the cells
-into room digests and hands them to the callback. The caller's thread never
-calls ``.item()``, ``.cpu()``, ``.tolist()`` or a synchronise on this path.
+buffer and launches the Triton kernel on the caller's current stream: one
+device call, whatever the batch. The kernel reads the table straight from
+pinned host memory and stores its cells into the back of the same buffer.
+A background thread records a CUDA event behind the kernel on the caller's
+stream, polls it (never blocks on it), folds the cells into room digests
+and hands them to the callback. The caller's thread never calls
+``.item()``, ``.cpu()``, ``.tolist()`` or a synchronise on this path.
 
 Without CUDA the same API digests with the NumPy reference (or with the
 Triton kernel under ``TRITON_INTERPRET=1``), at submit time so the snapshot
@@ -73,15 +74,29 @@ class PendingDigest:
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
     final_rooms: np.ndarray | None = None  # a private copy, once collected
     counted: bool = True  # False for the engine's own warm-up batch
+    stream: Any = None  # the caller's stream while `done` still has to be recorded on it
 
     def ready(self) -> bool:
         done = self.done  # read once: the collector clears it when it recycles the event
-        return done is None or done.query()
+        return done is None or (self.stream is None and done.query())
+
+    def record_done(self) -> None:
+        """Record `done` behind the kernel, on the stream it was launched on.
+
+        The collector does this, off the caller's thread: an event recorded
+        later on the same stream still completes only after the kernel.
+        """
+        stream = self.stream
+        if stream is not None:
+            self.done.record(stream)
+            self.stream = None
 
     def wait(self) -> None:
         """Block until `room_digests` is readable: a host sync, for enforce mode only."""
-        done = self.done
-        if done is not None:
+        stream, done = self.stream, self.done
+        if stream is not None:
+            stream.synchronize()  # not recorded yet: the kernel is on this stream
+        elif done is not None:
             done.synchronize()  # if recycled meanwhile, this waits for a later batch: longer, still right
 
     @property
@@ -110,6 +125,7 @@ class DigestEngine:
         poll_interval_s: float = 0.0005,
         time_kernels: bool = False,
         prealloc: int = 32,
+        upload_tables: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -135,7 +151,7 @@ class DigestEngine:
         # 8448 B, 256 for larger rows, one row per program.
         self.block = block or (128 if layout.row_bytes <= 8448 else 256)
         self.rows = rows
-        self._staging = StagingPool(self.device)
+        self._staging = StagingPool(self.device, upload=upload_tables)
         self._events = EventPool()
         if self.backend == "triton" and self.device.type == "cuda":
             # Pinned allocation costs milliseconds: reserve now, not on the hot path,
@@ -167,20 +183,26 @@ class DigestEngine:
 
     # %% public API
 
-    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> PendingDigest | None:
+    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None], *,
+               record_now: bool = False) -> PendingDigest | None:
         """Digest `rooms` in one launch; `callback` runs later on the collector thread.
 
         Returns None (and counts the drop) when too many batches are pending;
-        it never waits.
+        it never waits. `record_now` records the batch's event here rather than
+        on the collector (one device call more), for a caller that asks
+        `ready()` itself soon after: prefill, filling the in-band slot.
         """
         if self._queue.full():  # checked first: a launched batch must not be dropped
             self.stats.dropped_batches += 1
             return None
         ticket = self._launch(list(rooms), callback)
+        if record_now:
+            ticket.record_done()
         self._ensure_thread()
         try:
             self._queue.put_nowait(ticket)
         except queue.Full:  # another thread filled the queue since: the GPU may still write
+            ticket.record_done()
             self._orphans.append(ticket)  # its staging buffer, so the collector recycles it later
             self.stats.dropped_batches += 1
             return None
@@ -190,6 +212,7 @@ class DigestEngine:
     def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
         """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
         ticket = self._launch(list(rooms), lambda _: None)
+        ticket.record_done()
         if ticket.done is not None:
             ticket.done.synchronize()
         return self._finish(ticket).digests
@@ -232,9 +255,10 @@ class DigestEngine:
         return pages
 
     def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
-        """Three device calls per batch, whatever its size: upload the room table (and
-        the page tables that live on the host), launch, record the event. The kernel
-        stores cells into the back of the same pinned buffer, so nothing is downloaded."""
+        """One device call per batch, whatever its size: the launch. The kernel reads the
+        room table (and the page tables that live on the host) from pinned memory and
+        stores cells into the back of the same buffer, so nothing is copied; the
+        collector records the batch's event (`PendingDigest.record_done`)."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device = [self._device_pages(room.pages) for room in rooms]
         host_pages = [
@@ -270,8 +294,11 @@ class DigestEngine:
         if self.device.type != "cuda":  # the interpreter has run it already
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive)
         done = self._events.take(self.time_kernels)
-        done.record()
-        return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
+        if self.time_kernels:  # a benchmark's kernel time: the end is recorded right behind it
+            done.record()
+            return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
+        return PendingDigest(plan, rooms, callback, cells, done, None, staging, keepalive,
+                             stream=torch.cuda.current_stream())
 
     def _warm_up(self) -> None:
         """Compile (or load) the kernel now, at start-up, not on the first room: a cold
@@ -290,6 +317,9 @@ class DigestEngine:
     # %% collection
 
     def _ensure_thread(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():  # every submit asks: no lock when it runs
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._collect, name="dsv4-idxk-digest", daemon=True)
@@ -300,6 +330,7 @@ class DigestEngine:
             ticket = self._queue.get()
             if ticket is None:
                 return
+            ticket.record_done()
             while ticket.done is not None and not ticket.done.query():
                 time.sleep(self.poll_interval_s)
             try:

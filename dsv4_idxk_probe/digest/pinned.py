@@ -51,9 +51,12 @@ class Staging:
 class StagingPool:
     """Free lists of `Staging` buffers by power-of-two size class."""
 
-    def __init__(self, device: torch.device, max_free_per_class: int = 64):
+    def __init__(self, device: torch.device, max_free_per_class: int = 64, upload: bool = False):
+        """`upload`: give each buffer a device twin the submit copies tables into,
+        instead of the kernel reading them from pinned memory (one device call more)."""
         self.device = device
         self.pin = device.type == "cuda"
+        self.upload = upload and self.pin
         self.max_free_per_class = max_free_per_class
         self._free: dict[int, list[Staging]] = {}
         self._lock = threading.Lock()
@@ -65,7 +68,7 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        twin = torch.empty(size, dtype=torch.uint8, device=self.device) if self.pin else None
+        twin = torch.empty(size, dtype=torch.uint8, device=self.device) if self.upload else None
         read = twin if twin is not None else host
         return Staging(host, host.numpy().view(np.int64), twin, host.data_ptr(), read.data_ptr())
 

@@ -1,0 +1,126 @@
+"""The batch's CUDA event is recorded by the collector, behind the kernel, on the
+caller's stream: the caller's thread makes one device call per submit (the launch).
+
+No GPU here: the event and the stream are fakes that log what is asked of them.
+"""
+
+import threading
+
+import numpy as np
+
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+from dsv4_idxk_probe.digest.engine import PendingDigest
+from dsv4_idxk_probe.digest.room_table import plan_cells
+
+LAYOUT = get_layout("fp8")
+
+
+class FakeStream:
+    """A fake CUDA stream: counts synchronisations."""
+
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+class FakeEvent:
+    """A fake CUDA event: complete once recorded; logs each call with its thread."""
+
+    def __init__(self):
+        self.log, self.recorded_on = [], None
+
+    def record(self, stream=None):
+        self.log.append(("record", stream, threading.current_thread().name))
+        self.recorded_on = stream
+
+    def query(self):
+        self.log.append(("query", None, threading.current_thread().name))
+        return self.recorded_on is not None
+
+    def synchronize(self):
+        self.log.append(("synchronize", None, threading.current_thread().name))
+
+
+def _pending(event, stream):
+    rooms = [RoomRequest("a", [1], 256)]
+    plan = plan_cells(rooms, 1)
+    return PendingDigest(plan, rooms, lambda _: None, np.zeros((plan.n_cells, 2), np.uint64), event, stream=stream)
+
+
+def test_not_ready_until_recorded_on_the_callers_stream():
+    event, stream = FakeEvent(), FakeStream()
+    pending = _pending(event, stream)
+    assert not pending.ready() and event.log == []  # an unrecorded event is never asked
+    pending.record_done()
+    assert event.log[0][:2] == ("record", stream) and pending.stream is None
+    assert pending.ready()
+    pending.record_done()  # once only
+    assert [c[0] for c in event.log].count("record") == 1
+
+
+def test_enforce_wait_syncs_the_stream_before_the_record_and_the_event_after():
+    event, stream = FakeEvent(), FakeStream()
+    pending = _pending(event, stream)
+    pending.wait()
+    assert stream.synchronized == 1 and event.log == []
+    pending.record_done()
+    pending.wait()
+    assert stream.synchronized == 1 and event.log[-1][0] == "synchronize"
+
+
+def test_the_collector_records_the_event_before_it_polls_it(random_buffers):
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=3), backend="reference")
+    event, stream, delivered = FakeEvent(), FakeStream(), threading.Event()
+    real_launch = engine._launch
+
+    def launch_with_event(rooms, callback):
+        ticket = real_launch(rooms, callback)
+        ticket.done, ticket.stream = event, stream  # what a CUDA launch hands the collector
+        return ticket
+
+    engine._launch = launch_with_event
+    engine.submit([RoomRequest("a", [1], 256)], lambda batch: delivered.set())
+    assert delivered.wait(10)
+    engine.close()
+    calls = [(name, thread) for name, _, thread in event.log]
+    assert calls[0] == ("record", "dsv4-idxk-digest") and event.log[0][1] is stream
+    assert ("query", "dsv4-idxk-digest") in calls[1:]
+    assert all(thread == "dsv4-idxk-digest" for _, thread in calls)  # nothing on the caller's thread
+
+
+def test_record_now_records_on_the_callers_thread_before_the_collector_sees_it(random_buffers):
+    """Prefill asks `ready()` right after NIXL's sync to fill the in-band slot: its
+    event must already be recorded then, not whenever the collector gets to it."""
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=4), backend="reference")
+    event, stream, gate = FakeEvent(), FakeStream(), threading.Event()
+    real_launch = engine._launch
+
+    def launch_with_event(rooms, callback):
+        ticket = real_launch(rooms, callback)
+        ticket.done, ticket.stream = event, stream
+        return ticket
+
+    engine._launch = launch_with_event
+    pending = engine.submit([RoomRequest("a", [1], 256)], lambda batch: gate.wait(10), record_now=True)
+    assert event.log[0] == ("record", stream, threading.current_thread().name)
+    assert pending.ready()
+    gate.set()
+    engine.close()
+    assert [c[0] for c in event.log].count("record") == 1  # the collector did not record again
+
+
+def test_prefill_sends_record_now_and_decode_stages_do_not(random_buffers):
+    from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId
+
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 4, seed=5), backend="reference")
+    asked = []
+    real_submit = engine.submit
+    engine.submit = lambda rooms, callback, **kw: asked.append(kw.get("record_now", False)) or real_submit(rooms, callback, **kw)
+    PrefillMonitor(engine, lambda record: True).room_sent(RoomId(1), [1, 2], 300)
+    decode = DecodeMonitor(engine, lambda record: True)
+    decode.room_received(RoomId(2), [1, 2], 300, None)
+    decode.batch_done([RoomId(2)], [])
+    engine.close()
+    assert asked == [True, False, False]
