@@ -17,7 +17,7 @@
 # with the versions of requirements/constraints.txt.
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,inject,costs,profile,serving,serving8,overhead,rig}
+steps=${2:-audit,inject,costs,profile,serving,servingspin,servinggpu,servinglong,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -45,9 +45,23 @@ step() {  # name, time limit (s), command...
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
-step profile 30 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
+step profile 45 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
 step serving 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving"
+step servingspin 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+    --decode-step-wait spin --step-interval 64 --skip-hostpool --out "$res/overhead_serving_spin"
+# Prefill and decode on GPUs of their own where the machine has two, as deployed.
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
+two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
+step servinggpu 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+    --decode-step-wait gpu $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_gpu"
+# Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
+# still several times the churn of a real decode instance), 32 running.
+step servinglong 300 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 6 --warmup-frac 0.25 \
+    --decode-step-ms 10 --decode-step-wait gpu --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
+    --step-interval 64 --skip-hostpool --out "$res/overhead_serving_long"
+step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+    $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_2gpu_sleep"
 step serving8 180 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 8 --skip-hostpool --out "$res/overhead_serving8"
 step overhead 150 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --out "$res/overhead"

@@ -10,8 +10,9 @@ path), and that the stores are visible once an event after it completes.
 
 With `--nixl`, everything is measured again while the process also holds a
 NIXL agent (UCX backend, progress thread on, as the rig and SGLang's NIXL
-connector create it): inside the rig's processes the same calls cost 3-8x
-more, and the agent's spinning progress thread is the first suspect.
+connector create it, two agents connected and one WRITE done between VRAM
+buffers): inside the rig's processes the same calls cost 3-8x more, and the
+agents' spinning progress threads were the first suspect.
 
 Usage (CUDA):  python3 bench/launch_costs.py [--calls 2000] [--nixl] [--out DIR]
 """
@@ -105,11 +106,18 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from dsv4_idxk_probe.sim.transport import NixlEndpoint
 
+        # Two agents, connected and one WRITE done between their VRAM buffers, as
+        # in the rig: UCX opens its CUDA transports only once a peer is connected.
         endpoint = NixlEndpoint("launch-costs", [torch.zeros((256, 4096), dtype=torch.uint8, device=dev)])
+        sender = NixlEndpoint("launch-costs-peer", [torch.ones((256, 4096), dtype=torch.uint8, device=dev)])
         try:
-            time.sleep(0.5)  # the progress thread is running
+            peer = sender.connect(endpoint.metadata())
+            sender.wait(sender.write_rows(peer, [(0, 3, 7)], b"warm"))
+            endpoint.wait_notification(b"warm")
+            time.sleep(0.5)  # the progress threads are running
             with_nixl = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
         finally:
+            sender.close()
             endpoint.close()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "calls": args.calls, "zero_copy_ok": zero_copy_ok, "us_per_call": costs,

@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     rig.add_argument("--max-running", type=int, default=16)
     rig.add_argument("--decode-step-ms", type=float, default=0.0,
                      help="model time per decode batch step (0: transport only, the worst case for the ratio)")
+    rig.add_argument("--decode-step-wait", choices=("sleep", "spin", "gpu"), default="sleep",
+                     help="how the model time passes: an idle sleep, a spin that releases the GIL, or a GPU "
+                          "kernel waited for on an event, as a scheduler waits for its forward (CUDA only); "
+                          "see dsv4_idxk_probe/sim/modeltime.py")
     rig.add_argument("--step-interval", type=int, default=8, help="probe config step_interval (decode_step digests)")
     rig.add_argument("--prefill-gpu", type=int, default=0)
     rig.add_argument("--decode-gpu", type=int, default=0)
@@ -171,6 +175,7 @@ def rig_config(args, rooms: int):
         max_tokens=args.max_tokens, min_steps=args.min_steps, max_steps=args.max_steps,
         max_running=args.max_running, device=args.device, prefill_gpu=args.prefill_gpu,
         decode_gpu=args.decode_gpu, pool_source="builtin", oracle=False, decode_step_ms=args.decode_step_ms,
+        decode_step_wait=args.decode_step_wait,
     )
 
 
@@ -240,6 +245,12 @@ def loop_costs(stats: dict) -> dict:
         "decode_sleep_late_us_per_batch": 1e6 * decode.get("sleep_late_s", 0.0) / batches,
         "decode_probe_calls_per_batch": decode.get("probe_calls", 0) / batches,
         "prefill_probe_us_per_room": 1e6 * prefill.get("probe_s", 0.0) / rooms,
+        # Why a run is slower when the probe time alone does not say: fewer rooms per
+        # batch (admission held back), or the loop's own work slower (GIL, caches).
+        "decode_running_per_batch": decode.get("running_sum", 0) / batches,
+        "decode_batch_ms": 1e3 * decode.get("loop_s", 0.0) / batches,
+        "decode_rest_us_per_batch": 1e6 * (decode.get("loop_s", 0.0) - decode.get("probe_s", 0.0)
+                                           - decode.get("slept_s", 0.0)) / batches,
         "by_kind": {**decode.get("probe_by_kind", {}), **prefill.get("probe_by_kind", {})},
         "parts": {role: stats.get(role, {}).get("parts", {}) for role in ("decode", "prefill")},
     }
@@ -266,12 +277,14 @@ def run_rig_leg(args, work: Path) -> dict:
             print(f"  rep {rep} {variant:<8} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
                   f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
                   f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
-                  f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us"
+                  f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us, "
+                  f"running {loop['decode_running_per_batch']:5.2f}, batch {loop['decode_batch_ms']:6.2f} ms, "
+                  f"rest {loop['decode_rest_us_per_batch']:7.1f} us"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
     return {
         "rooms_per_run": rooms,
         "config": {k: getattr(args, k) for k in ("layers", "layout", "min_tokens", "max_tokens", "min_steps",
-                                                  "max_steps", "max_running", "step_interval", "decode_step_ms",
+                                                  "max_steps", "max_running", "step_interval", "decode_step_ms", "decode_step_wait",
                                                   "warmup_frac", "seed")},
         "warmups": warmups,
         "runs": runs,
@@ -440,9 +453,11 @@ def print_tables(report: dict) -> None:
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
             print(f"{variant:<10} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
                   f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
-        print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room")
+        print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room, "
+              "rooms running per batch, decode batch ms, decode loop rest us/batch")
         for variant, runs in rig["runs"].items():
-            loop = {k: statistics.median(r["loop"][k] for r in runs) for k in runs[0]["loop"] if k != "by_kind"}
+            loop = {k: statistics.median(r["loop"][k] for r in runs) for k, v in runs[0]["loop"].items()
+                    if isinstance(v, (int, float))}
             kinds = sorted({k for r in runs for k in r["loop"]["by_kind"]})
             per_call = "  ".join(
                 f"{k} median {statistics.median(r['loop']['by_kind'][k]['median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
@@ -450,7 +465,8 @@ def print_tables(report: dict) -> None:
                 f" cpu {statistics.median(r['loop']['by_kind'][k]['cpu_median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
                 for k in kinds)
             print(f"{variant:<10} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
-                  f"{loop['prefill_probe_us_per_room']:8.1f}  {per_call}")
+                  f"{loop['prefill_probe_us_per_room']:8.1f} {loop['decode_running_per_batch']:6.2f} "
+                  f"{loop['decode_batch_ms']:7.2f} {loop['decode_rest_us_per_batch']:8.1f}  {per_call}")
     hp = report.get("hostpool")
     if hp:
         pool = hp["pool"]

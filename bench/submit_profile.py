@@ -7,7 +7,11 @@ overhead per room. This times each part of one submit on the caller's thread
 batches and for 16-room batches, after a warm-up, with sync debug mode
 "error" on, and prints medians.
 
+Then times one-room submits after gaps of `--gap-ms` (default 10 ms, the rig's
+model step) passed in different ways (`gap_study`).
+
 Usage (CUDA):  python3 bench/submit_profile.py [--out DIR] [--layers 30] [--pages 17] [--calls 300]
+                   [--gap-ms 10] [--gap-calls 200]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
+from dsv4_idxk_probe.sim.modeltime import GpuForward, spin  # noqa: E402
 
 
 class PartTimer:
@@ -47,12 +52,53 @@ class PartTimer:
         setattr(owner, name, timed)
 
 
+def _launching(seconds: float) -> None:
+    """Wait while the thread keeps driving the GPU: a tiny kernel every 0.5 ms."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.cuda._sleep(1000)
+        time.sleep(0.0005)
+
+
+def gap_study(engine: DigestEngine, args) -> dict:
+    """One-room submits, each after a gap: a sleep, a spin, a spin that keeps
+    launching small kernels, and a GPU kernel waited for on an event.
+
+    Why: in the rig each submit follows a 10 ms sleep standing in for the
+    model, and costs 3x what it costs back to back. This tells apart a cold
+    core (sleep vs spin), a quiet driver (spin vs launching) and an idle GPU
+    (the last: a scheduler thread waits for its forward this way).
+    """
+    torch.cuda.set_sync_debug_mode(0)  # the GPU-forward gap waits on an event on purpose
+    forward = GpuForward(torch.device("cuda"))
+    seconds = args.gap_ms / 1e3
+    pages = np.arange(args.pages) + 1
+    gaps = {"0.5 ms sleep (as above)": lambda: time.sleep(0.0005),
+            f"{args.gap_ms:g} ms sleep": lambda: time.sleep(seconds),
+            f"{args.gap_ms:g} ms spin (GIL released)": lambda: spin(seconds),
+            f"{args.gap_ms:g} ms spin, a tiny kernel every 0.5 ms": lambda: _launching(seconds),
+            f"{args.gap_ms:g} ms GPU kernel, waited on an event": lambda: forward(seconds)}
+    results = {}
+    for name, gap in gaps.items():
+        walls = []
+        for i in range(args.gap_calls):
+            gap()
+            started = time.perf_counter()
+            engine.submit([RoomRequest(f"g{i}", pages, args.pages * 256 - 100)], lambda _: None)
+            walls.append(time.perf_counter() - started)
+        walls.sort()
+        results[name] = {"median_us": 1e6 * statistics.median(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--pages", type=int, default=17)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--gap-ms", type=float, default=10.0, help="gap before each submit of the gap study")
+    p.add_argument("--gap-calls", type=int, default=200)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -98,6 +144,7 @@ def main(argv=None) -> int:
             report["cases"][case] = {"median_us": 1e6 * statistics.median(walls), "mean_us": 1e6 * statistics.mean(walls),
                                      "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}
     torch.cuda.set_sync_debug_mode(0)
+    report["gaps"] = gap_study(engine, args)
     engine.close()
     print(f"submit on {report['device']}, {args.layers} layers x {args.pages} pages per room, {args.calls} submits per case; "
           "sync debug mode 'error' (no sync raised)")
@@ -105,6 +152,9 @@ def main(argv=None) -> int:
         print(f"{case:<48} median {r['median_us']:8.1f} us  per room {r['per_room_us']:7.1f} us")
         for part, us in r["parts_mean_us"].items():
             print(f"    {part:<62} {us:8.1f} us")
+    print(f"one-room submit after a {args.gap_ms:g} ms gap ({args.gap_calls} submits each):")
+    for gap, r in report["gaps"].items():
+        print(f"    {gap:<62} median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "submit_profile.json").write_text(json.dumps(report, indent=1))

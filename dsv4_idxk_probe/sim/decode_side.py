@@ -27,6 +27,7 @@ from ..pd import DecodeMonitor, InbandDigest, RoomId
 from . import content, expect, inject
 from .faults import load_fault_spec
 from .loopclock import LoopClock
+from .modeltime import step_wait
 from .plan import RigConfig, RoomPlan
 from .pool import build_buffers, build_meta, select_device
 from .probe_io import ProbeSinks, VectorFetcher, parse_address
@@ -51,6 +52,7 @@ class _Room:
     targets: list = field(default_factory=list)  # (Target, rng, snapshot)
     truth: dict = field(default_factory=dict)  # layer index -> truth rows of the transferred pages
     pending: object = None
+    stream_passed: bool = False  # a model forward on the stream has completed since its finish
 
     @property
     def sent_phys(self) -> list[int]:
@@ -76,9 +78,11 @@ class DecodeSide:
         self.free_meta = list(range(self.meta.shape[0] - 1, -1, -1))
         self.waiting: deque[RoomPlan] = deque(self.plan)
         self.active: dict[int, _Room] = {}
-        self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0}
+        self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0,
+                      "running_sum": 0, "loop_s": 0.0}  # rooms running, summed over batches; the loop's wall time
         self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
         self.clock = LoopClock()
+        self.model_wait = step_wait(cfg.decode_step_wait, device) if cfg.decode_step_ms else None
         self.monitor = self.sinks = self.fetcher = None
         if self.settings.enabled:
             config = self.settings.config
@@ -95,11 +99,13 @@ class DecodeSide:
         self.peer.send(("hello", self.endpoint.metadata()))
         self.events.put(("ready", "decode", {"pool_source": self.pool_source, "device": str(self.bufs[0].device),
                                              "pages": self.n_pages, "probe": self.settings.enabled}))
+        started = time.perf_counter()
         while self.waiting or self.active:
             busy = self._admit() | self._poll_notifications() | self._poll_peer() | self._step_all() | self._retire()
             self._check_timeouts()
             if not busy:
                 time.sleep(_IDLE_S)
+        self.stats["loop_s"] = time.perf_counter() - started
         self.peer.send(("end",))
         self._shutdown()
 
@@ -191,6 +197,7 @@ class DecodeSide:
         if not running:
             return False
         self.batches += 1
+        self.stats["running_sum"] += len(running)
         for room in running:
             self._advance(room)
         if self.interval > 0 and self.batches % self.interval == 0:
@@ -205,7 +212,10 @@ class DecodeSide:
             self._apply_faults(room, step=room.steps_done)
         self._finish_all([r for r in running if r.steps_done == r.plan.steps])
         if self.cfg.decode_step_ms:
-            self.clock.sleep(self.cfg.decode_step_ms / 1e3)
+            self.clock.sleep(self.cfg.decode_step_ms / 1e3, self.model_wait)
+            if self.cfg.decode_step_wait == "gpu":  # the forward waited on ran after every finish digest
+                for room in self.active.values():
+                    room.stream_passed = room.state == "retiring"
         return True
 
     def _advance(self, room: _Room) -> None:
@@ -255,7 +265,11 @@ class DecodeSide:
             room.truth.clear()
 
     def _retire(self) -> bool:
-        done = [r for r in self.active.values() if r.state == "retiring" and (r.pending is None or r.pending.ready())]
+        """Free the pages of finished rooms once the GPU has read them: as SGLang frees
+        them, once a forward queued behind the finish digest has completed (the
+        "gpu" model step), else once the digest itself reports done."""
+        done = [r for r in self.active.values()
+                if r.state == "retiring" and (r.pending is None or r.stream_passed or r.pending.ready())]
         for room in done:
             self.free_pages.extend(reversed(room.pages))
             self.free_meta.append(room.meta_row)

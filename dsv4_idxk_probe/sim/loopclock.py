@@ -37,6 +37,7 @@ class LoopClock:
         self.cpu: dict[str, list[float]] = {}
         self.parts: dict[str, list[float]] = {}
         self.sleep_late_s = 0.0
+        self.slept_s = 0.0
         self.sleeps = 0
 
     def probe(self, kind: str) -> _Timing:
@@ -56,7 +57,7 @@ class LoopClock:
                  (engine, "_ensure_thread", "collector check"), (engine._queue, "put_nowait", "queue put")]
         if engine.backend == "triton":
             parts += [(engine._kernel, "launch", "kernel launch"), (Staging, "upload", "upload"),
-                      (torch.cuda.Event, "record", "event record"), (engine._staging, "take", "staging take")]
+                      (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]
         for owner, name, label in parts:
             self._wrap(owner, name, label)
 
@@ -72,11 +73,14 @@ class LoopClock:
 
         setattr(owner, name, timed)
 
-    def sleep(self, seconds: float) -> None:
-        """The model's forward, which the rig does not run; counts how late it wakes."""
+    def sleep(self, seconds: float, wait=time.sleep) -> None:
+        """The model's forward, which the rig does not run, passed by `wait`
+        (see modeltime.py); counts how late it ends."""
         started = time.perf_counter()
-        time.sleep(seconds)
-        self.sleep_late_s += max(0.0, time.perf_counter() - started - seconds)
+        wait(seconds)
+        waited = time.perf_counter() - started
+        self.slept_s += waited
+        self.sleep_late_s += max(0.0, waited - seconds)
         self.sleeps += 1
 
     def stats(self) -> dict:
@@ -87,6 +91,6 @@ class LoopClock:
         }
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
-                "sleep_late_s": self.sleep_late_s, "sleeps": self.sleeps,
+                "sleep_late_s": self.sleep_late_s, "slept_s": self.slept_s, "sleeps": self.sleeps,
                 "parts": {label: {"calls": len(d), "median_us": 1e6 * statistics.median(d), "mean_us": 1e6 * sum(d) / len(d)}
                           for label, d in self.parts.items() if d}}

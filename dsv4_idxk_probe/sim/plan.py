@@ -13,8 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
+from .modeltime import STEP_WAITS
+
 MAX_LAYERS = 61
 PAGE_TOKENS = 256  # DSV4 page: 64 C4 slots of 4 tokens
+
 DEVICES = ("cpu", "cuda")
 POOL_SOURCES = ("auto", "sglang", "builtin")
 
@@ -78,6 +81,7 @@ class RigConfig:
     transfer_timeout_s: float = 20.0
     serial_writes: bool = False  # prefill waits for each WRITE: exact per-WRITE timing (benchmarks)
     decode_step_ms: float = 0.0  # model time per decode batch step (benchmarks); 0 = transport only
+    decode_step_wait: str = "sleep"  # how that model time passes: one of modeltime.STEP_WAITS
     exchange_address: str | None = None  # decode asks here instead of prefill's announced address
     plan: tuple[RoomPlan, ...] | None = None  # explicit rooms (tests); overrides rooms/tokens/steps
 
@@ -100,6 +104,10 @@ class RigConfig:
             raise PlanError(f"need 0 <= min_steps <= max_steps, got {self.min_steps}, {self.max_steps}")
         if self.decode_step_ms < 0:
             raise PlanError(f"decode_step_ms must be >= 0, got {self.decode_step_ms}")
+        if self.decode_step_wait not in STEP_WAITS:
+            raise PlanError(f"decode_step_wait must be one of {', '.join(STEP_WAITS)}, got {self.decode_step_wait!r}")
+        if self.decode_step_wait == "gpu" and self.device != "cuda":
+            raise PlanError("decode_step_wait 'gpu' needs device 'cuda'")
         if self.max_running < 1:
             raise PlanError(f"max_running must be >= 1, got {self.max_running}")
         if self.device not in DEVICES:
