@@ -247,6 +247,7 @@ def loop_costs(stats: dict) -> dict:
         "prefill_probe_us_per_room": 1e6 * prefill.get("probe_s", 0.0) / rooms,
         # Why a run is slower when the probe time alone does not say: fewer rooms per
         # batch (admission held back), or the loop's own work slower (GIL, caches).
+        "prefill_phases": prefill.get("phases", {}),
         "decode_running_per_batch": decode.get("running_sum", 0) / batches,
         "decode_batch_ms": 1e3 * decode.get("loop_s", 0.0) / batches,
         "decode_rest_us_per_batch": 1e6 * (decode.get("loop_s", 0.0) - decode.get("probe_s", 0.0)
@@ -467,6 +468,12 @@ def print_tables(report: dict) -> None:
             print(f"{variant:<10} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
                   f"{loop['prefill_probe_us_per_room']:8.1f} {loop['decode_running_per_batch']:6.2f} "
                   f"{loop['decode_batch_ms']:7.2f} {loop['decode_rest_us_per_batch']:8.1f}  {per_call}")
+            phases = sorted({k for r in runs for k in r["loop"].get("prefill_phases", {})})
+            if phases:  # prefill's own work per call, wall and thread CPU: what grows with the probe on
+                print(f"{'':<10} prefill " + "  ".join(
+                    f"{k} {statistics.median(r['loop']['prefill_phases'][k]['median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f} us"
+                    f" (cpu {statistics.median(r['loop']['prefill_phases'][k]['cpu_median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f})"
+                    for k in phases))
     hp = report.get("hostpool")
     if hp:
         pool = hp["pool"]

@@ -22,10 +22,10 @@ _MIN_BYTES = 64 * 1024
 
 @dataclass
 class Staging:
-    """A host buffer with its int64 NumPy view made once, and on CUDA a device twin of
-    the same size: the submit writes tables into `words`, uploads the front of `host`
-    into `twin`, and the kernel stores its cells into the back of `host` (pinned
-    memory the GPU addresses directly), so nothing is downloaded."""
+    """A host buffer with its int64 NumPy view made once: the submit writes tables into
+    `words`, the kernel reads them there and stores its cells into the back of `host`
+    (pinned memory the GPU addresses directly), so nothing is copied. A pool made
+    with `upload=True` adds a device twin the front of `host` is uploaded into."""
 
     host: torch.Tensor  # uint8, pinned on CUDA
     words: np.ndarray  # int64 view of `host`

@@ -36,6 +36,8 @@ class LoopClock:
         self.calls: dict[str, list[float]] = {}
         self.cpu: dict[str, list[float]] = {}
         self.parts: dict[str, list[float]] = {}
+        self.phases: dict[str, list[float]] = {}
+        self.phase_cpu: dict[str, list[float]] = {}
         self.sleep_late_s = 0.0
         self.slept_s = 0.0
         self.sleeps = 0
@@ -43,6 +45,12 @@ class LoopClock:
     def probe(self, kind: str) -> _Timing:
         """`with clock.probe("receive"):` around one probe call on the loop's thread."""
         return _Timing(self.calls.setdefault(kind, []), self.cpu.setdefault(kind, []))
+
+    def phase(self, name: str) -> _Timing:
+        """`with clock.phase("room"):` around a part of the loop's own work, timed with the
+        probe off and on alike: a part that grows with the probe on, while the probe's
+        calls inside it do not, points at the probe's background threads."""
+        return _Timing(self.phases.setdefault(name, []), self.phase_cpu.setdefault(name, []))
 
     def time_parts(self, engine) -> None:
         """Also time the parts of every digest submit in this process: a benchmark's
@@ -92,5 +100,8 @@ class LoopClock:
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
                 "sleep_late_s": self.sleep_late_s, "slept_s": self.slept_s, "sleeps": self.sleeps,
+                "phases": {name: {"calls": len(d), "total_s": sum(d), "median_us": 1e6 * statistics.median(d),
+                                  "cpu_median_us": 1e6 * statistics.median(self.phase_cpu[name])}
+                           for name, d in self.phases.items() if d},
                 "parts": {label: {"calls": len(d), "median_us": 1e6 * statistics.median(d), "mean_us": 1e6 * sum(d) / len(d)}
                           for label, d in self.parts.items() if d}}

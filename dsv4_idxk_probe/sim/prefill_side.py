@@ -161,7 +161,8 @@ class PrefillSide:
         self.outgoing[info.room] = out
         job = _RoomJob(self, info, plan, pages, out)
         try:
-            job.run()
+            with self.clock.phase("room"):
+                job.run()
         except TransportError as exc:
             self._fail(info.room, str(exc))
             out.handles = []  # nothing more will complete; pages return on the next poll
@@ -201,17 +202,22 @@ class _RoomJob:
         chunk_pages = cfg.chunk_tokens // PAGE_TOKENS
         last_pages = range(max((n_chunks - 1) * chunk_pages, plan.prefix_pages), plan.pages)
         self._resolve_faults([p - plan.prefix_pages for p in last_pages])
+        clock = self.side.clock
         for c in range(n_chunks):
             first, stop = c * chunk_pages, min((c + 1) * chunk_pages, plan.pages)
-            self._forward(range(first, stop))
+            with clock.phase("forward (ground truth)"):
+                self._forward(range(first, stop))
             to_send = range(max(first, plan.prefix_pages), stop)
             if c < n_chunks - 1:
                 if len(to_send):
-                    self._post(to_send, meta=False)
+                    with clock.phase("post (sync, WRITE)"):
+                        self._post(to_send, meta=False)
                 continue
-            self._write_meta(self._digest())
+            with clock.phase("digest and metadata row"):
+                self._write_meta(self._digest())
             self._apply_before_send(last_pages)
-            self._post(to_send, meta=True)
+            with clock.phase("post (sync, WRITE)"):
+                self._post(to_send, meta=True)
         for target in self.transfer_targets:
             effects = self.transfer_effects.get(id(target), [])
             self.side.events.put(("fault", "prefill", _record(target.fault, plan.room, True, "", target, effects)))

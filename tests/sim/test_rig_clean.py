@@ -62,6 +62,11 @@ def test_loop_clock_counts_every_probe_call_on_both_serving_loops(clean):
     assert prefill["probe_by_kind"]["send"]["calls"] == ROOMS
     assert decode["probe_s"] > 0 and decode["sleeps"] == 0  # this rig run models no forward time
     assert all(k["cpu_median_us"] > 0 and k["max_us"] >= k["median_us"] for k in calls.values())
+    phases = prefill["phases"]  # prefill's own work, timed with the probe on and off alike
+    assert phases["room"]["calls"] == ROOMS and phases["digest and metadata row"]["calls"] == ROOMS
+    assert phases["forward (ground truth)"]["calls"] >= ROOMS
+    assert phases["room"]["total_s"] >= phases["forward (ground truth)"]["total_s"] + prefill["probe_s"]
+    assert decode["running_sum"] >= decode["batches"] and decode["loop_s"] > decode["probe_s"]
 
 
 def test_pages_were_reused(clean):
