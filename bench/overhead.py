@@ -250,6 +250,7 @@ def loop_costs(stats: dict) -> dict:
         "prefill_phases": prefill.get("phases", {}),
         "decode_running_per_batch": decode.get("running_sum", 0) / batches,
         "decode_batch_ms": 1e3 * decode.get("loop_s", 0.0) / batches,
+        "decode_busy_batch_ms": 1e-3 * decode.get("busy_batch_median_us", 0.0),  # median of the steady, busy batches
         "decode_rest_us_per_batch": 1e6 * (decode.get("loop_s", 0.0) - decode.get("probe_s", 0.0)
                                            - decode.get("slept_s", 0.0)) / batches,
         "by_kind": {**decode.get("probe_by_kind", {}), **prefill.get("probe_by_kind", {})},
@@ -279,7 +280,8 @@ def run_rig_leg(args, work: Path) -> dict:
                   f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
                   f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
                   f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us, "
-                  f"running {loop['decode_running_per_batch']:5.2f}, batch {loop['decode_batch_ms']:6.2f} ms, "
+                  f"running {loop['decode_running_per_batch']:5.2f}, batch {loop['decode_batch_ms']:6.2f} ms "
+                  f"(busy {loop['decode_busy_batch_ms']:6.2f}), "
                   f"rest {loop['decode_rest_us_per_batch']:7.1f} us"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
     return {
@@ -455,7 +457,7 @@ def print_tables(report: dict) -> None:
             print(f"{variant:<10} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
                   f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
         print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room, "
-              "rooms running per batch, decode batch ms, decode loop rest us/batch")
+              "rooms running per batch, decode batch ms, busy-batch median ms, decode loop rest us/batch")
         for variant, runs in rig["runs"].items():
             loop = {k: statistics.median(r["loop"][k] for r in runs) for k, v in runs[0]["loop"].items()
                     if isinstance(v, (int, float))}
@@ -467,7 +469,8 @@ def print_tables(report: dict) -> None:
                 for k in kinds)
             print(f"{variant:<10} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
                   f"{loop['prefill_probe_us_per_room']:8.1f} {loop['decode_running_per_batch']:6.2f} "
-                  f"{loop['decode_batch_ms']:7.2f} {loop['decode_rest_us_per_batch']:8.1f}  {per_call}")
+                  f"{loop['decode_batch_ms']:7.2f} {loop['decode_busy_batch_ms']:7.2f} "
+                  f"{loop['decode_rest_us_per_batch']:8.1f}  {per_call}")
             phases = sorted({k for r in runs for k in r["loop"].get("prefill_phases", {})})
             if phases:  # prefill's own work per call, wall and thread CPU: what grows with the probe on
                 print(f"{'':<10} prefill " + "  ".join(

@@ -216,6 +216,7 @@ class DecodeSide:
             if self.cfg.decode_step_wait == "gpu":  # the forward waited on ran after every finish digest
                 for room in self.active.values():
                     room.stream_passed = room.state == "retiring"
+        self.clock.batch_done(len(running))
         return True
 
     def _advance(self, room: _Room) -> None:

@@ -37,6 +37,8 @@ class LoopClock:
         self.cpu: dict[str, list[float]] = {}
         self.parts: dict[str, list[float]] = {}
         self.phases: dict[str, list[float]] = {}
+        self.batches: list[tuple[float, int]] = []  # (wall time since the previous batch, rooms in it)
+        self._last_batch = None
         self.phase_cpu: dict[str, list[float]] = {}
         self.sleep_late_s = 0.0
         self.slept_s = 0.0
@@ -81,6 +83,22 @@ class LoopClock:
 
         setattr(owner, name, timed)
 
+    def batch_done(self, rooms: int) -> None:
+        """End of one decode batch of `rooms` rooms: its wall time since the previous one."""
+        now = time.perf_counter()
+        if self._last_batch is not None:
+            self.batches.append((now - self._last_batch, rooms))
+        self._last_batch = now
+
+    def busy_batches(self, share: float = 0.8) -> list[float]:
+        """Wall times of the batches that ran at least `share` of the most rooms any batch
+        ran: the steady state, without the ramp-up and drain whose smaller batches blur
+        a whole run's mean."""
+        if not self.batches:
+            return []
+        most = max(rooms for _, rooms in self.batches)
+        return [wall for wall, rooms in self.batches if rooms >= share * most]
+
     def sleep(self, seconds: float, wait=time.sleep) -> None:
         """The model's forward, which the rig does not run, passed by `wait`
         (see modeltime.py); counts how late it ends."""
@@ -92,6 +110,7 @@ class LoopClock:
         self.sleeps += 1
 
     def stats(self) -> dict:
+        busy = self.busy_batches()
         by_kind = {
             kind: {"calls": len(d), "total_s": sum(d), "median_us": 1e6 * statistics.median(d),
                    "max_us": 1e6 * max(d), "cpu_median_us": 1e6 * statistics.median(self.cpu[kind])}
@@ -100,6 +119,8 @@ class LoopClock:
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
                 "sleep_late_s": self.sleep_late_s, "slept_s": self.slept_s, "sleeps": self.sleeps,
+                "busy_batches": len(busy),
+                "busy_batch_median_us": 1e6 * statistics.median(busy) if busy else 0.0,
                 "phases": {name: {"calls": len(d), "total_s": sum(d), "median_us": 1e6 * statistics.median(d),
                                   "cpu_median_us": 1e6 * statistics.median(self.phase_cpu[name])}
                            for name, d in self.phases.items() if d},

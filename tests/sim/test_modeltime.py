@@ -79,3 +79,13 @@ def test_loop_clock_passes_model_time_through_the_wait_it_is_given():
     clock.sleep(0.002, waited.append)
     clock.sleep(0.001)
     assert waited == [0.002] and clock.stats()["sleeps"] == 2
+
+
+def test_busy_batches_leave_out_the_ramp(monkeypatch):
+    clock, now = LoopClock(), [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    for wall, rooms in [(0, 1), (0.001, 2), (0.010, 10), (0.012, 9), (0.011, 10), (0.002, 3)]:
+        now[0] += wall
+        clock.batch_done(rooms)
+    assert clock.busy_batches() == pytest.approx([0.010, 0.012, 0.011])  # 8 rooms or more of the 10 at most
+    assert clock.stats()["busy_batch_median_us"] == pytest.approx(11000)

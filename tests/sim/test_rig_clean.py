@@ -67,6 +67,7 @@ def test_loop_clock_counts_every_probe_call_on_both_serving_loops(clean):
     assert phases["forward (ground truth)"]["calls"] >= ROOMS
     assert phases["room"]["total_s"] >= phases["forward (ground truth)"]["total_s"] + prefill["probe_s"]
     assert decode["running_sum"] >= decode["batches"] and decode["loop_s"] > decode["probe_s"]
+    assert 0 < decode["busy_batches"] < decode["batches"] and decode["busy_batch_median_us"] > 0
 
 
 def test_pages_were_reused(clean):
