@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..background import yield_to_serving
+from ..safety import record_error
 from . import reference
 from .layout import RowLayout, layout_signature
 from .pinned import EventPool, Staging, StagingPool
@@ -330,9 +331,8 @@ class DigestEngine:
             ticket = self._queue.get()
             if ticket is None:
                 return
-            ticket.record_done()
-            while ticket.done is not None and not ticket.done.query():
-                time.sleep(self.poll_interval_s)
+            if not self._await(ticket):
+                continue
             try:
                 result = self._finish(ticket)
                 ticket.callback(result)
@@ -342,6 +342,20 @@ class DigestEngine:
             self._recycle_orphans()
             if not self._queue.empty():
                 yield_to_serving()  # between batches too, when several are waiting
+
+    def _await(self, ticket: PendingDigest) -> bool:
+        """Record the batch's event and poll it until the kernel is done. False when the
+        device call fails: the batch is dropped, counted, and its staging buffer is
+        never reused (the GPU may still write it); the collector goes on."""
+        try:
+            ticket.record_done()
+            while ticket.done is not None and not ticket.done.query():
+                time.sleep(self.poll_interval_s)
+            return True
+        except Exception:
+            record_error("digest.await")
+            self.stats.dropped_batches += 1
+            return False
 
     def _recycle_orphans(self) -> None:
         """Give back the buffers of dropped batches whose kernel has finished."""

@@ -37,9 +37,9 @@ class LoopClock:
         self.cpu: dict[str, list[float]] = {}
         self.parts: dict[str, list[float]] = {}
         self.phases: dict[str, list[float]] = {}
+        self.phase_cpu: dict[str, list[float]] = {}
         self.batches: list[tuple[float, int]] = []  # (wall time since the previous batch, rooms in it)
         self._last_batch = None
-        self.phase_cpu: dict[str, list[float]] = {}
         self.sleep_late_s = 0.0
         self.slept_s = 0.0
         self.sleeps = 0

@@ -11,8 +11,8 @@ choice is named in the rig's config (`decode_step_wait`):
   (the CUDA driver spin-waits when cores outnumber GPUs). Closest to serving;
   needs CUDA, and two GPUs to keep prefill's work off decode's GPU.
 
-Measured on an H200 (bench/RESULTS.md): a digest submit after a 10 ms sleep
-costs about 4x one that follows other GPU work closely.
+Measured on H200s (bench/RESULTS.md): a digest submit after 10 ms of any of
+these costs 3-4x one made right after another (315-540 us against 108-217).
 """
 
 from __future__ import annotations

@@ -124,3 +124,33 @@ def test_prefill_sends_record_now_and_decode_stages_do_not(random_buffers):
     decode.batch_done([RoomId(2)], [])
     engine.close()
     assert asked == [True, False, False]
+
+
+class BrokenEvent(FakeEvent):
+    """A fake event whose record fails, as a device call can."""
+
+    def record(self, stream=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failed_record_drops_that_batch_and_the_collector_goes_on(random_buffers):
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=6), backend="reference")
+    events = iter([BrokenEvent(), FakeEvent()])
+    real_launch = engine._launch
+    kept = []
+
+    def launch_with_event(rooms, callback):
+        ticket = real_launch(rooms, callback)
+        ticket.done, ticket.stream = next(events), FakeStream()
+        kept.append(ticket)
+        return ticket
+
+    engine._launch = launch_with_event
+    delivered, second = [], threading.Event()
+    engine.submit([RoomRequest("lost", [1], 256)], delivered.append)
+    engine.submit([RoomRequest("next", [1], 256)], lambda batch: delivered.append(batch) or second.set())
+    assert second.wait(10)
+    engine.close()
+    assert [b.digests[0].key for b in delivered] == ["next"]
+    assert engine.stats.dropped_batches == 1
+    assert kept[0].done is not None  # never released to the pools: the GPU may still write its buffer
