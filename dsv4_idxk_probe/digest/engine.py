@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -109,6 +109,20 @@ class PendingDigest:
                         dtype=np.uint64)
 
 
+def poll_intervals(first: float, most: float) -> Iterator[float]:
+    """Sleeps between polls of one batch's event: doubling from `first` up to `most`.
+
+    Each poll takes the GIL and makes a driver call. An event recorded behind
+    a forward completes only when that forward does (tens of ms), and a fixed
+    0.5 ms poll would wake the collector dozens of times per batch, each time
+    taking the GIL from the serving thread; doubling keeps it to a few.
+    """
+    wait = first
+    while True:
+        yield wait
+        wait = min(most, 2 * wait)
+
+
 class DigestEngine:
     """Digests rooms of one pool: `buffers[i]` is layer `layer_ids[i]`, uint8 [pages, row_bytes]."""
 
@@ -124,6 +138,7 @@ class DigestEngine:
         rows: int = 1,
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
+        max_poll_interval_s: float = 0.004,
         time_kernels: bool = False,
         prealloc: int = 32,
         upload_tables: bool = False,
@@ -160,6 +175,7 @@ class DigestEngine:
             # single-room batches up to 64 pages where those need more.
             self._staging.reserve(8 * (32 + 64 + len(self.layer_ids) * 64 * len(layout.segments)), prealloc)
         self.poll_interval_s = poll_interval_s
+        self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
         self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
@@ -349,8 +365,9 @@ class DigestEngine:
         never reused (the GPU may still write it); the collector goes on."""
         try:
             ticket.record_done()
+            waits = poll_intervals(self.poll_interval_s, self.max_poll_interval_s)
             while ticket.done is not None and not ticket.done.query():
-                time.sleep(self.poll_interval_s)
+                time.sleep(next(waits))
             return True
         except Exception:
             record_error("digest.await")

@@ -154,3 +154,19 @@ def test_a_failed_record_drops_that_batch_and_the_collector_goes_on(random_buffe
     assert [b.digests[0].key for b in delivered] == ["next"]
     assert engine.stats.dropped_batches == 1
     assert kept[0].done is not None  # never released to the pools: the GPU may still write its buffer
+
+
+def test_polls_back_off_to_a_few_per_forward():
+    from itertools import islice
+
+    from dsv4_idxk_probe.digest.engine import poll_intervals
+
+    waits = list(islice(poll_intervals(0.0005, 0.004), 7))
+    assert waits == [0.0005, 0.001, 0.002, 0.004, 0.004, 0.004, 0.004]
+    slept, polls = 0.0, 0
+    for wait in poll_intervals(0.0005, 0.004):  # an event behind a 30 ms forward
+        polls += 1
+        slept += wait
+        if slept >= 0.030:
+            break
+    assert polls <= 10  # a fixed 0.5 ms poll would take 60
