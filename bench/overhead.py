@@ -506,7 +506,7 @@ def profile_observe_run(args, work: Path, rooms: int) -> dict:
     print(f"\nsubmit parts inside the rig's processes ({rooms} rooms, one observe run, not in the ratios):")
     for role, parts in run["loop"]["parts"].items():
         for label, p in parts.items():
-            print(f"  {role:<8} {label:<28} calls {p['calls']:6d}  median {p['median_us']:8.1f} us  mean {p['mean_us']:8.1f} us")
+            print(f"  {role:<8} {label:<62} calls {p['calls']:6d}  median {p['median_us']:8.1f} us  mean {p['mean_us']:8.1f} us")
     return run
 
 

@@ -39,7 +39,7 @@ def child_main(role: str, cfg, events, peer, control) -> None:
             from .decode_side import DecodeSide as Side
         side = Side(cfg, events, peer, control)
         if os.environ.get(PART_TIMES_ENV) and side.monitor is not None:
-            side.clock.time_parts(side.monitor.engine)
+            side.clock.time_parts(side.monitor.engine, side.monitor)
         side.run()
     except BaseException as exc:  # the parent must hear about every failure
         events.put(("error", role, describe(exc)))

@@ -54,11 +54,12 @@ class LoopClock:
         calls inside it do not, points at the probe's background threads."""
         return _Timing(self.phases.setdefault(name, []), self.phase_cpu.setdefault(name, []))
 
-    def time_parts(self, engine) -> None:
+    def time_parts(self, engine, monitor=None) -> None:
         """Also time the parts of every digest submit in this process: a benchmark's
         question (where does a submit's time go inside a serving process?), not a
         serving feature. Wraps the engine's own objects, and the upload and event
-        record of every staging buffer and event in the process."""
+        record of every staging buffer and event in the process. The collector's
+        parts are timed in thread CPU: what it holds the GIL for, per batch."""
         import torch
 
         from ..digest.pinned import Staging
@@ -70,16 +71,24 @@ class LoopClock:
                       (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]
         for owner, name, label in parts:
             self._wrap(owner, name, label)
+        collector = [(engine, "_await", "collector: record and poll the event (CPU)"),
+                     (engine, "_finish", "collector: fold the cells (CPU)")]
+        for name in ("_on_results", "_on_result"):  # decode's per batch, prefill's
+            if monitor is not None and hasattr(monitor, name):
+                collector.append((monitor, name, f"collector: verdicts, records, metrics (CPU, {name})"))
+                break
+        for owner, name, label in collector:
+            self._wrap(owner, name, label, time.thread_time)
 
-    def _wrap(self, owner, name: str, label: str) -> None:
+    def _wrap(self, owner, name: str, label: str, clock=time.perf_counter) -> None:
         original, durations = getattr(owner, name), self.parts.setdefault(label, [])
 
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                durations.append(time.perf_counter() - started)
+                durations.append(clock() - started)
 
         setattr(owner, name, timed)
 

@@ -89,3 +89,25 @@ def test_busy_batches_leave_out_the_ramp(monkeypatch):
         clock.batch_done(rooms)
     assert clock.busy_batches() == pytest.approx([0.010, 0.012, 0.011])  # 8 rooms or more of the 10 at most
     assert clock.stats()["busy_batch_median_us"] == pytest.approx(11000)
+
+
+def test_time_parts_times_the_submit_and_the_collector():
+    """What `bench/overhead.py --profile-runs` prints: the submit's parts on the serving
+    thread and the collector's, per batch, in thread CPU."""
+    from dsv4_idxk_probe.digest import DigestEngine, get_layout
+    from dsv4_idxk_probe.pd import DecodeMonitor, RoomId
+
+    layout = get_layout("fp8")
+    buffer = torch.randint(0, 256, (4, layout.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    engine = DigestEngine(layout, [0], [buffer], backend="reference")
+    monitor = DecodeMonitor(engine, lambda record: True)
+    clock = LoopClock()
+    clock.time_parts(engine, monitor)
+    for i in range(3):
+        monitor.room_received(RoomId(i), [1, 2], 300, None)
+    engine.close()  # delivers every batch
+    parts = clock.stats()["parts"]
+    assert parts["submit (all)"]["calls"] == 3
+    for label in ("collector: record and poll the event (CPU)", "collector: fold the cells (CPU)",
+                  "collector: verdicts, records, metrics (CPU, _on_results)"):
+        assert parts[label]["calls"] == 3, label
