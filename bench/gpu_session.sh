@@ -53,8 +53,8 @@ step servingspin 240 python3 bench/overhead.py --device cuda --reps 7 --target-s
 # Prefill and decode on GPUs of their own where the machine has two, as deployed.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
 two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
-step servinggpu 175 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
-    --decode-step-wait gpu $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_gpu"
+step servinggpu 200 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+    --decode-step-wait gpu $two_gpus --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
 step servinglong 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 6 --warmup-frac 0.25 \
