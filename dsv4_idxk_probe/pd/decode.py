@@ -73,9 +73,12 @@ class DecodeMonitor:
     # %% events from the serving side (scheduler thread: enqueue only)
 
     def room_received(
-        self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None
+        self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None,
+        *, record_now: bool = False,
     ) -> PendingDigest | None:
-        """Transfer complete: start tracking and digest at `decode_recv`."""
+        """Transfer complete: start tracking and digest at `decode_recv`. `record_now`
+        when the caller will wait for this digest (enforce mode): its event then sits
+        right behind the kernel, not behind whatever the stream runs next."""
         state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
         evicted = []
         with self._lock:
@@ -85,7 +88,7 @@ class DecodeMonitor:
                 evicted.append(self._rooms.pop(next(iter(self._rooms))).room)
         for old in evicted:
             self._publish(old, "decode_step", None, "skipped", "evicted: tracking table full", None, None, None)
-        return self._submit(state, "decode_recv", None)
+        return self._submit_jobs([(state, "decode_recv", None)], record_now=record_now)
 
     def room_finished(self, room: RoomId) -> PendingDigest | None:
         """Before the room's pages are released: last digest, then forget the room
@@ -129,20 +132,17 @@ class DecodeMonitor:
         with self._lock:
             return self._rooms.get(room.key)
 
-    def _submit(self, state: _Room, stage: str, step: int | None) -> PendingDigest | None:
-        return self._submit_jobs([(state, stage, step)])
-
     def _count_in_flight(self, jobs: list[tuple[_Room, str, int | None]], delta: int) -> None:
         """Digests outstanding per room; the serving and collector threads both change them."""
         with self._lock:
             for state, _, _ in jobs:
                 state.in_flight += delta
 
-    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
+    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]], record_now: bool = False) -> PendingDigest | None:
         self._count_in_flight(jobs, +1)
         enqueued = time.monotonic()
         requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
-        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch))
+        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch), record_now=record_now)
         if pending is None:
             self._count_in_flight(jobs, -1)
             if self.metrics is not None:

@@ -122,8 +122,9 @@ def test_prefill_sends_record_now_and_decode_stages_do_not(random_buffers):
     decode = DecodeMonitor(engine, lambda record: True)
     decode.room_received(RoomId(2), [1, 2], 300, None)
     decode.batch_done([RoomId(2)], [])
+    decode.room_received(RoomId(3), [1, 2], 300, None, record_now=True)  # enforce mode will wait on it
     engine.close()
-    assert asked == [True, False, False]
+    assert asked == [True, False, False, True]
 
 
 class BrokenEvent(FakeEvent):

@@ -158,7 +158,7 @@ def test_one_batch_one_launch_with_each_room_judged_on_its_own(pair):
     dec_bufs[0][9, 100] ^= 1  # room 3, logical page 1, layer id 0, payload
     submits = []
     real_submit = decode.engine.submit
-    decode.engine.submit = lambda reqs, cb: submits.append([r.key for r in reqs]) or real_submit(reqs, cb)
+    decode.engine.submit = lambda reqs, cb, **kw: submits.append([r.key for r in reqs]) or real_submit(reqs, cb, **kw)
     assert [decode.step_due(b) for b in (0, 9, 10, 20)] == [False, False, True, True]
     decode.batch_done([RoomId(1)], [(RoomId(2), 10), (RoomId(3), 10)])
     records = dec_sink.wait_for(6)[3:]
