@@ -17,9 +17,10 @@ MASK64 = (1 << 64) - 1
 
 
 def _hex_words(values: np.ndarray) -> list[str]:
-    """uint64 values as 16-digit lowercase hex strings, formatted in one pass."""
-    text = np.ascontiguousarray(values, dtype=">u8").tobytes().hex()
-    return [text[i : i + 16] for i in range(0, len(text), 16)]
+    """uint64 values as 16-digit lowercase hex strings: one hex pass and one split, both
+    in C (the collector formats every room's vectors while holding the GIL)."""
+    data = np.ascontiguousarray(values, dtype=">u8").tobytes()
+    return data.hex(" ", 8).split(" ") if data else []
 
 
 def _hex_rows(matrix: np.ndarray) -> list[list[str]]:

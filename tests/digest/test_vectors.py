@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dsv4_idxk_probe.digest import get_layout
 from dsv4_idxk_probe.digest import reference as ref
@@ -48,3 +49,14 @@ def test_room_vector():
     record = digest.to_record()
     for field in ("signature", "layer_segment", "pages", "room"):
         assert record[field] == v[field], field
+
+
+@pytest.mark.parametrize("values", [[], [0], [1, 0xFFFFFFFFFFFFFFFF, 0x00000000000000AB], list(range(2**40, 2**40 + 61))])
+def test_hex_words_are_16_digit_lowercase_per_value(values):
+    from dsv4_idxk_probe.digest.result import _hex_rows, _hex_words
+
+    array = np.array(values, dtype=np.uint64)
+    assert _hex_words(array) == [f"{v:016x}" for v in values]
+    if values:
+        matrix = np.array(values * 2, dtype=np.uint64).reshape(2, len(values))
+        assert _hex_rows(matrix) == [[f"{v:016x}" for v in values]] * 2
