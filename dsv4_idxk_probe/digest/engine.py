@@ -49,6 +49,7 @@ class BatchResult:
     bytes_digested: int
     gpu_seconds: float | None = None  # kernel time, when measured on a GPU
     room_bytes: tuple[int, ...] = ()  # frozen bytes digested per room, in submit order
+    error: str | None = None  # the batch could not be digested (no digests): why
 
 
 @dataclass
@@ -361,17 +362,24 @@ class DigestEngine:
 
     def _await(self, ticket: PendingDigest) -> bool:
         """Record the batch's event and poll it until the kernel is done. False when the
-        device call fails: the batch is dropped, counted, and its staging buffer is
-        never reused (the GPU may still write it); the collector goes on."""
+        device call fails: the batch is dropped, counted, its callback gets a result
+        with `error` set and no digests, and its staging buffer is never reused (the
+        GPU may still write it); the collector goes on."""
         try:
             ticket.record_done()
             waits = poll_intervals(self.poll_interval_s, self.max_poll_interval_s)
             while ticket.done is not None and not ticket.done.query():
                 time.sleep(next(waits))
             return True
-        except Exception:
+        except Exception as exc:
             record_error("digest.await")
             self.stats.dropped_batches += 1
+            failed = BatchResult([], 0, 0, error=f"{type(exc).__name__}: {exc}")
+            try:
+                ticket.callback(failed)  # the caller stops waiting for these rooms
+            except Exception:
+                self.stats.callback_errors += 1
+                log.exception("digest callback failed")
             return False
 
     def _recycle_orphans(self) -> None:

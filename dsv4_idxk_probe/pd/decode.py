@@ -150,6 +150,10 @@ class DecodeMonitor:
         return pending
 
     def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult) -> None:
+        if batch.error is not None:
+            for state, stage, step in jobs:
+                safe_invoke("decode.on_failure", self._on_failure, state, stage, step, batch.error)
+            return
         if self.metrics is not None and batch.gpu_seconds is not None:
             self.metrics.digest_gpu_seconds.labels(stage=jobs[0][1]).observe(batch.gpu_seconds)
         for i, (state, stage, step) in enumerate(jobs):
@@ -167,6 +171,15 @@ class DecodeMonitor:
             if self.metrics is not None:
                 self.metrics.first_divergence.labels(stage=stage).inc()
         self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued)
+        self._forget_if_done(state)
+
+    def _on_failure(self, state: _Room, stage: str, step: int | None, error: str) -> None:
+        """The digest of this stage could not be taken: say so, and stop waiting for it."""
+        self._count_in_flight([(state, stage, step)], -1)
+        self._publish(state.room, stage, step, "skipped", f"digest failed: {error}", None, None, state)
+        self._forget_if_done(state)
+
+    def _forget_if_done(self, state: _Room) -> None:
         with self._lock:
             if state.finished and state.in_flight <= 0 and self._rooms.get(state.room.key) is state:
                 del self._rooms[state.room.key]

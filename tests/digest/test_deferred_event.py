@@ -152,7 +152,9 @@ def test_a_failed_record_drops_that_batch_and_the_collector_goes_on(random_buffe
     engine.submit([RoomRequest("next", [1], 256)], lambda batch: delivered.append(batch) or second.set())
     assert second.wait(10)
     engine.close()
-    assert [b.digests[0].key for b in delivered] == ["next"]
+    lost, kept_going = delivered
+    assert lost.digests == [] and lost.error.startswith("RuntimeError: CUDA error")
+    assert [d.key for d in kept_going.digests] == ["next"] and kept_going.error is None
     assert engine.stats.dropped_batches == 1
     assert kept[0].done is not None  # never released to the pools: the GPU may still write its buffer
 
@@ -171,3 +173,26 @@ def test_polls_back_off_to_a_few_per_forward():
         if slept >= 0.030:
             break
     assert polls <= 10  # a fixed 0.5 ms poll would take 60
+
+
+def test_a_failed_batch_is_reported_skipped_and_its_rooms_forgotten(random_buffers):
+    from dsv4_idxk_probe.pd import DecodeMonitor, RoomId
+
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 4, seed=8), backend="reference")
+    records = []
+    monitor = DecodeMonitor(engine, records.append)
+    monitor.room_received(RoomId(1), [1, 2], 300, None)
+    real_launch = engine._launch
+
+    def failing_launch(rooms, callback):
+        ticket = real_launch(rooms, callback)
+        ticket.done, ticket.stream = BrokenEvent(), FakeStream()
+        return ticket
+
+    engine._launch = failing_launch
+    monitor.batch_done([RoomId(1)], [])  # the finish digest's event cannot be recorded
+    engine.close()
+    finish = [r for r in records if r["stage"] == "decode_finish"]
+    assert len(finish) == 1 and finish[0]["verdict"] == "skipped"
+    assert finish[0]["reason"].startswith("digest failed: RuntimeError: CUDA error")
+    assert monitor.tracked() == 0  # finished, nothing in flight: forgotten
