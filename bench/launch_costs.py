@@ -12,7 +12,9 @@ With `--nixl`, everything is measured again while the process also holds a
 NIXL agent (UCX backend, progress thread on, as the rig and SGLang's NIXL
 connector create it, two agents connected and one WRITE done between VRAM
 buffers): inside the rig's processes the same calls cost 3-8x more, and the
-agents' spinning progress threads were the first suspect.
+agents' spinning progress threads were the first suspect. They are not: with
+the agents, every call costs the same or less (bench/RESULTS.md, 12:52-13:35
+UTC entry); the gap before a call is what makes it dearer (submit_profile).
 
 Usage (CUDA):  python3 bench/launch_costs.py [--calls 2000] [--nixl] [--out DIR]
 """
