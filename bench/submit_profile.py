@@ -3,7 +3,7 @@
 Why: on a host where every CUDA driver call is expensive (a sandboxed
 runtime intercepts each one), the fixed cost of a submit decides the probe's
 overhead per room. This times each part of one submit on the caller's thread
-(cell plan, room table, upload, launch, event) for single-room
+(cell plan, room table, launch, queue) for single-room
 batches and for 16-room batches, after a warm-up, with sync debug mode
 "error" on, and prints medians.
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                 time.sleep(0.0005)  # the collector gives buffers back, as between real batches
             case = f"{rooms_per_submit} room(s)/submit, page tables on {'host' if host_pages else 'device'}"
             parts = {k: 1e6 * v / len(batches) for k, v in timer.totals.items()}
-            parts["other (room table, upload, event record, queue)"] = (
+            parts["other (room table, stream, queue)"] = (
                 1e6 * statistics.mean(walls) - sum(parts.values()))
             report["cases"][case] = {"median_us": 1e6 * statistics.median(walls), "mean_us": 1e6 * statistics.mean(walls),
                                      "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}

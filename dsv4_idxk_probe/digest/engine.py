@@ -142,7 +142,6 @@ class DigestEngine:
         max_poll_interval_s: float = 0.004,
         time_kernels: bool = False,
         prealloc: int = 32,
-        upload_tables: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -168,7 +167,7 @@ class DigestEngine:
         # 8448 B, 256 for larger rows, one row per program.
         self.block = block or (128 if layout.row_bytes <= 8448 else 256)
         self.rows = rows
-        self._staging = StagingPool(self.device, upload=upload_tables)
+        self._staging = StagingPool(self.device)
         self._events = EventPool()
         if self.backend == "triton" and self.device.type == "cuda":
             # Pinned allocation costs milliseconds: reserve now, not on the hot path,
@@ -286,7 +285,7 @@ class DigestEngine:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + sum(p.size for p in host_pages)) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(8 * (input_words + plan.n_cells * n_segments))
-        words, read_base = staging.words, staging.read_address
+        words, read_base = staging.words, staging.host_address
 
         table = words[:table_words].reshape(n_rooms, ROOM_COLUMNS)
         cursor, host_iter = table_words, iter(host_pages)
@@ -299,8 +298,6 @@ class DigestEngine:
                 address, id_bytes = read_base + 8 * cursor, 8
                 cursor += pages.size
             table[slot] = (address, id_bytes, plan.page_counts[slot], rooms[slot].n_tokens, plan.first_cells[slot])
-        if staging.twin is not None:
-            staging.upload(8 * cursor)
         cells = words[input_words : input_words + plan.n_cells * n_segments].view(np.uint64).reshape(-1, n_segments)
 
         started = None

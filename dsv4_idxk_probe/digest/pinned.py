@@ -9,7 +9,7 @@ nothing and creates no event.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,39 +24,23 @@ _MIN_BYTES = 64 * 1024
 class Staging:
     """A host buffer with its int64 NumPy view made once: the submit writes tables into
     `words`, the kernel reads them there and stores its cells into the back of `host`
-    (pinned memory the GPU addresses directly), so nothing is copied. A pool made
-    with `upload=True` adds a device twin the front of `host` is uploaded into."""
+    (pinned memory the GPU addresses directly), so nothing is copied."""
 
     host: torch.Tensor  # uint8, pinned on CUDA
     words: np.ndarray  # int64 view of `host`
-    twin: torch.Tensor | None  # uint8 on the device, or None when the kernel reads `host`
     host_address: int = 0
-    read_address: int = 0  # where the kernel reads what the host wrote: the twin, else `host`
-    _fronts: dict = field(default_factory=dict)  # size -> (twin view, host view), made once
 
     @property
     def nbytes(self) -> int:
         return self.host.numel()
 
-    def upload(self, nbytes: int) -> None:
-        """Queue a copy of the first `nbytes` (rounded up to a power of two, so the views
-        are made once per size, not per call) into the twin, on the current stream."""
-        size = min(self.nbytes, max(1024, 1 << max(0, nbytes - 1).bit_length()))
-        views = self._fronts.get(size)
-        if views is None:
-            views = self._fronts[size] = (self.twin[:size], self.host[:size])
-        views[0].copy_(views[1], non_blocking=True)
-
 
 class StagingPool:
     """Free lists of `Staging` buffers by power-of-two size class."""
 
-    def __init__(self, device: torch.device, max_free_per_class: int = 64, upload: bool = False):
-        """`upload`: give each buffer a device twin the submit copies tables into,
-        instead of the kernel reading them from pinned memory (one device call more)."""
+    def __init__(self, device: torch.device, max_free_per_class: int = 64):
         self.device = device
         self.pin = device.type == "cuda"
-        self.upload = upload and self.pin
         self.max_free_per_class = max_free_per_class
         self._free: dict[int, list[Staging]] = {}
         self._lock = threading.Lock()
@@ -68,9 +52,7 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        twin = torch.empty(size, dtype=torch.uint8, device=self.device) if self.upload else None
-        read = twin if twin is not None else host
-        return Staging(host, host.numpy().view(np.int64), twin, host.data_ptr(), read.data_ptr())
+        return Staging(host, host.numpy().view(np.int64), host.data_ptr())
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""

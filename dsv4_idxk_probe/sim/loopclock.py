@@ -57,17 +57,15 @@ class LoopClock:
     def time_parts(self, engine, monitor=None) -> None:
         """Also time the parts of every digest submit in this process: a benchmark's
         question (where does a submit's time go inside a serving process?), not a
-        serving feature. Wraps the engine's own objects, and the upload and event
-        record of every staging buffer and event in the process. The collector's
-        parts are timed in thread CPU: what it holds the GIL for, per batch."""
+        serving feature. Wraps the engine's own objects, and the record of every
+        event in the process. The collector's parts are timed in thread CPU: what
+        it holds the GIL for, per batch."""
         import torch
-
-        from ..digest.pinned import Staging
 
         parts = [(engine, "submit", "submit (all)"), (engine, "_launch", "digest or device calls"),
                  (engine, "_ensure_thread", "collector check"), (engine._queue, "put_nowait", "queue put")]
         if engine.backend == "triton":
-            parts += [(engine._kernel, "launch", "kernel launch"), (Staging, "upload", "upload"),
+            parts += [(engine._kernel, "launch", "kernel launch"),
                       (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]
         for owner, name, label in parts:
             self._wrap(owner, name, label)
