@@ -345,14 +345,8 @@ class DigestEngine:
             ticket = self._queue.get()
             if ticket is None:
                 return
-            if not self._await(ticket):
-                continue
-            try:
-                result = self._finish(ticket)
-                ticket.callback(result)
-            except Exception:  # a callback must never kill the collector
-                self.stats.callback_errors += 1
-                log.exception("digest callback failed")
+            if self._await(ticket):
+                self._deliver(ticket, self._finish)
             self._recycle_orphans()
             if not self._queue.empty():
                 yield_to_serving()  # between batches too, when several are waiting
@@ -371,13 +365,18 @@ class DigestEngine:
         except Exception as exc:
             record_error("digest.await")
             self.stats.dropped_batches += 1
-            failed = BatchResult([], 0, 0, error=f"{type(exc).__name__}: {exc}")
-            try:
-                ticket.callback(failed)  # the caller stops waiting for these rooms
-            except Exception:
-                self.stats.callback_errors += 1
-                log.exception("digest callback failed")
+            error = f"{type(exc).__name__}: {exc}"  # the caller stops waiting for these rooms
+            self._deliver(ticket, lambda _: BatchResult([], 0, 0, error=error))
             return False
+
+    def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
+        """Hand the batch's result to its callback; a failing callback (or fold) is
+        counted and logged, never allowed to end the collector."""
+        try:
+            ticket.callback(result(ticket))
+        except Exception:
+            self.stats.callback_errors += 1
+            log.exception("digest callback failed")
 
     def _recycle_orphans(self) -> None:
         """Give back the buffers of dropped batches whose kernel has finished."""
