@@ -79,7 +79,7 @@ class DecodeSide:
         self.waiting: deque[RoomPlan] = deque(self.plan)
         self.active: dict[int, _Room] = {}
         self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0,
-                      "running_sum": 0, "loop_s": 0.0}  # rooms running, summed over batches; the loop's wall time
+                      "loop_s": 0.0}  # the loop's wall time
         self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
         self.clock = LoopClock()
         self.model_wait = step_wait(cfg.decode_step_wait, device) if cfg.decode_step_ms else None
@@ -197,7 +197,6 @@ class DecodeSide:
         if not running:
             return False
         self.batches += 1
-        self.stats["running_sum"] += len(running)
         for room in running:
             self._advance(room)
         if self.interval > 0 and self.batches % self.interval == 0:

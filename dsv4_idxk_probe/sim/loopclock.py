@@ -39,6 +39,7 @@ class LoopClock:
         self.phases: dict[str, list[float]] = {}
         self.phase_cpu: dict[str, list[float]] = {}
         self.batches: list[tuple[float, int]] = []  # (wall time since the previous batch, rooms in it)
+        self.running_sum = 0  # rooms running, summed over every batch
         self._last_batch = None
         self.sleep_late_s = 0.0
         self.slept_s = 0.0
@@ -93,6 +94,7 @@ class LoopClock:
     def batch_done(self, rooms: int) -> None:
         """End of one decode batch of `rooms` rooms: its wall time since the previous one."""
         now = time.perf_counter()
+        self.running_sum += rooms
         if self._last_batch is not None:
             self.batches.append((now - self._last_batch, rooms))
         self._last_batch = now
@@ -126,7 +128,7 @@ class LoopClock:
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
                 "sleep_late_s": self.sleep_late_s, "slept_s": self.slept_s, "sleeps": self.sleeps,
-                "busy_batches": len(busy),
+                "running_sum": self.running_sum, "busy_batches": len(busy),
                 "busy_batch_median_us": 1e6 * statistics.median(busy) if busy else 0.0,
                 "phases": {name: {"calls": len(d), "total_s": sum(d), "median_us": 1e6 * statistics.median(d),
                                   "cpu_median_us": 1e6 * statistics.median(self.phase_cpu[name])}
