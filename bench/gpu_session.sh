@@ -53,13 +53,20 @@ step servingspin 240 python3 bench/overhead.py --device cuda --reps 7 --target-s
 # Prefill and decode on GPUs of their own where the machine has two, as deployed.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
 two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
-step servinggpu 200 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
-    --decode-step-wait gpu $two_gpus --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving_gpu"
+# A GPU-kernel model step needs decode's GPU to itself: on one GPU, prefill's
+# process waits its time slice behind each 10 ms kernel and the rig starves
+# (7 rooms/s, 2 running, 14:29 UTC entry). One GPU: the step sleeps instead.
+gpu_wait=$([ "$gpus" -gt 1 ] && echo gpu || echo sleep)
+echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "$log"
+# These legs also run the collector's other way of waiting ("observe-poll").
+variants="--rig-variants off,observe,observe-poll"
+step servinggpu 330 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+    --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
-step servinglong 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 6 --warmup-frac 0.25 \
-    --decode-step-ms 10 --decode-step-wait gpu --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
-    --step-interval 64 --skip-hostpool --out "$res/overhead_serving_long"
+step servinglong 330 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 6 --warmup-frac 0.25 \
+    --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
+    --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
 step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
     $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_2gpu_sleep"
 step serving8 180 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \

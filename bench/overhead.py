@@ -63,7 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
 from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this script's folder)
 
-RIG_VARIANTS = ("off", "observe")
+# Rig variants: the probe config each one adds ("off": the probe not enabled).
+# "observe-poll" tells the collector's two ways of waiting apart in one run.
+RIG_VARIANTS = {"off": None, "observe": {}, "observe-poll": {"digest": {"collector_wait": "poll"}}}
 HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
 HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
 HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale
@@ -78,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hostpool", action="store_true")
     rig = p.add_argument_group("rig leg")
     rig.add_argument("--rooms", type=int, default=0, help="rooms per run; 0: calibrate from --target-seconds")
+    rig.add_argument("--rig-variants", default="off,observe",
+                     help=f"comma list, 'off' first, of {', '.join(RIG_VARIANTS)}: run interleaved, each against off")
     rig.add_argument("--target-seconds", type=float, default=3.0, help="steady seconds per run when calibrating")
     rig.add_argument("--warmup-frac", type=float, default=0.1, help="first finished rooms left out of the steady rate")
     rig.add_argument("--layers", type=int, default=8)
@@ -106,7 +110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     hp.add_argument("--hp-layers", type=int, default=30, help="C4 layers of the index-K host pool")
     hp.add_argument("--hp-pages", type=int, default=16, help="pages per backup / load")
     hp.add_argument("--hp-cycles", type=int, default=40, help="cycles per variant and repetition")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.rig_variants = tuple(v.strip() for v in args.rig_variants.split(",") if v.strip())
+    if args.rig_variants[:1] != ("off",) or not set(args.rig_variants) <= set(RIG_VARIANTS) or len(args.rig_variants) < 2:
+        p.error(f"--rig-variants must start with off and name at least one of {', '.join(list(RIG_VARIANTS)[1:])}, "
+                f"got {','.join(args.rig_variants)}")
+    return args
 
 
 # %% statistics
@@ -184,10 +193,11 @@ def rig_env(variant: str, run_dir: Path, step_interval: int):
     from dsv4_idxk_probe.sim.plan import RoleEnv
     from dsv4_idxk_probe.sim.settings import child_env
 
-    if variant == "off":
+    if RIG_VARIANTS[variant] is None:
         return RoleEnv()
     config = run_dir / "probe.yaml"
-    config.write_text(yaml.safe_dump({"step_interval": step_interval, "roomlog": {"dir": str(run_dir / "logs")}}))
+    config.write_text(yaml.safe_dump({"step_interval": step_interval, "roomlog": {"dir": str(run_dir / "logs")},
+                                      **RIG_VARIANTS[variant]}))
     return RoleEnv(common=child_env(probe=True, config=str(config)))
 
 
@@ -253,6 +263,10 @@ def loop_costs(stats: dict) -> dict:
         "decode_busy_batch_ms": 1e-3 * decode.get("busy_batch_median_us", 0.0),  # median of the steady, busy batches
         "decode_rest_us_per_batch": 1e6 * (decode.get("loop_s", 0.0) - decode.get("probe_s", 0.0)
                                            - decode.get("slept_s", 0.0)) / batches,
+        # The same in thread CPU: rest wall growing while rest CPU does not means the
+        # loop waited (for the GIL, a lock, a syscall), not that it computed more.
+        "decode_rest_cpu_us_per_batch": 1e6 * (decode.get("loop_cpu_s", 0.0) - decode.get("probe_cpu_s", 0.0)
+                                               - decode.get("slept_cpu_s", 0.0)) / batches,
         "by_kind": {**decode.get("probe_by_kind", {}), **prefill.get("probe_by_kind", {})},
         "parts": {role: stats.get(role, {}).get("parts", {}) for role in ("decode", "prefill")},
     }
@@ -262,27 +276,27 @@ def run_rig_leg(args, work: Path) -> dict:
     rooms = args.rooms
     warmups = []
     probe_rooms = rooms or 48
-    for variant in RIG_VARIANTS:  # caches warm (Triton's kernel cache on CUDA); the off run calibrates
+    for variant in args.rig_variants:  # caches warm (Triton's kernel cache on CUDA); the off run calibrates
         run = one_rig_run(args, variant, probe_rooms, work, f"warmup-{variant}")
         warmups.append(run)
-        print(f"  warm-up {variant:<8} {run['rooms']} rooms, {run['steady_rooms_per_s']:.1f} rooms/s", flush=True)
+        print(f"  warm-up {variant:<12} {run['rooms']} rooms, {run['steady_rooms_per_s']:.1f} rooms/s", flush=True)
     if not rooms:
         rate = warmups[0]["steady_rooms_per_s"]
         rooms = int(min(20000, max(48, round(rate * args.target_seconds / (1 - args.warmup_frac)))))
         print(f"  calibrated: {rooms} rooms per run (~{args.target_seconds:.1f} s steady at {rate:.1f} rooms/s)", flush=True)
-    runs: dict[str, list[dict]] = {v: [] for v in RIG_VARIANTS}
+    runs: dict[str, list[dict]] = {v: [] for v in args.rig_variants}
     for rep in range(args.reps):
-        for variant in RIG_VARIANTS:
+        for variant in args.rig_variants:
             run = one_rig_run(args, variant, rooms, work, f"rep{rep}-{variant}")
             runs[variant].append(run)
             lat, loop = run.get("latency_ms", {}), run["loop"]
-            print(f"  rep {rep} {variant:<8} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
+            print(f"  rep {rep} {variant:<12} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
                   f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
                   f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
                   f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us, "
                   f"running {loop['decode_running_per_batch']:5.2f}, batch {loop['decode_batch_ms']:6.2f} ms "
                   f"(busy {loop['decode_busy_batch_ms']:6.2f}), "
-                  f"rest {loop['decode_rest_us_per_batch']:7.1f} us"
+                  f"rest {loop['decode_rest_us_per_batch']:7.1f} us (CPU {loop['decode_rest_cpu_us_per_batch']:7.1f})"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
     return {
         "rooms_per_run": rooms,
@@ -296,7 +310,7 @@ def run_rig_leg(args, work: Path) -> dict:
         "latency_p50_ratio": _latency_ratios(runs, "p50"),
         "latency_p99_ratio": _latency_ratios(runs, "p99"),
         "valid": all(r["completed"] for rs in runs.values() for r in rs)
-        and all(r["probe_log"]["ok"] for r in runs["observe"]),
+        and all(r["probe_log"]["ok"] for v, rs in runs.items() if v != "off" for r in rs),
     }
 
 
@@ -454,10 +468,10 @@ def print_tables(report: dict) -> None:
             r = rig["steady_rooms_per_s_ratio"].get(variant)
             p99 = rig["latency_p99_ratio"].get(variant)
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
-            print(f"{variant:<10} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
+            print(f"{variant:<12} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
                   f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
         print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room, "
-              "rooms running per batch, decode batch ms, busy-batch median ms, decode loop rest us/batch")
+              "rooms running per batch, decode batch ms, busy-batch median ms, decode loop rest us/batch (wall, CPU)")
         for variant, runs in rig["runs"].items():
             loop = {k: statistics.median(r["loop"][k] for r in runs) for k, v in runs[0]["loop"].items()
                     if isinstance(v, (int, float))}
@@ -467,10 +481,10 @@ def print_tables(report: dict) -> None:
                 f" mean {statistics.median(1e6 * r['loop']['by_kind'][k]['total_s'] / r['loop']['by_kind'][k]['calls'] for r in runs if k in r['loop']['by_kind']):.0f} us"
                 f" cpu {statistics.median(r['loop']['by_kind'][k]['cpu_median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
                 for k in kinds)
-            print(f"{variant:<10} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
+            print(f"{variant:<12} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
                   f"{loop['prefill_probe_us_per_room']:8.1f} {loop['decode_running_per_batch']:6.2f} "
                   f"{loop['decode_batch_ms']:7.2f} {loop['decode_busy_batch_ms']:7.2f} "
-                  f"{loop['decode_rest_us_per_batch']:8.1f}  {per_call}")
+                  f"{loop['decode_rest_us_per_batch']:8.1f} {loop['decode_rest_cpu_us_per_batch']:8.1f}  {per_call}")
             phases = sorted({k for r in runs for k in r["loop"].get("prefill_phases", {})})
             if phases:  # prefill's own work per call, wall and thread CPU: what grows with the probe on
                 print(f"{'':<10} prefill " + "  ".join(
@@ -522,7 +536,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="idxk-overhead-") as tmp:
         work = Path(tmp)
         if not args.skip_rig:
-            print("PD rig leg (off / observe, interleaved):", flush=True)
+            print(f"PD rig leg ({' / '.join(args.rig_variants)}, interleaved):", flush=True)
             report["rig"] = run_rig_leg(args, work)
         if not args.skip_hostpool:
             print("host-pool leg (bare / observe / observe+roundtrip, interleaved):", flush=True)

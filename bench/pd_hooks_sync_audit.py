@@ -13,7 +13,7 @@ Per room, in the order SGLang calls them:
   decode   _send_kv_metadata, _commit_transfer_to_req, process_batch_result_decode
            x step_interval, then once more with the request finished (decode_finish)
 Only the probe's own work runs under torch.cuda.set_sync_debug_mode("error")
-(plus tripwires on Event/Stream/device synchronize, which that mode misses):
+(plus tripwires on Event/Stream/device synchronize on the hook's thread, which that mode misses):
 the stand-ins for SGLang's own code (which syncs on purpose, e.g. NIXL's
 .cpu()) switch it off while they run. The probe catches its own exceptions
 (fail-open), so a sync raised inside a hook shows up as a recorded probe
@@ -39,6 +39,7 @@ import json
 import logging
 import platform
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -173,17 +174,19 @@ class FirstError(logging.Handler):
 
 def _set_sync_mode(mode) -> None:
     SyncGuard.armed = mode == "error"
+    SyncGuard.armed_thread = threading.get_ident() if SyncGuard.armed else None
     if SyncGuard.active:
         torch.cuda.set_sync_debug_mode(mode)
 
 
 def _tripwire(owner, name: str) -> None:
     """set_sync_debug_mode sees blocking copies and stream syncs, not event or device
-    synchronize: those raise too while a hook runs."""
+    synchronize: those raise too while a hook runs, on the hook's thread (the
+    probe's collector thread waits on its events by design)."""
     original = getattr(owner, name)
 
     def call(*args, **kwargs):
-        if SyncGuard.armed:
+        if SyncGuard.armed and SyncGuard.armed_thread == threading.get_ident():
             raise RuntimeError(f"{getattr(owner, '__name__', owner)}.{name}() called inside a hook")
         return original(*args, **kwargs)
 
@@ -200,6 +203,7 @@ class SyncGuard:
 
     active = True
     armed = False
+    armed_thread: int | None = None  # the thread running the hook
 
     def __enter__(self):
         _set_sync_mode("error")

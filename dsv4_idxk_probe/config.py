@@ -53,6 +53,13 @@ class RoomLogConfig:
 
 
 @dataclass(frozen=True)
+class DigestConfig:
+    """How the background collector learns that a batch's digest kernel is done."""
+
+    collector_wait: str = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = None  # our own exporter, only outside SGLang (it serves /metrics itself)
 
@@ -67,6 +74,7 @@ class ProbeConfig:
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
     roomlog: RoomLogConfig = field(default_factory=RoomLogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    digest: DigestConfig = field(default_factory=DigestConfig)
     hicache: Mapping[str, Any] = field(default_factory=dict)  # owned by dsv4_idxk_probe.hicache
     source: str = "<defaults>"
 
@@ -105,6 +113,15 @@ def _str(source, where, value):
     return value
 
 
+def _choice(*allowed):
+    def check(source, where, value):
+        if value not in allowed:
+            raise ConfigError(f"{source}: {where} must be one of {list(allowed)}, got {value!r}")
+        return value
+
+    return check
+
+
 def _positive(source, where, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"{source}: {where} must be a number > 0, got {value!r}")
@@ -130,8 +147,9 @@ _CHECKS = {
         "queue_size": lambda s, w, v: _int(s, w, v, 1),
     },
     "metrics": {"port": _port},
+    "digest": {"collector_wait": _choice("block", "poll")},
 }
-_SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig}
+_SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig, "digest": DigestConfig}
 _TOP_KEYS = {"mode", "layout", "layouts", "step_interval", "targets", "hicache", *_SECTION_TYPES}
 
 

@@ -5,9 +5,9 @@ buffer and launches the Triton kernel on the caller's current stream: one
 device call, whatever the batch. The kernel reads the table straight from
 pinned host memory and stores its cells into the back of the same buffer.
 A background thread records a CUDA event behind the kernel on the caller's
-stream, polls it (never blocks on it), folds the cells into room digests
-and hands them to the callback. The caller's thread never calls
-``.item()``, ``.cpu()``, ``.tolist()`` or a synchronise on this path.
+stream, waits for it (`WAITS`), folds the cells into room digests and hands
+them to the callback. The caller's thread never calls ``.item()``,
+``.cpu()``, ``.tolist()`` or a synchronise on this path.
 
 Without CUDA the same API digests with the NumPy reference (or with the
 Triton kernel under ``TRITON_INTERPRET=1``), at submit time so the snapshot
@@ -38,6 +38,11 @@ from .room_table import ROOM_COLUMNS, CellPlan, RoomRequest, plan_cells
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "reference")
+# How the collector waits for a batch's event. "block": one synchronise on a
+# blocking-sync event, the thread asleep in the driver with the GIL released,
+# woken once when the kernel is done. "poll": query it, sleeping between
+# (`poll_intervals`); each wake-up takes the GIL and makes a driver call.
+WAITS = ("block", "poll")
 
 
 @dataclass
@@ -140,11 +145,14 @@ class DigestEngine:
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         max_poll_interval_s: float = 0.004,
+        wait: str = "block",
         time_kernels: bool = False,
         prealloc: int = 32,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
         if len(buffers) != len(layer_ids):
             raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
         for i, buf in enumerate(buffers):
@@ -168,7 +176,8 @@ class DigestEngine:
         self.block = block or (128 if layout.row_bytes <= 8448 else 256)
         self.rows = rows
         self._staging = StagingPool(self.device)
-        self._events = EventPool()
+        self.wait = wait
+        self._events = EventPool(blocking=wait == "block")
         if self.backend == "triton" and self.device.type == "cuda":
             # Pinned allocation costs milliseconds: reserve now, not on the hot path,
             # for bursts of batches up to the smallest size class (64 KiB), and of
@@ -352,14 +361,20 @@ class DigestEngine:
                 yield_to_serving()  # between batches too, when several are waiting
 
     def _await(self, ticket: PendingDigest) -> bool:
-        """Record the batch's event and poll it until the kernel is done. False when the
+        """Record the batch's event and wait until the kernel is done. False when the
         device call fails: the batch is dropped, counted, its callback gets a result
         with `error` set and no digests, and its staging buffer is never reused (the
         GPU may still write it); the collector goes on."""
         try:
             ticket.record_done()
+            done = ticket.done
+            if done is None:
+                return True
+            if self.wait == "block":
+                done.synchronize()  # this thread only; the serving thread never waits here
+                return True
             waits = poll_intervals(self.poll_interval_s, self.max_poll_interval_s)
-            while ticket.done is not None and not ticket.done.query():
+            while not done.query():
                 time.sleep(next(waits))
             return True
         except Exception as exc:

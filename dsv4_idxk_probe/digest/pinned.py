@@ -86,10 +86,15 @@ class StagingPool:
 
 
 class EventPool:
-    """CUDA events to record and give back; creating one is a driver call per batch."""
+    """CUDA events to record and give back; creating one is a driver call per batch.
 
-    def __init__(self, max_free: int = 256):
+    `blocking` events (cudaEventBlockingSync) make a thread that synchronises on
+    them sleep until the GPU gets there, instead of spinning on a core.
+    """
+
+    def __init__(self, max_free: int = 256, *, blocking: bool = False):
         self.max_free = max_free
+        self.blocking = blocking
         self._free: list = []
         self._lock = threading.Lock()
 
@@ -98,7 +103,7 @@ class EventPool:
             with self._lock:
                 if self._free:
                     return self._free.pop()
-        return torch.cuda.Event(enable_timing=timing)
+        return torch.cuda.Event(enable_timing=timing, blocking=self.blocking)
 
     def give(self, event) -> None:
         with self._lock:

@@ -42,7 +42,7 @@ class _Side:
         self.runtime = runtime
         self.geometry = geometry
         self.layout = layout
-        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers)
+        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=runtime.config.digest.collector_wait)
         self.signature = self.engine.signature
 
 

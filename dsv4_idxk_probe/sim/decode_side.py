@@ -79,7 +79,7 @@ class DecodeSide:
         self.waiting: deque[RoomPlan] = deque(self.plan)
         self.active: dict[int, _Room] = {}
         self.stats = {"received": 0, "finished": 0, "skipped": 0, "steps": 0, "step_digests": 0, "leaked_pages": 0,
-                      "loop_s": 0.0}  # the loop's wall time
+                      "loop_s": 0.0, "loop_cpu_s": 0.0}  # the loop's wall time and thread CPU
         self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
         self.clock = LoopClock()
         self.model_wait = step_wait(cfg.decode_step_wait, device) if cfg.decode_step_ms else None
@@ -88,8 +88,9 @@ class DecodeSide:
             config = self.settings.config
             self.sinks = ProbeSinks(config, "decode")
             self.fetcher = VectorFetcher(config, self.sinks.metrics, parse_address(cfg.exchange_address))
+            engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=config.digest.collector_wait)
             self.monitor = DecodeMonitor(
-                DigestEngine(self.layout, self.layer_ids, self.bufs), self.sinks.emit, self.sinks.metrics,
+                engine, self.sinks.emit, self.sinks.metrics,
                 fetch_vectors=self.fetcher, fetch_always=config.exchange.fetch_always, step_interval=self.interval,
             )
 
@@ -99,13 +100,14 @@ class DecodeSide:
         self.peer.send(("hello", self.endpoint.metadata()))
         self.events.put(("ready", "decode", {"pool_source": self.pool_source, "device": str(self.bufs[0].device),
                                              "pages": self.n_pages, "probe": self.settings.enabled}))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         while self.waiting or self.active:
             busy = self._admit() | self._poll_notifications() | self._poll_peer() | self._step_all() | self._retire()
             self._check_timeouts()
             if not busy:
                 time.sleep(_IDLE_S)
         self.stats["loop_s"] = time.perf_counter() - started
+        self.stats["loop_cpu_s"] = time.thread_time() - cpu_started
         self.peer.send(("end",))
         self._shutdown()
 

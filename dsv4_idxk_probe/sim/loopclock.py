@@ -43,6 +43,7 @@ class LoopClock:
         self._last_batch = None
         self.sleep_late_s = 0.0
         self.slept_s = 0.0
+        self.slept_cpu_s = 0.0  # thread CPU while passing model time (a driver spin-wait counts)
         self.sleeps = 0
 
     def probe(self, kind: str) -> _Timing:
@@ -111,9 +112,10 @@ class LoopClock:
     def sleep(self, seconds: float, wait=time.sleep) -> None:
         """The model's forward, which the rig does not run, passed by `wait`
         (see modeltime.py); counts how late it ends."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         wait(seconds)
         waited = time.perf_counter() - started
+        self.slept_cpu_s += time.thread_time() - cpu_started
         self.slept_s += waited
         self.sleep_late_s += max(0.0, waited - seconds)
         self.sleeps += 1
@@ -126,6 +128,7 @@ class LoopClock:
             for kind, d in self.calls.items() if d
         }
         return {"probe_s": sum(k["total_s"] for k in by_kind.values()),
+                "probe_cpu_s": sum(sum(cpu) for cpu in self.cpu.values()), "slept_cpu_s": self.slept_cpu_s,
                 "probe_calls": sum(k["calls"] for k in by_kind.values()), "probe_by_kind": by_kind,
                 "sleep_late_s": self.sleep_late_s, "slept_s": self.slept_s, "sleeps": self.sleeps,
                 "running_sum": self.running_sum, "busy_batches": len(busy),

@@ -36,6 +36,7 @@ step_interval: 8
 exchange: {port_base: 19000, timeout_ms: 50, fetch_always: true, table_size: 16}
 roomlog: {dir: logs, max_files: 3, gzip: false}
 metrics: {port: 9400}
+digest: {collector_wait: poll}
 hicache: {guard: block, flush_interval_s: 2.5}
 """))
     assert (config.mode, config.layout, config.step_interval) == ("enforce", "wide", 8)
@@ -43,6 +44,7 @@ hicache: {guard: block, flush_interval_s: 2.5}
     assert (config.exchange.port_base, config.exchange.timeout_ms, config.exchange.table_size) == (19000, 50, 16)
     assert (config.roomlog.dir, config.roomlog.max_files, config.roomlog.gzip) == (str(tmp_path / "logs"), 3, False)
     assert config.metrics.port == 9400
+    assert config.digest.collector_wait == "poll"
     assert config.hicache == {"guard": "block", "flush_interval_s": 2.5}
 
 
@@ -66,6 +68,7 @@ def test_mode_from_variable_and_file(tmp_path, variable, file_mode, expected):
     ("exchange: {bind_to: x}\n", "probe.yaml: exchange has unknown key(s) ['bind_to']"),
     ("roomlog: {gzip: maybe}\n", "probe.yaml: roomlog.gzip must be true or false, got 'maybe'"),
     ("roomlog: 5\n", "probe.yaml: roomlog must be a mapping, got int"),
+    ("digest: {collector_wait: spin}\n", "probe.yaml: digest.collector_wait must be one of ['block', 'poll'], got 'spin'"),
     ("targets: []\n", "probe.yaml: targets must be a non-empty list"),
     ("hicache: {guard: shout}\n", "probe.yaml: hicache.guard must be one of"),
     ("hicache: [1]\n", "probe.yaml: hicache must be a mapping, got list"),
@@ -112,6 +115,6 @@ def test_example_config_is_valid_and_shows_the_defaults():
 
     example = load_file(Path(__file__).resolve().parents[2] / "configs" / "probe.example.yaml")
     defaults = ProbeConfig()
-    for key in ("mode", "layout", "layouts", "step_interval", "targets", "exchange", "metrics"):
+    for key in ("mode", "layout", "layouts", "step_interval", "targets", "exchange", "metrics", "digest"):
         assert getattr(example, key) == getattr(defaults, key), key
     assert example.roomlog.max_bytes == defaults.roomlog.max_bytes

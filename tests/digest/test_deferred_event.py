@@ -7,6 +7,7 @@ No GPU here: the event and the stream are fakes that log what is asked of them.
 import threading
 
 import numpy as np
+import pytest
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
 from dsv4_idxk_probe.digest.engine import PendingDigest
@@ -70,8 +71,9 @@ def test_enforce_wait_syncs_the_stream_before_the_record_and_the_event_after():
     assert stream.synchronized == 1 and event.log[-1][0] == "synchronize"
 
 
-def test_the_collector_records_the_event_before_it_polls_it(random_buffers):
-    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=3), backend="reference")
+@pytest.mark.parametrize("wait, asks", [("block", "synchronize"), ("poll", "query")])
+def test_the_collector_records_the_event_before_it_waits_for_it(random_buffers, wait, asks):
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=3), backend="reference", wait=wait)
     event, stream, delivered = FakeEvent(), FakeStream(), threading.Event()
     real_launch = engine._launch
 
@@ -86,8 +88,31 @@ def test_the_collector_records_the_event_before_it_polls_it(random_buffers):
     engine.close()
     calls = [(name, thread) for name, _, thread in event.log]
     assert calls[0] == ("record", "dsv4-idxk-digest") and event.log[0][1] is stream
-    assert ("query", "dsv4-idxk-digest") in calls[1:]
+    assert (asks, "dsv4-idxk-digest") in calls[1:]
+    assert {"query", "synchronize"} - {asks} - {name for name, _ in calls}  # one way of waiting, not both
     assert all(thread == "dsv4-idxk-digest" for _, thread in calls)  # nothing on the caller's thread
+
+
+def test_an_unknown_wait_is_refused(random_buffers):
+    with pytest.raises(ValueError, match="wait must be one of"):
+        DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=3), backend="reference", wait="spin")
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_event_pool_makes_blocking_sync_events_when_asked(monkeypatch, blocking):
+    """A blocking-sync event makes the collector sleep in the driver, not spin on a core."""
+    import torch
+
+    from dsv4_idxk_probe.digest.pinned import EventPool
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: made.append(kwargs) or FakeEvent())
+    pool = EventPool(blocking=blocking)
+    event = pool.take()
+    pool.give(event)
+    assert pool.take() is event  # reused, not made again
+    pool.take(timing=True)
+    assert made == [{"enable_timing": False, "blocking": blocking}, {"enable_timing": True, "blocking": blocking}]
 
 
 def test_record_now_records_on_the_callers_thread_before_the_collector_sees_it(random_buffers):
