@@ -58,9 +58,10 @@ two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
 # (7 rooms/s, 2 running, 14:29 UTC entry). One GPU: the step sleeps instead.
 gpu_wait=$([ "$gpus" -gt 1 ] && echo gpu || echo sleep)
 echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "$log"
-# These legs also run the collector's other way of waiting ("observe-poll").
-variants="--rig-variants off,observe,observe-poll"
-step servinggpu 330 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+# These legs also run the collector's other way of waiting ("observe-poll"),
+# unless RIG_VARIANTS names others.
+variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
+step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.

@@ -91,6 +91,62 @@ def gap_study(engine: DigestEngine, args) -> dict:
     return results
 
 
+def host_ops(engine: DigestEngine, args) -> dict:
+    """What each host-side operation of a submit costs on this machine, one at a time,
+    back to back and right after a 10 ms sleep: the stream and device queries, writing
+    a page table into pinned and into pageable memory, reading a room's cells back
+    from each (the collector's fold), a queue hand-off.
+
+    Why: on the H200 host a one-room submit spends ~125 us outside its launch, where
+    the same Python takes ~5 us on a laptop-class CPU; this says which part is slow
+    there (a driver query, pinned memory, or Python after a gap).
+    """
+    import queue
+
+    pinned = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True).numpy().view(np.int64)
+    pageable = np.zeros(1 << 13, dtype=np.int64)
+    pages = list(range(1, args.pages + 1))
+    cells = args.layers * args.pages * 2
+    hand_off = queue.Queue(maxsize=1024)
+    device = torch.cuda.current_device()
+    ops = {
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "raw current stream (Triton's getter)": lambda: torch._C._cuda_getCurrentRawStream(device),
+        f"write a {args.pages}-page table into pinned memory": lambda: pinned.__setitem__(slice(8, 8 + len(pages)), pages),
+        f"write a {args.pages}-page table into pageable memory": lambda: pageable.__setitem__(slice(8, 8 + len(pages)), pages),
+        f"sum {cells} cells read from pinned memory": lambda: pinned[:cells].view(np.uint64).sum(dtype=np.uint64),
+        f"sum {cells} cells read from pageable memory": lambda: pageable[:cells].view(np.uint64).sum(dtype=np.uint64),
+        "queue put + get": lambda: (hand_off.put_nowait(1), hand_off.get_nowait()),
+    }
+    kernel = engine._kernel
+    if kernel.compiled is not None:  # a launch of one empty room: every program returns at once
+        from dsv4_idxk_probe.digest.kernel import current_stream
+
+        empty = torch.zeros(64, dtype=torch.int64, pin_memory=True).data_ptr()
+        grid = (1, kernel.n_layers, 1)
+        launch_args = (empty, kernel.layer_table, kernel.segment_table, empty, *kernel.constants, *kernel.meta.values())
+        ops["Triton launch, CompiledKernel[grid](...)"] = lambda: kernel.compiled[grid](*launch_args)
+        ops["Triton launch, the engine's (C launcher, device and stream looked up)"] = (
+            lambda: kernel.launch(empty, empty, 1, 1, **dict(zip(("device", "stream"), current_stream()))))
+    results = {}
+    for name, op in ops.items():
+        for _ in range(50):
+            op()
+        hot, cold = [], []
+        for _ in range(args.gap_calls):
+            started = time.perf_counter()
+            op()
+            hot.append(time.perf_counter() - started)
+        for _ in range(min(args.gap_calls, 100)):
+            time.sleep(args.gap_ms / 1e3)
+            started = time.perf_counter()
+            op()
+            cold.append(time.perf_counter() - started)
+        results[name] = {"back_to_back_us": 1e6 * statistics.median(hot), "after_gap_us": 1e6 * statistics.median(cold)}
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
@@ -113,6 +169,7 @@ def main(argv=None) -> int:
     timer.wrap(engine._kernel, "launch", "kernel launch (Triton)")
     timer.wrap(engine._staging, "take", "staging take")
     timer.wrap(engine._events, "take", "event take")
+    timer.wrap(torch.cuda, "current_stream", "torch.cuda.current_stream()")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
     for rooms_per_submit in (1, 16):
@@ -145,6 +202,7 @@ def main(argv=None) -> int:
                                      "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}
     torch.cuda.set_sync_debug_mode(0)
     report["gaps"] = gap_study(engine, args)
+    report["host_ops"] = host_ops(engine, args)
     engine.close()
     print(f"submit on {report['device']}, {args.layers} layers x {args.pages} pages per room, {args.calls} submits per case; "
           "sync debug mode 'error' (no sync raised)")
@@ -155,6 +213,9 @@ def main(argv=None) -> int:
     print(f"one-room submit after a {args.gap_ms:g} ms gap ({args.gap_calls} submits each):")
     for gap, r in report["gaps"].items():
         print(f"    {gap:<62} median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us")
+    print(f"host-side operations, one at a time (median us; back to back / after a {args.gap_ms:g} ms sleep):")
+    for op, r in report["host_ops"].items():
+        print(f"    {op:<62} {r['back_to_back_us']:8.2f} / {r['after_gap_us']:8.2f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "submit_profile.json").write_text(json.dumps(report, indent=1))

@@ -192,9 +192,11 @@ class DigestEngine:
         self._orphans: collections.deque[PendingDigest] = collections.deque()  # launched, then dropped
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         if self.backend == "triton":
-            from .kernel import DigestKernel  # Triton is imported only when the kernel is used
+            from .kernel import DigestKernel, current_stream  # Triton is imported only when the kernel is used
 
+            self._current_stream = current_stream
             self._tables = (  # kept alive here: the kernel holds only their addresses
                 torch.tensor([[b.data_ptr(), lid] for b, lid in zip(self.buffers, self.layer_ids)], dtype=torch.int64)
                 .reshape(-1, 2).to(self.device),
@@ -313,16 +315,27 @@ class DigestEngine:
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages)
         keepalive = [d for d in on_device if d is not None]
-        if self.device.type != "cuda":  # the interpreter has run it already
+        if self.device.type != "cuda":  # the interpreter runs it now
+            self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages)
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive)
+        device, raw_stream = self._current_stream()
+        self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages,
+                            device=device, stream=raw_stream)
         done = self._events.take(self.time_kernels)
         if self.time_kernels:  # a benchmark's kernel time: the end is recorded right behind it
             done.record()
             return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
         return PendingDigest(plan, rooms, callback, cells, done, None, staging, keepalive,
-                             stream=torch.cuda.current_stream())
+                             stream=self._stream_object(raw_stream))
+
+    def _stream_object(self, raw_stream: int):
+        """The torch stream of a raw handle, for the collector to record on: made once per
+        stream (a serving thread launches on the same few), not once per batch."""
+        stream = self._streams.get(raw_stream)
+        if stream is None:
+            stream = self._streams[raw_stream] = torch.cuda.current_stream()  # the one `raw_stream` was read from
+        return stream
 
     def _warm_up(self) -> None:
         """Compile (or load) the kernel now, at start-up, not on the first room: a cold

@@ -147,8 +147,12 @@ class DigestKernel:
     argument here is an integer the kernel does not specialise on, so the
     compiled kernel it returns fits every later launch: once its signature is
     checked to be exactly the arguments passed, later launches call it
-    directly (`CompiledKernel[grid](*args)`, Triton's launcher for a compiled
-    kernel) and skip the binding.
+    directly and skip the binding. A caller that names the device and stream
+    (the engine does) gets the compiled kernel's own C launcher (`run`) with
+    them, as Triton's `CompiledKernel[grid]` calls it, but without a closure
+    and two more device and stream look-ups per launch; while a Triton launch
+    hook is set (a profiler), launches keep going through `CompiledKernel[grid]`,
+    which calls the hooks.
     """
 
     def __init__(self, layer_table: int, n_layers: int, segment_table: int, layout, *, block: int, rows: int,
@@ -163,15 +167,23 @@ class DigestKernel:
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
         self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
-    def launch(self, room_table: int, cells: int, n_rooms: int, max_pages: int) -> None:
-        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers)."""
+    def launch(self, room_table: int, cells: int, n_rooms: int, max_pages: int, *,
+               device: int | None = None, stream: int | None = None) -> None:
+        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers),
+        on `stream` (a raw CUDA stream handle of `device`; None: the current stream)."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
         args = (room_table, self.layer_table, self.segment_table, cells, *self.constants)
-        device = _current_device()
-        if self.compiled is not None and device == self.compiled_on:
-            self.compiled[grid](*args, *self.meta.values())
+        if device is None or stream is None:
+            device, stream = _current_device(), None
+        compiled = self.compiled
+        if compiled is not None and device == self.compiled_on:
+            if stream is not None and not _launch_hooks_set():
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                             *args, *self.meta.values())
+            else:
+                compiled[grid](*args, *self.meta.values())
             return
         compiled = _digest_rooms_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
         if _fits(compiled):
@@ -186,9 +198,27 @@ def _current_device():
         return None
 
 
+def current_stream() -> tuple[int, int]:
+    """(device, raw stream handle) a launch goes to now: what Triton itself looks up."""
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    return device, driver.get_current_stream(device)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is set, where this Triton keeps them: a plain
+    attribute (None when unset) or a chain of hooks (empty when unset)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    holder = runtime if runtime is not None else triton.compiler.CompiledKernel
+    hooks = (getattr(holder, "launch_enter_hook", None), getattr(holder, "launch_exit_hook", None))
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
+
+
 def _fits(compiled) -> bool:
-    """Whether `compiled` takes exactly this module's arguments, in this order: then its
-    launcher can be called with them directly. Anything unexpected (another Triton,
-    the interpreter) keeps the JIT entry point."""
+    """Whether `compiled` takes exactly this module's arguments, in this order, and has
+    its C launcher loaded: then it can be called with them directly. Anything
+    unexpected (another Triton, the interpreter) keeps the JIT entry point."""
     signature = getattr(getattr(compiled, "src", None), "signature", None)
-    return isinstance(signature, dict) and tuple(signature) == _ARG_NAMES and callable(getattr(compiled, "__getitem__", None))
+    return (isinstance(signature, dict) and tuple(signature) == _ARG_NAMES
+            and callable(getattr(compiled, "__getitem__", None)) and callable(getattr(compiled, "run", None))
+            and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"))

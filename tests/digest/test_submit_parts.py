@@ -31,11 +31,17 @@ class _FakeJit:
         self.jit_launches, self.direct_launches = [], []
         outer = self
 
+        self.run_launches = []
+
         class Compiled:
             src = SimpleNamespace(signature=signature)
+            function, packed_metadata = "cu-function", ("packed",)
 
             def __getitem__(self, grid):
                 return lambda *args: outer.direct_launches.append((grid, args))
+
+            def run(self, *args):  # Triton's C launcher for a compiled kernel
+                outer.run_launches.append(args)
 
         self.compiled = Compiled()
 
@@ -99,3 +105,49 @@ def test_a_launch_on_another_device_goes_through_the_jit(monkeypatch):
     monkeypatch.setattr(kernel_module, "_current_device", lambda: 1)
     kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
     assert len(fake.jit_launches) == 2 and fake.direct_launches == []
+
+
+def test_a_launch_given_its_device_and_stream_calls_the_c_launcher_directly(monkeypatch):
+    signature = {name: "i64" for name in kernel_module._ARG_NAMES}
+    fake, kernel = _kernel(monkeypatch, signature)
+    monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_module, "_launch_hooks_set", lambda: False)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)  # the JIT compiles and loads it
+    kernel.launch(1001, 2001, n_rooms=2, max_pages=3, device=0, stream=0xABC)
+    layout = get_layout("fp8")
+    assert fake.run_launches == [(2, 3, 2, 0xABC, "cu-function", ("packed",), None, None, None,
+                                  1001, 111, 222, 2001, layout.row_bytes // 4, layout.slots, layout.page_tokens,
+                                  layout.tokens_per_slot, len(layout.segments), 2, 128)]
+    assert fake.direct_launches == []
+
+
+def test_a_launch_hook_keeps_launches_on_tritons_own_path(monkeypatch):
+    """A profiler's launch hooks are called by `CompiledKernel[grid]`, not by the C launcher."""
+    signature = {name: "i64" for name in kernel_module._ARG_NAMES}
+    fake, kernel = _kernel(monkeypatch, signature)
+    monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_module, "_launch_hooks_set", lambda: True)
+    kernel.launch(1000, 2000, n_rooms=1, max_pages=1)
+    kernel.launch(1001, 2001, n_rooms=1, max_pages=1, device=0, stream=0xABC)
+    assert fake.run_launches == [] and len(fake.direct_launches) == 1
+
+
+def test_launch_hooks_are_read_where_this_triton_keeps_them(monkeypatch):
+    import triton
+
+    def hook(*args):
+        pass
+
+    assert kernel_module._launch_hooks_set() is False
+    chain = triton.knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # a chain of hooks, empty when unset
+        chain.add(hook)
+        try:
+            assert kernel_module._launch_hooks_set() is True
+        finally:
+            chain.remove(hook)
+        assert kernel_module._launch_hooks_set() is False
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)  # a plain attribute
+    assert kernel_module._launch_hooks_set() is True
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    assert kernel_module._launch_hooks_set() is False
