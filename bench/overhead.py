@@ -236,6 +236,7 @@ def one_rig_run(args, variant: str, rooms: int, work: Path, tag: str) -> dict:
     out = {"variant": variant, "seconds_incl_start": result.seconds, **timeline.summary(args.warmup_frac)}
     out["completed"] = len(result.finished) == rooms
     out["loop"] = loop_costs(result.stats)
+    out["decode_busy_tokens_per_s"] = out["loop"]["decode_busy_tokens_per_s"]
     if variant != "off":
         out["probe_log"] = check_logs(run_dir / "logs", rooms)
         if args.keep_logs and args.out is not None:
@@ -261,6 +262,7 @@ def loop_costs(stats: dict) -> dict:
         "decode_running_per_batch": decode.get("running_sum", 0) / batches,
         "decode_batch_ms": 1e3 * decode.get("loop_s", 0.0) / batches,
         "decode_busy_batch_ms": 1e-3 * decode.get("busy_batch_median_us", 0.0),  # median of the steady, busy batches
+        "decode_busy_tokens_per_s": decode.get("busy_tokens_per_s", 0.0),  # decode throughput in the steady state
         "decode_rest_us_per_batch": 1e6 * (decode.get("loop_s", 0.0) - decode.get("probe_s", 0.0)
                                            - decode.get("slept_s", 0.0)) / batches,
         # The same in thread CPU: rest wall growing while rest CPU does not means the
@@ -307,6 +309,7 @@ def run_rig_leg(args, work: Path) -> dict:
         "runs": runs,
         "steady_rooms_per_s_ratio": ratios(runs, "steady_rooms_per_s", "off"),
         "rooms_per_s_ratio": ratios(runs, "rooms_per_s", "off"),
+        "decode_busy_tokens_per_s_ratio": ratios(runs, "decode_busy_tokens_per_s", "off"),
         "latency_p50_ratio": _latency_ratios(runs, "p50"),
         "latency_p99_ratio": _latency_ratios(runs, "p99"),
         "valid": all(r["completed"] for rs in runs.values() for r in rs)
@@ -461,15 +464,22 @@ def print_tables(report: dict) -> None:
     if rig:
         print(f"\nPD rig, {rig['rooms_per_run']} rooms/run, {report['reps']} interleaved reps, device {report['env']['device']}"
               f" ({'valid' if rig['valid'] else 'INVALID: see JSON'})")
-        print(f"{'variant':<10} {'steady rooms/s':>15} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99 ratio':>9}")
+        print(f"{'variant':<12} {'steady rooms/s':>15} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p90 ms':>8} "
+              f"{'p99 ms':>8} {'p99 ratio':>9} {'busy tok/s':>10} {'ratio':>7} {'[min, max]':>15}")
         for variant, runs in rig["runs"].items():
             rate = statistics.median(r["steady_rooms_per_s"] for r in runs)
+            tokens = statistics.median(r["decode_busy_tokens_per_s"] for r in runs)
             lat = {q: statistics.median(r["latency_ms"][q] for r in runs) for q in ("p50", "p90", "p99")}
             r = rig["steady_rooms_per_s_ratio"].get(variant)
+            t = rig["decode_busy_tokens_per_s_ratio"].get(variant)
             p99 = rig["latency_p99_ratio"].get(variant)
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
+            tspan = f"[{t['min']:.3f}, {t['max']:.3f}]" if t else ""
             print(f"{variant:<12} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
-                  f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f}")
+                  f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f} "
+                  f"{tokens:10.0f} {t['median'] if t else 1.0:7.3f} {tspan:>15}")
+        print("busy tok/s: decode tokens per second over the steady decode batches; unlike rooms/s it does not "
+              "count whole rooms, each ~1% of a run's rate")
         print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room, "
               "rooms running per batch, decode batch ms, busy-batch median ms, decode loop rest us/batch (wall, CPU)")
         for variant, runs in rig["runs"].items():

@@ -89,6 +89,8 @@ def test_busy_batches_leave_out_the_ramp(monkeypatch):
         clock.batch_done(rooms)
     assert clock.busy_batches() == pytest.approx([0.010, 0.012, 0.011])  # 8 rooms or more of the 10 at most
     assert clock.stats()["busy_batch_median_us"] == pytest.approx(11000)
+    assert clock.stats()["busy_tokens_per_s"] == pytest.approx((10 + 9 + 10) / (0.010 + 0.012 + 0.011))
+    assert LoopClock().busy_tokens_per_s() == 0.0  # no batch yet
 
 
 def test_time_parts_times_the_submit_and_the_collector():
