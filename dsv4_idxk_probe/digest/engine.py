@@ -289,26 +289,25 @@ class DigestEngine:
         collector records the batch's event (`PendingDigest.record_done`)."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device = [self._device_pages(room.pages) for room in rooms]
-        host_pages = [
-            np.asarray(room.pages.cpu() if isinstance(room.pages, torch.Tensor) else room.pages, dtype=np.int64).reshape(-1)
-            for room, dev in zip(rooms, on_device) if dev is None
-        ]
         table_words = ROOM_COLUMNS * n_rooms
-        input_words = -(-(table_words + sum(p.size for p in host_pages)) // 32) * 32  # cells 256-byte aligned
+        host_words = sum(plan.page_counts[slot] for slot, dev in enumerate(on_device) if dev is None)
+        input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(8 * (input_words + plan.n_cells * n_segments))
         words, read_base = staging.words, staging.host_address
 
-        table = words[:table_words].reshape(n_rooms, ROOM_COLUMNS)
-        cursor, host_iter = table_words, iter(host_pages)
-        for slot, dev in enumerate(on_device):
+        # One NumPy write per page table and per table row: each call counts on a
+        # serving thread that comes back to the probe after a model step.
+        cursor = table_words
+        for slot, (room, dev) in enumerate(zip(rooms, on_device)):
             if dev is not None:
                 address, id_bytes = dev.data_ptr(), dev.element_size()
             else:
-                pages = next(host_iter)
-                words[cursor : cursor + pages.size] = pages
+                pages, n_pages = room.pages, plan.page_counts[slot]
+                words[cursor : cursor + n_pages] = pages.cpu() if isinstance(pages, torch.Tensor) else pages
                 address, id_bytes = read_base + 8 * cursor, 8
-                cursor += pages.size
-            table[slot] = (address, id_bytes, plan.page_counts[slot], rooms[slot].n_tokens, plan.first_cells[slot])
+                cursor += n_pages
+            row = ROOM_COLUMNS * slot
+            words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
         cells = words[input_words : input_words + plan.n_cells * n_segments].view(np.uint64).reshape(-1, n_segments)
 
         started = None

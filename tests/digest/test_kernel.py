@@ -77,6 +77,20 @@ def test_int32_page_tables_and_host_page_lists_are_accepted(random_buffers):
     _assert_same(kernel.digest_now(rooms), reference.digest_now(rooms))
 
 
+@pytest.mark.parametrize("as_given", [list, tuple, lambda p: range(p[0], p[0] + len(p)),
+                                      lambda p: np.array(p, dtype=np.int32), lambda p: np.array(p, dtype=np.uint64)])
+def test_host_page_tables_of_any_integer_sequence_are_copied_in_place(random_buffers, as_given):
+    """Page tables that live on the host are written into the staging buffer as given,
+    next to a device one, in one batch: the kernel reads each from its own address."""
+    layout = get_layout("fp8")
+    buffers = random_buffers(layout, 2, 8, seed=4)
+    kernel, reference = _engines(layout, [0, 3], buffers)
+    rooms = [RoomRequest("host-a", as_given([2, 3, 4]), 3 * 256 - 5),
+             RoomRequest("device", torch.tensor([7, 1], device=DEVICE), 300),
+             RoomRequest("host-b", as_given([5, 6]), 2 * 256)]
+    _assert_same(kernel.digest_now(rooms), reference.digest_now(rooms))
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
