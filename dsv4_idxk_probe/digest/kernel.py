@@ -205,13 +205,20 @@ def current_stream() -> tuple[int, int]:
     return device, driver.get_current_stream(device)
 
 
+# Where this Triton keeps its launch hooks: `triton.knobs.runtime` (3.4 and later)
+# or the CompiledKernel class (earlier). Looked up once; read at every launch.
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+_HOOKS = _RUNTIME_KNOBS if _RUNTIME_KNOBS is not None else triton.compiler.CompiledKernel
+
+
 def _launch_hooks_set() -> bool:
-    """Whether a Triton launch hook is set, where this Triton keeps them: a plain
-    attribute (None when unset) or a chain of hooks (empty when unset)."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    holder = runtime if runtime is not None else triton.compiler.CompiledKernel
-    hooks = (getattr(holder, "launch_enter_hook", None), getattr(holder, "launch_exit_hook", None))
-    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
+    """Whether a Triton launch hook is set: a plain attribute (None when unset) or a
+    chain of hooks (empty when unset)."""
+    return _hook_set(getattr(_HOOKS, "launch_enter_hook", None)) or _hook_set(getattr(_HOOKS, "launch_exit_hook", None))
+
+
+def _hook_set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _fits(compiled) -> bool:
