@@ -10,6 +10,8 @@ sleeper usually takes the GIL back before the waiter is scheduled.
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 
 YIELD_S = 20e-6  # Linux sleeps at least its timer slack (~50 us): short next to a decode batch
@@ -18,3 +20,45 @@ YIELD_S = 20e-6  # Linux sleeps at least its timer slack (~50 us): short next to
 def yield_to_serving() -> None:
     """Between units of background work: let a waiting serving thread run."""
     time.sleep(YIELD_S)
+
+
+class HandOff:
+    """Items from serving threads to one background thread, at the price of a deque
+    append on the serving thread (and a lock release when the consumer sleeps).
+
+    Why not `queue.Queue`: its `put_nowait` runs ten Python functions (condition,
+    locks, notify), and on a serving thread that comes back from a model step
+    every function costs tens of microseconds (docs/overhead.md).
+    """
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()  # read its len() without a call
+        self._bell = threading.Lock()  # held: nothing rung since the consumer last woke
+        self._bell.acquire()
+        self._sleeping = False
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self._sleeping:
+            try:
+                self._bell.release()
+            except RuntimeError:  # rung already
+                pass
+
+    def get(self, check_every_s: float = 0.5):
+        """The next item, waiting as long as it takes (the consumer's thread only).
+
+        A producer that appends before the consumer says it sleeps is seen by the
+        check below; one that appends after rings. The timeout only bounds the
+        damage of a mistake in that argument.
+        """
+        items = self.items
+        while True:
+            try:
+                return items.popleft()
+            except IndexError:
+                pass
+            self._sleeping = True
+            if not items:
+                self._bell.acquire(timeout=check_every_s)
+            self._sleeping = False

@@ -16,9 +16,7 @@ is the same, and still delivers results on the background thread.
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..background import yield_to_serving
+from ..background import HandOff, yield_to_serving
 from ..safety import record_error
 from . import reference
 from .layout import RowLayout, layout_signature
@@ -188,9 +186,11 @@ class DigestEngine:
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
         self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._orphans: collections.deque[PendingDigest] = collections.deque()  # launched, then dropped
+        self.max_pending = max_pending  # batches waiting for the collector; more are dropped (a few more
+        # may get in when several threads submit at once)
+        self._tickets = HandOff()
         self._thread: threading.Thread | None = None
+        self._collecting = False  # the collector thread runs: one attribute read per submit
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         if self.backend == "triton":
@@ -220,20 +220,15 @@ class DigestEngine:
         on the collector (one device call more), for a caller that asks
         `ready()` itself soon after: prefill, filling the in-band slot.
         """
-        if self._queue.full():  # checked first: a launched batch must not be dropped
+        if len(self._tickets.items) >= self.max_pending:  # before the launch: a launched batch is never dropped
             self.stats.dropped_batches += 1
             return None
         ticket = self._launch(list(rooms), callback)
         if record_now:
             ticket.record_done()
-        self._ensure_thread()
-        try:
-            self._queue.put_nowait(ticket)
-        except queue.Full:  # another thread filled the queue since: the GPU may still write
-            ticket.record_done()
-            self._orphans.append(ticket)  # its staging buffer, so the collector recycles it later
-            self.stats.dropped_batches += 1
-            return None
+        if not self._collecting:
+            self._start_collector()
+        self._tickets.put(ticket)
         self.stats.submitted_rooms += len(ticket.rooms)
         return ticket
 
@@ -250,11 +245,7 @@ class DigestEngine:
         thread = self._thread
         if thread is None:
             return
-        try:
-            self._queue.put(None, timeout=timeout_s)
-        except queue.Full:
-            log.warning("digest queue still full at close; pending results are dropped")
-            return
+        self._tickets.put(None)
         thread.join(timeout_s)
         self._thread = None
 
@@ -288,7 +279,7 @@ class DigestEngine:
         stores cells into the back of the same buffer, so nothing is copied; the
         collector records the batch's event (`PendingDigest.record_done`)."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
-        on_device = [self._device_pages(room.pages) for room in rooms]
+        on_device = [self._device_pages(room.pages) if isinstance(room.pages, torch.Tensor) else None for room in rooms]
         table_words = ROOM_COLUMNS * n_rooms
         host_words = sum(plan.page_counts[slot] for slot, dev in enumerate(on_device) if dev is None)
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
@@ -325,15 +316,15 @@ class DigestEngine:
         if self.time_kernels:  # a benchmark's kernel time: the end is recorded right behind it
             done.record()
             return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
-        return PendingDigest(plan, rooms, callback, cells, done, None, staging, keepalive,
-                             stream=self._stream_object(raw_stream))
+        stream = self._streams.get(raw_stream)
+        if stream is None:
+            stream = self._stream_object(raw_stream)
+        return PendingDigest(plan, rooms, callback, cells, done, None, staging, keepalive, stream=stream)
 
     def _stream_object(self, raw_stream: int):
         """The torch stream of a raw handle, for the collector to record on: made once per
         stream (a serving thread launches on the same few), not once per batch."""
-        stream = self._streams.get(raw_stream)
-        if stream is None:
-            stream = self._streams[raw_stream] = torch.cuda.current_stream()  # the one `raw_stream` was read from
+        stream = self._streams[raw_stream] = torch.cuda.current_stream()  # the one `raw_stream` was read from
         return stream
 
     def _warm_up(self) -> None:
@@ -347,30 +338,31 @@ class DigestEngine:
             log.exception("digest kernel warm-up failed; the first room will compile it")
             return
         ticket.counted = False
-        self._ensure_thread()
-        self._queue.put_nowait(ticket)
+        self._start_collector()
+        self._tickets.put(ticket)
 
     # %% collection
 
-    def _ensure_thread(self) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():  # every submit asks: no lock when it runs
-            return
+    def _start_collector(self) -> None:
+        """Start the collector thread unless it runs (again, should it ever have died)."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if not self._collecting:
+                self._collecting = True
                 self._thread = threading.Thread(target=self._collect, name="dsv4-idxk-digest", daemon=True)
                 self._thread.start()
 
     def _collect(self) -> None:
-        while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
-            if self._await(ticket):
-                self._deliver(ticket, self._finish)
-            self._recycle_orphans()
-            if not self._queue.empty():
-                yield_to_serving()  # between batches too, when several are waiting
+        try:
+            while True:
+                ticket = self._tickets.get()
+                if ticket is None:
+                    return
+                if self._await(ticket):
+                    self._deliver(ticket, self._finish)
+                if self._tickets.items:
+                    yield_to_serving()  # between batches too, when several are waiting
+        finally:
+            self._collecting = False
 
     def _await(self, ticket: PendingDigest) -> bool:
         """Record the batch's event and wait until the kernel is done. False when the
@@ -404,15 +396,6 @@ class DigestEngine:
         except Exception:
             self.stats.callback_errors += 1
             log.exception("digest callback failed")
-
-    def _recycle_orphans(self) -> None:
-        """Give back the buffers of dropped batches whose kernel has finished."""
-        for _ in range(len(self._orphans)):
-            ticket = self._orphans.popleft()
-            if ticket.ready():
-                self._release(ticket)
-            else:
-                self._orphans.append(ticket)
 
     def _release(self, ticket: PendingDigest) -> None:
         """Give a completed batch's staging buffer and event back to their pools."""

@@ -65,7 +65,7 @@ class LoopClock:
         import torch
 
         parts = [(engine, "submit", "submit (all)"), (engine, "_launch", "digest or device calls"),
-                 (engine, "_ensure_thread", "collector check"), (engine._queue, "put_nowait", "queue put")]
+                 (engine._tickets, "put", "hand-off to the collector")]
         if engine.backend == "triton":
             parts += [(engine._kernel, "launch", "kernel launch"),
                       (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]

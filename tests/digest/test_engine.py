@@ -150,14 +150,24 @@ def test_a_full_queue_drops_before_anything_is_launched(random_buffers):
     engine.close()
 
 
-def test_a_batch_dropped_after_its_launch_gives_its_buffer_back_only_once_done(random_buffers):
-    """Another thread can fill the queue between the check and the put: the launched
-    batch's staging buffer may still be written by the GPU, so the collector recycles it."""
+def test_a_batch_launched_while_another_thread_fills_the_queue_is_still_delivered(random_buffers):
+    """Between the size check and the hand-off another thread can fill the queue: the
+    launched batch goes in anyway (the bound is exceeded by one), because the GPU may
+    still write its staging buffer and its rooms must get their verdicts."""
     engine, gate = _engine_with_full_queue(random_buffers)
-    engine._queue.full = lambda: False  # the race: the check said "room left"
-    assert engine.submit([RoomRequest("raced", [1], 256)], lambda b: None) is None
-    orphan = engine._orphans[0]
-    assert orphan.staging is not None and engine.stats.dropped_batches == 1
+    other = engine._tickets.items.popleft()  # room left at the check...
+    real_launch, delivered = engine._launch, threading.Event()
+
+    def launch_while_the_other_thread_submits(rooms, callback):
+        ticket = real_launch(rooms, callback)
+        engine._tickets.put(other)  # ...and none once launched
+        return ticket
+
+    engine._launch = launch_while_the_other_thread_submits
+    pending = engine.submit([RoomRequest("raced", [1], 256)], lambda b: delivered.set())
+    assert pending is not None and engine.stats.dropped_batches == 0
+    assert len(engine._tickets.items) == 2  # one over the bound
     gate.set()
+    assert delivered.wait(30)
     engine.close()
-    assert not engine._orphans and orphan.staging is None  # recycled by the collector
+    assert pending.staging is None  # given back once done
