@@ -213,12 +213,10 @@ _HOOKS = _RUNTIME_KNOBS if _RUNTIME_KNOBS is not None else triton.compiler.Compi
 
 def _launch_hooks_set() -> bool:
     """Whether a Triton launch hook is set: a plain attribute (None when unset) or a
-    chain of hooks (empty when unset)."""
-    return _hook_set(getattr(_HOOKS, "launch_enter_hook", None)) or _hook_set(getattr(_HOOKS, "launch_exit_hook", None))
-
-
-def _hook_set(hook) -> bool:
-    return hook is not None and bool(getattr(hook, "calls", True))
+    chain of hooks (empty when unset). Asked at every launch, so no helper calls."""
+    enter, leave = getattr(_HOOKS, "launch_enter_hook", None), getattr(_HOOKS, "launch_exit_hook", None)
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
 
 
 def _fits(compiled) -> bool:

@@ -68,7 +68,7 @@ class StagingPool:
         Takes from the buffer's own size class first, then the smallest larger
         one; allocates only when none is free.
         """
-        size = self.size_class(nbytes)
+        size = _MIN_BYTES if nbytes <= _MIN_BYTES else self.size_class(nbytes)  # nearly every batch: no call
         with self._lock:
             free = self._free.get(size)
             if free:

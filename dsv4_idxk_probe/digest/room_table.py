@@ -67,7 +67,7 @@ class CellPlan:
 def plan_cells(rooms: Sequence[RoomRequest], n_layers: int) -> CellPlan:
     firsts, counts, total = [], [], 0
     for room in rooms:
-        n = room.n_pages
+        n = len(room.pages)
         firsts.append(total)
         counts.append(n)
         total += n_layers * n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class RoomId:
     room: int
     attempt: int = 0
 
-    @property
+    @cached_property  # made once: the hooks ask for it several times per call
     def key(self) -> str:
         return f"{self.room}/{self.attempt}"
 
