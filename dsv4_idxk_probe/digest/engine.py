@@ -279,9 +279,12 @@ class DigestEngine:
         stores cells into the back of the same buffer, so nothing is copied; the
         collector records the batch's event (`PendingDigest.record_done`)."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
-        on_device = [self._device_pages(room.pages) if isinstance(room.pages, torch.Tensor) else None for room in rooms]
+        on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
+        for slot, room in enumerate(rooms):
+            dev = self._device_pages(room.pages) if isinstance(room.pages, torch.Tensor) else None
+            on_device.append(dev)
+            host_words += plan.page_counts[slot] if dev is None else 0
         table_words = ROOM_COLUMNS * n_rooms
-        host_words = sum(plan.page_counts[slot] for slot, dev in enumerate(on_device) if dev is None)
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(8 * (input_words + plan.n_cells * n_segments))
         words, read_base = staging.words, staging.host_address
