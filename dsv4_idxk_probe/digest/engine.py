@@ -186,8 +186,9 @@ class DigestEngine:
         self.time_kernels = time_kernels and self.device.type == "cuda"
         self.stats = EngineStats()
         self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
-        self.max_pending = max_pending  # batches waiting for the collector; more are dropped (a few more
-        # may get in when several threads submit at once)
+        # Batches waiting for the collector; more are dropped before their launch (one or
+        # two more may get in when several threads submit at once).
+        self.max_pending = max_pending
         self._tickets = HandOff()
         self._thread: threading.Thread | None = None
         self._collecting = False  # the collector thread runs: one attribute read per submit
