@@ -61,6 +61,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
+from dsv4_idxk_probe.sim.modeltime import STEP_WAITS  # noqa: E402
 from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this script's folder)
 
 # Rig variants: the probe config each one adds ("off": the probe not enabled).
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     rig.add_argument("--max-running", type=int, default=16)
     rig.add_argument("--decode-step-ms", type=float, default=0.0,
                      help="model time per decode batch step (0: transport only, the worst case for the ratio)")
-    rig.add_argument("--decode-step-wait", choices=("sleep", "spin", "gpu"), default="sleep",
+    rig.add_argument("--decode-step-wait", choices=STEP_WAITS, default="sleep",
                      help="how the model time passes: an idle sleep, a spin that releases the GIL, or a GPU "
                           "kernel waited for on an event, as a scheduler waits for its forward (CUDA only); "
                           "see dsv4_idxk_probe/sim/modeltime.py")
