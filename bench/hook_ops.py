@@ -101,7 +101,7 @@ def cuda_path_engine(layers: int, pages: int) -> DigestEngine:
     engine._kernel.compiled = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
     engine._kernel.compiled_on = 0
     engine._events.take = lambda timing=False: FakeEvent()
-    engine._streams[0] = "stream"  # what `_stream_object` hands the collector, which records on it
+    engine._streams[0] = "stream"  # what `_stream_object` makes once: the torch stream the event is recorded on
     return engine
 
 

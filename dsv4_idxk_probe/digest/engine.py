@@ -1,13 +1,21 @@
 """Digest rooms of one index-K pool without stalling the caller.
 
 `DigestEngine.submit` writes a small room table into a pinned staging
-buffer and launches the Triton kernel on the caller's current stream: one
-device call, whatever the batch. The kernel reads the table straight from
-pinned host memory and stores its cells into the back of the same buffer.
-A background thread records a CUDA event behind the kernel on the caller's
-stream, waits for it (`WAITS`), folds the cells into room digests and hands
-them to the callback. The caller's thread never calls ``.item()``,
-``.cpu()``, ``.tolist()`` or a synchronise on this path.
+buffer, launches the Triton kernel on the caller's current stream and
+records a CUDA event right behind it: two device calls, whatever the batch.
+The kernel reads the table straight from pinned host memory and stores its
+cells into the back of the same buffer. A background thread waits for the
+event (`WAITS`), folds the cells into room digests and hands them to the
+callback. The caller's thread never calls ``.item()``, ``.cpu()``,
+``.tolist()`` or a synchronise on this path.
+
+Why the event is recorded on the caller's thread, although that is one more
+call there: recorded later, by the collector, it lands behind whatever the
+caller enqueued meanwhile, typically the next forward, so the collector wakes
+when that forward ends, the very moment the serving thread wakes to take
+its results, and both want the GIL (docs/overhead.md). Recorded at once, it
+completes a few microseconds after the kernel, and the collector does its
+Python work while the serving thread waits for its forward.
 
 Without CUDA the same API digests with the NumPy reference (or with the
 Triton kernel under ``TRITON_INTERPRET=1``), at submit time so the snapshot
@@ -79,29 +87,16 @@ class PendingDigest:
     keepalive: list = field(default_factory=list)  # device inputs that must outlive the kernel
     final_rooms: np.ndarray | None = None  # a private copy, once collected
     counted: bool = True  # False for the engine's own warm-up batch
-    stream: Any = None  # the caller's stream while `done` still has to be recorded on it
+    error: str | None = None  # recording `done` failed: the collector drops the batch
 
     def ready(self) -> bool:
         done = self.done  # read once: the collector clears it when it recycles the event
-        return done is None or (self.stream is None and done.query())
-
-    def record_done(self) -> None:
-        """Record `done` behind the kernel, on the stream it was launched on.
-
-        The collector does this, off the caller's thread: an event recorded
-        later on the same stream still completes only after the kernel.
-        """
-        stream = self.stream
-        if stream is not None:
-            self.done.record(stream)
-            self.stream = None
+        return done is None or done.query()
 
     def wait(self) -> None:
         """Block until `room_digests` is readable: a host sync, for enforce mode only."""
-        stream, done = self.stream, self.done
-        if stream is not None:
-            stream.synchronize()  # not recorded yet: the kernel is on this stream
-        elif done is not None:
+        done = self.done
+        if done is not None:
             done.synchronize()  # if recycled meanwhile, this waits for a later batch: longer, still right
 
     @property
@@ -212,21 +207,16 @@ class DigestEngine:
 
     # %% public API
 
-    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None], *,
-               record_now: bool = False) -> PendingDigest | None:
+    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> PendingDigest | None:
         """Digest `rooms` in one launch; `callback` runs later on the collector thread.
 
         Returns None (and counts the drop) when too many batches are pending;
-        it never waits. `record_now` records the batch's event here rather than
-        on the collector (one device call more), for a caller that asks
-        `ready()` itself soon after: prefill, filling the in-band slot.
+        it never waits.
         """
         if len(self._tickets.items) >= self.max_pending:  # before the launch: a launched batch is never dropped
             self.stats.dropped_batches += 1
             return None
         ticket = self._launch(list(rooms), callback)
-        if record_now:
-            ticket.record_done()
         if not self._collecting:
             self._start_collector()
         self._tickets.put(ticket)
@@ -236,7 +226,6 @@ class DigestEngine:
     def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
         """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
         ticket = self._launch(list(rooms), lambda _: None)
-        ticket.record_done()
         if ticket.done is not None:
             ticket.done.synchronize()
         return self._finish(ticket).digests
@@ -277,8 +266,8 @@ class DigestEngine:
     def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
         """One device call per batch, whatever its size: the launch. The kernel reads the
         room table (and the page tables that live on the host) from pinned memory and
-        stores cells into the back of the same buffer, so nothing is copied; the
-        collector records the batch's event (`PendingDigest.record_done`)."""
+        stores cells into the back of the same buffer, so nothing is copied. Then the
+        batch's event, right behind the kernel (why here: the module's docstring)."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):
@@ -316,18 +305,22 @@ class DigestEngine:
         device, raw_stream = self._current_stream()
         self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages,
                             device=device, stream=raw_stream)
-        done = self._events.take(self.time_kernels)
-        if self.time_kernels:  # a benchmark's kernel time: the end is recorded right behind it
-            done.record()
-            return PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)
-        return PendingDigest(plan, rooms, callback, cells, done, None, staging, keepalive, stream=stream)
+        done = self._events.take(self.time_kernels)
+        ticket = PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
+        try:
+            done.record(stream)
+        except Exception as exc:  # the serving thread goes on; the collector drops the batch
+            record_error("digest.record")
+            ticket.error = f"{type(exc).__name__}: {exc}"
+        return ticket
 
     def _stream_object(self, raw_stream: int):
-        """The torch stream of a raw handle, for the collector to record on: made once per
-        stream (a serving thread launches on the same few), not once per batch."""
+        """The torch stream of a raw handle, to record events on: made once per stream
+        (a serving thread launches on the same few), not once per batch; looking up
+        the current torch stream costs more than the record itself."""
         stream = self._streams[raw_stream] = torch.cuda.current_stream()  # the one `raw_stream` was read from
         return stream
 
@@ -369,12 +362,13 @@ class DigestEngine:
             self._collecting = False
 
     def _await(self, ticket: PendingDigest) -> bool:
-        """Record the batch's event and wait until the kernel is done. False when the
-        device call fails: the batch is dropped, counted, its callback gets a result
-        with `error` set and no digests, and its staging buffer is never reused (the
-        GPU may still write it); the collector goes on."""
+        """Wait until the batch's kernel is done. False when a device call failed (the
+        event's record at submit, or the wait): the batch is dropped, counted, its
+        callback gets a result with `error` set and no digests, and its staging buffer
+        is never reused (the GPU may still write it); the collector goes on."""
+        if ticket.error is not None:  # counted where it happened
+            return self._drop(ticket, ticket.error)
         try:
-            ticket.record_done()
             done = ticket.done
             if done is None:
                 return True
@@ -387,10 +381,14 @@ class DigestEngine:
             return True
         except Exception as exc:
             record_error("digest.await")
-            self.stats.dropped_batches += 1
-            error = f"{type(exc).__name__}: {exc}"  # the caller stops waiting for these rooms
-            self._deliver(ticket, lambda _: BatchResult([], 0, 0, error=error))
-            return False
+            return self._drop(ticket, f"{type(exc).__name__}: {exc}")
+
+    def _drop(self, ticket: PendingDigest, error: str) -> bool:
+        """A batch that cannot be digested: counted, and its callback told why, so the
+        caller stops waiting for its rooms."""
+        self.stats.dropped_batches += 1
+        self._deliver(ticket, lambda _: BatchResult([], 0, 0, error=error))
+        return False
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
         """Hand the batch's result to its callback; a failing callback (or fold) is

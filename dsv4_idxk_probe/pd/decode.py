@@ -74,11 +74,8 @@ class DecodeMonitor:
 
     def room_received(
         self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None,
-        *, record_now: bool = False,
     ) -> PendingDigest | None:
-        """Transfer complete: start tracking and digest at `decode_recv`. `record_now`
-        when the caller will wait for this digest (enforce mode): its event then sits
-        right behind the kernel, not behind whatever the stream runs next."""
+        """Transfer complete: start tracking and digest at `decode_recv`."""
         state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
         evicted = []
         with self._lock:
@@ -88,7 +85,7 @@ class DecodeMonitor:
                 evicted.append(self._rooms.pop(next(iter(self._rooms))).room)
         for old in evicted:
             self._publish(old, "decode_step", None, "skipped", "evicted: tracking table full", None, None, None)
-        return self._submit_jobs([(state, "decode_recv", None)], record_now=record_now)
+        return self._submit_jobs([(state, "decode_recv", None)])
 
     def room_finished(self, room: RoomId) -> PendingDigest | None:
         """Before the room's pages are released: last digest, then forget the room
@@ -138,11 +135,11 @@ class DecodeMonitor:
             for state, _, _ in jobs:
                 state.in_flight += delta
 
-    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]], record_now: bool = False) -> PendingDigest | None:
+    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
         self._count_in_flight(jobs, +1)
         enqueued = time.monotonic()
         requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
-        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch), record_now=record_now)
+        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch))
         if pending is None:
             self._count_in_flight(jobs, -1)
             if self.metrics is not None:

@@ -71,8 +71,9 @@ class PrefillMonitor:
         (after any decode-side prefix), `tokens` the tokens they hold.
         """
         requests = [RoomRequest(rid.key, pages, n_tokens) for rid, pages, n_tokens in rooms]
-        # The send path asks ready() right after NIXL's sync, to fill the in-band slot.
-        return self.engine.submit(requests, self._on_result, record_now=True)
+        # The send path asks ready() right after NIXL's sync, to fill the in-band slot:
+        # the batch's event is recorded right behind the kernel, so that works.
+        return self.engine.submit(requests, self._on_result)
 
     def room_sent(self, room: RoomId, pages: Any, n_tokens: int) -> PendingDigest | None:
         return self.rooms_sent([(room, pages, n_tokens)])

@@ -90,8 +90,7 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
         endpoint = (host, endpoint[1]) if host else None
     side.remember_peer(room.key, endpoint)
     extra = {"prefill_endpoint": f"{endpoint[0]}:{endpoint[1]}"} if endpoint else None
-    pending = side.monitor.room_received(room, dest.pages, dest.n_tokens, inband, extra,
-                                         record_now=runtime.config.enforce)  # enforce waits on it
+    pending = side.monitor.room_received(room, dest.pages, dest.n_tokens, inband, extra)
     setattr(req, ATTR_ROOM, room)
     setattr(req, ATTR_STEPS, 0)
     setattr(req, ATTR_RECV, (pending, inband, dest.n_tokens))

@@ -425,23 +425,3 @@ def test_port_base_plus_gpu_id(worlds):
         runtime.close()
 
 
-@pytest.mark.parametrize("mode", ["observe", "enforce"])
-def test_decode_receipt_records_its_event_at_once_only_when_enforce_will_wait(worlds, monkeypatch, mode):
-    """Enforce waits on the receipt digest: its event must sit right behind the kernel,
-    not behind the forward the collector may record it after."""
-    from dsv4_idxk_probe.pd import DecodeMonitor
-
-    asked = []
-    real = DecodeMonitor.room_received
-    monkeypatch.setattr(DecodeMonitor, "room_received",
-                        lambda self, *a, **kw: asked.append(kw.get("record_now")) or real(self, *a, **kw))
-    runtime, sink, _ = make_runtime(mode=mode)
-    patcher = Patcher(runtime, [t for t in load_targets(["sglang-0.5.23"]) if t.name.startswith("pd.")], route="wrapt")
-    runtime.patcher = patcher
-    patcher.patch()
-    try:
-        _decode_flow(worlds, (runtime, sink, None))
-        assert asked == [mode == "enforce"]
-    finally:
-        patcher.unpatch()
-        runtime.close()
