@@ -103,8 +103,14 @@ def cell_contributions(digests: np.ndarray, layer_ids, logical_pages) -> np.ndar
 
 def fold_cells(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Fold one room's cell contributions, uint64 [layers, pages, segments], into its
-    (layer, segment) matrix and its page vector (sums mod 2^64)."""
-    return block.sum(axis=1, dtype=np.uint64), block.sum(axis=(0, 2), dtype=np.uint64)
+    (layer, segment) matrix and its page vector (sums mod 2^64).
+
+    Each sum runs over a contiguous axis: NumPy reduces the middle axis of a
+    [layers, pages, 2] block 2.5x slower, and this runs on the collector
+    thread, holding the GIL the serving thread may want."""
+    by_layer = np.ascontiguousarray(block.transpose(0, 2, 1)).sum(axis=2, dtype=np.uint64)
+    by_page = block.sum(axis=0, dtype=np.uint64).sum(axis=1, dtype=np.uint64)
+    return by_layer, by_page
 
 
 def room_cells(buffers: Sequence, physical_pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int]) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Properties of the definition (NumPy reference), checked with hypothesis."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,3 +124,16 @@ def test_lane_sums_wrap_mod_2_32():
     total_a = sum(int(v) for v in a)
     assert total_a > 2**32
     assert d & 0xFFFFFFFF == total_a % 2**32
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 2), (1, 1, 1), (4, 0, 2), (2, 7, 3)])
+def test_fold_cells_is_the_sum_mod_2_64_along_each_axis(shape):
+    rng = np.random.default_rng(sum(shape))
+    block = rng.integers(0, 2**64, size=shape, dtype=np.uint64, endpoint=False)
+    layers, pages, segments = shape
+    by_layer, by_page = ref.fold_cells(block)
+    mod = 2**64
+    assert by_layer.tolist() == [[sum(int(block[l, p, s]) for p in range(pages)) % mod for s in range(segments)]
+                                 for l in range(layers)]
+    assert by_page.tolist() == [sum(int(block[l, p, s]) for l in range(layers) for s in range(segments)) % mod
+                                for p in range(pages)]
