@@ -17,7 +17,7 @@
 # with the versions of requirements/constraints.txt.
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,inject,costs,profile,serving,servingspin,servinggpu,servinglong,serving8,overhead,rig}
+steps=${2:-audit,inject,costs,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -68,6 +68,11 @@ step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_RE
 step servinglong 330 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 6 --warmup-frac 0.25 \
     --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
+# Model time closer to a DeepSeek-V4 decode instance at serving batch sizes (30 ms per
+# step; large-EP decode steps take tens of ms), the long leg's churn otherwise.
+step servingdeploy 380 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 12 --warmup-frac 0.25 \
+    --decode-step-ms 30 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
+    --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_deploy"
 step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
     $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_2gpu_sleep"
 step serving8 180 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
