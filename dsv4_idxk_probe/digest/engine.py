@@ -90,14 +90,21 @@ class PendingDigest:
     error: str | None = None  # recording `done` failed: the collector drops the batch
 
     def ready(self) -> bool:
+        """Whether `room_digests` is readable now; never, for a batch whose event failed."""
+        if self.error is not None:
+            return False
         done = self.done  # read once: the collector clears it when it recycles the event
         return done is None or done.query()
 
-    def wait(self) -> None:
-        """Block until `room_digests` is readable: a host sync, for enforce mode only."""
+    def wait(self) -> bool:
+        """Block until `room_digests` is readable: a host sync, for enforce mode only.
+        False, at once, for a batch whose event failed: its digests never will be."""
+        if self.error is not None:
+            return False
         done = self.done
         if done is not None:
             done.synchronize()  # if recycled meanwhile, this waits for a later batch: longer, still right
+        return True
 
     @property
     def room_digests(self) -> np.ndarray:
@@ -264,10 +271,10 @@ class DigestEngine:
         return pages
 
     def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
-        """One device call per batch, whatever its size: the launch. The kernel reads the
+        """Two device calls per batch, whatever its size: the launch, and the batch's
+        event right behind it (why here: the module's docstring). The kernel reads the
         room table (and the page tables that live on the host) from pinned memory and
-        stores cells into the back of the same buffer, so nothing is copied. Then the
-        batch's event, right behind the kernel (why here: the module's docstring)."""
+        stores cells into the back of the same buffer, so nothing is copied."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):

@@ -173,8 +173,8 @@ def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
         pending, inband, n_tokens = received
         if pending is None or inband is None or inband.signature != side.signature or inband.n_tokens != n_tokens:
             continue
-        pending.wait()
-        flags[i] = int(int(pending.room_digests[0]) != inband.room_digest)
+        if pending.wait():  # else the digest failed (counted): the request is kept, not judged
+            flags[i] = int(int(pending.room_digests[0]) != inband.room_digest)
     return flags
 
 

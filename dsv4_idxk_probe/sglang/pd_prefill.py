@@ -108,8 +108,7 @@ def on_sender_send(runtime: Any, sender: Any, write: InbandWrite, kv_indices: An
         write.commit()
     elif not sender_is_last_send(sender, kv_indices):
         return  # the aux data does not leave with this send; try again at the next
-    elif runtime.config.enforce:
-        write.pending.wait()  # enforce only: decode must see the digest in band
+    elif runtime.config.enforce and write.pending.wait():  # enforce only: decode must see the digest in band
         write.commit()
         _count(runtime, "inband_waited")
     else:

@@ -71,7 +71,7 @@ class LoopClock:
                       (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]
         for owner, name, label in parts:
             self._wrap(owner, name, label)
-        collector = [(engine, "_await", "collector: record and wait for the event (CPU)"),
+        collector = [(engine, "_await", "collector: wait for the event (CPU)"),
                      (engine, "_finish", "collector: fold the cells (CPU)")]
         for name in ("_on_results", "_on_result"):  # decode's per batch, prefill's
             if monitor is not None and hasattr(monitor, name):

@@ -134,6 +134,8 @@ def test_a_failed_device_call_drops_that_batch_and_serving_and_the_collector_go_
     assert engine.stats.dropped_batches == 1
     assert safety.error_counts()[site] == before + 1
     assert lost.done is lost_event and lost.staging is not None  # never back in the pools: the GPU may still write
+    if broken is BrokenEvent:  # its cells will never be written: neither ready nor worth a wait
+        assert not lost.ready() and lost.wait() is False
 
 
 def test_polls_back_off_to_a_few_per_forward():

@@ -170,6 +170,7 @@ class _NotYetReady:
 
     def wait(self):
         self.done.synchronize()
+        return True
 
     @property
     def room_digests(self):
@@ -227,6 +228,27 @@ def test_no_blocking_copy_defers_in_observe_and_waits_in_enforce(worlds, monkeyp
         else:
             assert (made[0].waited, side.inband_waited) == (1, 1)
             assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
+def test_enforce_leaves_the_inband_slot_empty_when_the_digest_failed(worlds, monkeypatch):
+    """A digest whose event could not be recorded never gets its cells: enforce must not
+    write them in band (decode would judge garbage); decode asks the exchange instead."""
+    prefill, _ = worlds
+    runtime, sink, _ = make_runtime(mode="enforce")
+    targets = [t for t in load_targets(["sglang-0.5.23"]) if t.name in ("pd.send_kv_chunk", "pd.sender_send")]
+    patcher = Patcher(runtime, targets, route="wrapt")
+    patcher.patch()
+    try:
+        made = _slow_digests(monkeypatch, runtime, prefill)
+        monkeypatch.setattr(_NotYetReady, "wait", lambda self: False)  # what a failed batch answers
+        req = send_room(prefill)
+        (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+        side = runtime.sides["prefill"]
+        assert (made[0].passed, side.inband_waited, side.inband_deferred) == (False, 0, 1)
+        assert InbandDigest.from_slots(row[1:5]) is None
     finally:
         patcher.unpatch()
         runtime.close()
@@ -351,19 +373,25 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
     try:
         prefill, decode = worlds
         good = _decode_flow(worlds, (runtime, sink, None))
-        bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7))
-        pending = SimpleNamespace(ready=lambda: True, wait=lambda: None, done=None,
-                                  room_digests=np.array([5], dtype=np.uint64))
         side = runtime.sides["decode"]
+        bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7))
+        pending = SimpleNamespace(ready=lambda: True, wait=lambda: True, done=None,
+                                  room_digests=np.array([5], dtype=np.uint64))
         bad.req._dsv4_idxk_recv = (pending, InbandDigest(6, side.signature, 10), 10)
+        # A receipt digest whose device call failed: its cells were never written, so
+        # it is not judged (kept), whatever they hold.
+        failed = SimpleNamespace(req=SimpleNamespace(rid="failed", bootstrap_room=8))
+        broken = SimpleNamespace(ready=lambda: False, wait=lambda: False, done=None,
+                                 room_digests=np.array([5], dtype=np.uint64))
+        failed.req._dsv4_idxk_recv = (broken, InbandDigest(6, side.signature, 10), 10)
         aborted, kept = [], []
         scheduler = pdworld.standin(
             pdworld.scheduler_class(), kv_checksum_computer=None, attn_tp_cpu_group=None,
             _handle_kv_checksum_mismatch=lambda req, msg: aborted.append(req.rid),
         )
-        batch = SimpleNamespace(reqs=[good.req, bad.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
+        batch = SimpleNamespace(reqs=[good.req, bad.req, failed.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
         scheduler._verify_kv_checksums(batch)
-        assert (aborted, kept) == (["other"], [0])
+        assert (aborted, kept) == (["other"], [0, 2])
     finally:
         patcher.unpatch()
         runtime.close()

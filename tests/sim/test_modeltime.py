@@ -110,6 +110,6 @@ def test_time_parts_times_the_submit_and_the_collector():
     engine.close()  # delivers every batch
     parts = clock.stats()["parts"]
     assert parts["submit (all)"]["calls"] == 3
-    for label in ("collector: record and wait for the event (CPU)", "collector: fold the cells (CPU)",
+    for label in ("collector: wait for the event (CPU)", "collector: fold the cells (CPU)",
                   "collector: verdicts, records, metrics (CPU, _on_results)"):
         assert parts[label]["calls"] == 3, label
