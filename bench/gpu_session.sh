@@ -15,6 +15,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION
 # with the versions of requirements/constraints.txt.
+# Environment: RIG_VARIANTS (probe configs beside "off"), SERVING_REPS (pairs of the
+# servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
 steps=${2:-audit,inject,costs,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
@@ -65,12 +67,12 @@ step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_RE
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
-step servinglong 330 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 6 --warmup-frac 0.25 \
+step servinglong $(( 60 + 36 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
     --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
 # Model time closer to a DeepSeek-V4 decode instance at serving batch sizes (30 ms per
 # step; large-EP decode steps take tens of ms), the long leg's churn otherwise.
-step servingdeploy 380 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 12 --warmup-frac 0.25 \
+step servingdeploy $(( 60 + 60 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 12 --warmup-frac 0.25 \
     --decode-step-ms 30 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_deploy"
 step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
