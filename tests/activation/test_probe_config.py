@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dsv4_idxk_probe.config import ConfigError, load_config, load_file, parse_config
@@ -118,3 +120,12 @@ def test_example_config_is_valid_and_shows_the_defaults():
     for key in ("mode", "layout", "layouts", "step_interval", "targets", "exchange", "metrics", "digest"):
         assert getattr(example, key) == getattr(defaults, key), key
     assert example.roomlog.max_bytes == defaults.roomlog.max_bytes
+
+
+def test_the_collector_waits_a_config_accepts_are_the_engines():
+    from dsv4_idxk_probe.digest.engine import WAITS
+
+    for wait in WAITS:
+        assert parse_config({"digest": {"collector_wait": wait}}).digest.collector_wait == wait
+    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(WAITS)}")):
+        parse_config({"digest": {"collector_wait": "spin"}})
