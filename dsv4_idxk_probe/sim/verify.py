@@ -77,10 +77,19 @@ def run_diff(log_dir: Path) -> tuple[int, dict]:
     return status, json.loads(out.read_text())
 
 
-def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[int]) -> Verification:
+def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[int],
+           only_rooms: set[int] | None = None) -> Verification:
+    """`only_rooms`: judge only these rooms (servers shared by several runs log others too)."""
     status, doc = run_diff(log_dir)
     rooms = {int(r["room"]): r for r in doc["rooms"] if r["attempt"] == 0}
-    result = Verification(status, Path(log_dir) / "diff.json", verdicts=doc["summary"]["room_verdicts"])
+    verdicts = doc["summary"]["room_verdicts"]
+    if only_rooms is not None:
+        rooms = {room: r for room, r in rooms.items() if room in only_rooms}
+        verdicts = {}
+        for r in rooms.values():
+            verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
+        status = 1 if verdicts.get("mismatch") else 0
+    result = Verification(status, Path(log_dir) / "diff.json", verdicts=verdicts)
     stages = {room: {stage_key(s["stage"], s["step"]): s for s in r["stages"]} for room, r in rooms.items()}
     earliest = _earliest(faults)
     result.checks = [_check_fault(rec, stages, earliest) for rec in sorted(faults, key=lambda f: (f["fault"], f["room"]))]

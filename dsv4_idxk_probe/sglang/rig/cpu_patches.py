@@ -1,0 +1,161 @@
+"""The CPU-only patches the SGLang rig applies inside SGLang's servers.
+
+Each one replaces something that needs a GPU, and nothing else; docs/rig.md
+lists them with the reason no real part can run here. They are applied when
+their module is first imported (wrapt post-import hooks), in the servers
+only, by the rig's plugin (`plugin.load`).
+
+1. ``model_loader.loader._initialize_model``: the DeepSeek-V4 architecture
+   is built as `standin_model.StandInDeepseekV4` (the real model's kernels
+   and weights cannot run here).
+2. ``DeepseekV4AttnBackend.init_forward_metadata``: a no-op (it launches
+   Triton kernels, and the stand-in reads no attention metadata).
+3. ``dsa_index_k_cache.SetKAndS.triton``: the index-K store kernel, as the
+   same byte placement in torch (no Triton driver on CPU): slot ``s`` of page
+   ``p`` gets its 128 payload bytes at ``s * 128`` and its float32 scale at
+   ``64 * 128 + s * 4``.
+4. NIXL's ``nixl_agent`` memory kinds: SGLang labels every buffer "VRAM";
+   UCX without CUDA refuses that, so "VRAM" is relabelled "DRAM" (the buffers
+   are host memory here).
+5. ``disaggregation.prefill``'s direct ``torch.cuda.Event()`` /
+   ``torch.cuda.current_stream()`` (overlap loop, early prefix send): a CPU
+   event that is always complete (CPU forwards are synchronous).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import wrapt
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+
+
+# %% 1. the model
+
+
+def _initialize_model(wrapped, instance, args, kwargs):
+    def _pick(model_config, *_a, **_k):
+        return model_config
+
+    model_config = _pick(*args, **kwargs)
+    architectures = list(getattr(model_config.hf_config, "architectures", None) or [])
+    if ARCHITECTURE not in architectures:
+        return wrapped(*args, **kwargs)
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+
+    from .standin_model import StandInDeepseekV4
+
+    model = StandInDeepseekV4(model_config.hf_config)
+    model.shared_experts_config = SharedExpertsConfig()
+    return model
+
+
+# %% 2. attention metadata
+
+
+def _no_metadata(wrapped, instance, args, kwargs):
+    return None
+
+
+# %% 3. the index-K store
+
+
+def _set_k_and_s(wrapped, instance, args, kwargs):
+    def _pick(pool, buf, loc, index_k, index_k_scale):
+        return pool, buf, loc, index_k, index_k_scale
+
+    pool, buf, loc, index_k, index_k_scale = _pick(*args, **kwargs)
+    if buf.is_cuda:
+        return wrapped(*args, **kwargs)
+    slots = int(pool.index_page_size)
+    payload = index_k.shape[1]
+    loc = loc.to(torch.int64)
+    pages, slot = loc // slots, loc % slots
+    k_cols = slot[:, None] * payload + torch.arange(payload)[None, :]
+    s_cols = slots * payload + slot[:, None] * 4 + torch.arange(4)[None, :]
+    buf[pages[:, None], k_cols] = index_k.contiguous().view(torch.uint8)
+    buf[pages[:, None], s_cols] = index_k_scale.contiguous().view(torch.float32).view(torch.uint8).reshape(-1, 4)
+    return None
+
+
+# %% 4. NIXL memory kinds
+
+
+def _dram(wrapped, instance, args, kwargs, position):
+    if kwargs.get("mem_type") == "VRAM":
+        kwargs = dict(kwargs, mem_type="DRAM")
+    elif len(args) > position and args[position] == "VRAM":
+        args = args[:position] + ("DRAM",) + args[position + 1 :]
+    return wrapped(*args, **kwargs)
+
+
+def _patch_nixl(_package) -> None:
+    import sys
+
+    module = sys.modules["nixl._api"]  # nixl's package swaps in its CUDA-major backend here
+    for name, position in (("register_memory", 1), ("get_reg_descs", 1), ("get_xfer_descs", 1), ("prep_xfer_dlist", 2)):
+        wrapt.wrap_function_wrapper(
+            module, f"nixl_agent.{name}",
+            lambda w, i, a, k, _p=position: _dram(w, i, a, k, _p),
+        )
+
+
+# %% 5. CUDA events in the prefill module
+
+
+class _DoneEvent:
+    """A CPU stand-in for torch.cuda.Event: CPU forwards are synchronous, so always complete."""
+
+    def record(self, *_a, **_k):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_a, **_k) -> None:
+        return None
+
+
+def _cpu_torch() -> types.SimpleNamespace:
+    cuda = types.SimpleNamespace(Event=lambda *a, **k: _DoneEvent(), current_stream=lambda *a, **k: None)
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
+    proxy.cuda = cuda
+    return proxy
+
+
+def _patch_prefill(module) -> None:
+    if not torch.cuda.is_available():
+        module.torch = _cpu_torch()
+
+
+# %% registration
+
+_applied = False
+
+
+def apply() -> None:
+    """Register every patch for when its module is imported (once per process)."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    wrapt.register_post_import_hook(
+        lambda m: wrapt.wrap_function_wrapper(m, "_initialize_model", _initialize_model),
+        "sglang.srt.model_loader.loader",
+    )
+    wrapt.register_post_import_hook(
+        lambda m: wrapt.wrap_function_wrapper(m, "DeepseekV4AttnBackend.init_forward_metadata", _no_metadata),
+        "sglang.srt.layers.attention.deepseek_v4_backend",
+    )
+    wrapt.register_post_import_hook(
+        lambda m: wrapt.wrap_function_wrapper(m, "SetKAndS.triton", _set_k_and_s),
+        "sglang.kernels.ops.kvcache.dsa_index_k_cache",
+    )
+    wrapt.register_post_import_hook(_patch_nixl, "nixl")
+    wrapt.register_post_import_hook(_patch_prefill, "sglang.srt.disaggregation.prefill")

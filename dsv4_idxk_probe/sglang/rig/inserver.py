@@ -1,0 +1,462 @@
+"""Inside the rig's servers: the byte oracle and the fault injector.
+
+The rig's driver (`run`) hands each server a plan file (``DSV4_IDXK_RIG_PLAN``:
+the requests by rid, the fault spec, the seed) and an output folder
+(``DSV4_IDXK_RIG_OUT``). This module, loaded by the rig's plugin, hooks
+SGLang's decode and prefill paths (wrapt, at import) to:
+
+* remember each room as decode publishes its destination pages
+  (``DecodePreallocQueue._send_kv_metadata``: pages, prefix, token count, and
+  a snapshot of what those pages held before the WRITE);
+* check, at every digest the probe takes on decode, every frozen byte of the
+  room against `truth` (the oracle: no digest involved) and write the bad
+  (layer, logical page, segment) cells, independently of the probe's own page
+  bookkeeping (`DecodeMonitor._submit_jobs` is where it learns a digest is
+  taken; the pages it checks are SGLang's);
+* apply the faults of docs/faults.md where SGLang would suffer them:
+  ``before_send`` in prefill's ``CommonKVSender.send`` (after the probe's
+  prefill digest, before the last WRITE is queued); ``in_flight`` and the
+  transfer kinds in decode right before ``_commit_transfer_to_req`` (the
+  WRITE landed, the completion not yet processed; ``drop_page`` and
+  ``partial_write`` restore what decode's page held before the WRITE, the same
+  bytes a dropped or cut write leaves); ``after_recv`` / ``after_step N`` at
+  the start of the decode forward after step N.
+
+Every fault application is written with the number of oracle points the room
+had by then, so the driver knows the first digest point that could see it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import wrapt
+
+from . import truth
+from .plugin import ENV_OUT, ENV_PLAN, ENV_ROLE
+
+log = logging.getLogger("dsv4_idxk_probe.rig")
+
+C4 = 4
+PAGE_TOKENS = 256
+
+
+# %% output
+
+
+class _Out:
+    """Append-only JSONL files of this process, one line per record, flushed."""
+
+    def __init__(self, folder: Path, role: str):
+        self._folder = folder
+        self._role = role
+        self._files: dict[str, Any] = {}  # opened on first record: only the scheduler writes any
+        self._lock = threading.Lock()
+
+    def write(self, kind: str, record: dict) -> None:
+        with self._lock:
+            f = self._files.get(kind)
+            if f is None:
+                self._folder.mkdir(parents=True, exist_ok=True)
+                f = self._files[kind] = open(self._folder / f"{self._role}-{os.getpid()}-{kind}.jsonl", "a")
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+# %% what the driver planned
+
+
+@dataclass
+class Plan:
+    rooms: dict[str, int]  # rid -> rig room number
+    seed: int
+    faults: Any = None  # sim.faults.FaultSpec
+    by_room: dict[int, list] = field(default_factory=dict)  # rig room -> faults that hit it
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        doc = json.loads(Path(path).read_text())
+        plan = cls({str(k): int(v) for k, v in doc["rooms"].items()}, int(doc.get("seed", 0)))
+        if doc.get("faults"):
+            from ...sim.faults import load_fault_spec
+            from ...sim.plan import RoomPlan
+
+            plan.faults = load_fault_spec(doc["faults"])
+            rooms = [RoomPlan(room=r, prompt_tokens=1, prefix_pages=0, steps=0) for r in sorted(plan.rooms.values())]
+            plan.by_room = plan.faults.by_room(rooms, plan.seed)
+        return plan
+
+
+@dataclass
+class Track:
+    """One room on decode, as the rig sees it (from SGLang's own objects)."""
+
+    rid: str
+    rig_room: int | None
+    room: int
+    start: int  # decode prefix (page aligned)
+    n_tokens: int  # transferred tokens
+    pages: list[int]  # physical page of each logical page
+    tokens: np.ndarray | None = None  # token ids by absolute position, known at commit
+    before: dict[int, list[np.ndarray]] = field(default_factory=dict)  # logical page -> rows before the WRITE
+    points: int = 0  # oracle points so far
+    forwards: int = 0  # decode forwards run
+    req_pool_idx: int | None = None
+
+
+class InServer:
+    def __init__(self, role: str, plan_path: str, out: _Out):
+        from ...digest import get_layout
+
+        self.role = role
+        self.plan_path = plan_path
+        self.plan_mtime = None
+        self.plan = Plan({}, 0)
+        self.refresh()
+        self.out = out
+        self.layout = get_layout("fp8")
+        self.tracks: dict[int, Track] = {}  # bootstrap room -> Track (decode)
+        self.by_pool_idx: dict[int, Track] = {}
+        self.buffers: list[torch.Tensor] = []
+        self.layer_ids: list[int] = []
+        self.lock = threading.Lock()
+
+    def refresh(self) -> None:
+        """Re-read the plan when the driver replaced it (a new phase)."""
+        try:
+            mtime = os.stat(self.plan_path).st_mtime_ns
+        except OSError:
+            return
+        if mtime != self.plan_mtime:
+            self.plan = Plan.load(self.plan_path)
+            self.plan_mtime = mtime
+
+    # %% the pool
+
+    def bind_pool(self, pool: Any) -> None:
+        if self.buffers:
+            return
+        pool = pool.get_kvcache() if hasattr(pool, "get_kvcache") else pool
+        indexer = pool.index_pools[C4] if getattr(pool, "index_pools", None) else pool.c4_indexer_kv_pool
+        self.buffers = list(indexer.index_k_with_scale_buffer)
+        ratios = list(pool.compression_ratios)
+        self.layer_ids = [layer for layer, ratio in enumerate(ratios) if ratio == C4]
+
+    def rows(self, page: int, layers: list[int] | None = None) -> list[np.ndarray]:
+        idx = range(len(self.buffers)) if layers is None else layers
+        return [self.buffers[i][page].numpy().copy() for i in idx]
+
+    # %% faults
+
+    def faults_for(self, rid: str, when: tuple[str, ...]) -> list:
+        rig_room = self.plan.rooms.get(rid)
+        if rig_room is None:
+            return []
+        return [f for f in self.plan.by_room.get(rig_room, []) if f.when in when]
+
+    def record_fault(self, fault, track_or_room: Any, applied: bool, reason: str = "", target: dict | None = None,
+                     cells: list | None = None, point: int = 0, rid: str | None = None) -> None:
+        t = track_or_room
+        self.out.write("faults", {
+            "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
+            "after_step": fault.after_step, "side": self.role, "rid": rid or getattr(t, "rid", None),
+            "rig_room": getattr(t, "rig_room", None), "room": getattr(t, "room", None),
+            "applied": applied, "reason": reason, "target": target or {}, "cells": cells or [], "point": point,
+        })
+
+    def apply(self, fault, track: Track, *, replacement_for=None) -> None:
+        """Change the target rows of `track` now and record the frozen cells that changed."""
+        from ...sim.inject import apply_in_place, changed_segments, resolve, rng_for
+        from ...sim.plan import RoomPlan
+
+        plan = RoomPlan(room=track.rig_room, prompt_tokens=track.start + track.n_tokens,
+                        prefix_pages=track.start // PAGE_TOKENS, steps=0)
+        rng = rng_for(self.plan.seed, fault, track.rig_room)
+        target = resolve(fault, plan, self.layout, self.layer_ids, rng)
+        if isinstance(target, str):
+            self.record_fault(fault, track, False, target, point=track.points)
+            return
+        phys = track.pages[target.page]
+        kind = fault.kind
+        replacement = None
+        if kind in ("stale_page", "drop_page", "partial_write"):
+            before = track.before.get(target.page)
+            if before is None:
+                self.record_fault(fault, track, False, "no snapshot of the page before the WRITE", point=track.points)
+                return
+            replacement = [before[i] for i in target.layers]
+        if kind == "swap_pages":
+            partner = self._partner(fault, track)
+            if partner is None:
+                self.record_fault(fault, track, False, "no partner room resident", point=track.points)
+                return
+            return self._swap(fault, track, target, partner, rng)
+        if kind in ("drop_page", "partial_write"):
+            old = self.rows(phys, target.layers)
+            for j, li in enumerate(target.layers):
+                new = old[j].copy()
+                keep = target.keep_bytes if kind == "partial_write" else 0
+                new[keep:] = replacement[j][keep:]
+                self.buffers[li][phys].copy_(torch.from_numpy(new))
+        else:
+            old = apply_in_place(self.buffers, phys, target, rng, replacement=replacement)
+        new = self.rows(phys, target.layers)
+        cells = []
+        for j, layer in enumerate(target.layer_ids):
+            for seg in changed_segments(self.layout, old[j], new[j], target.frozen):
+                cells.append([layer, target.page, seg])
+        self.record_fault(fault, track, True, target=target.describe(), cells=cells, point=track.points)
+
+    def _partner(self, fault, track: Track) -> Track | None:
+        with self.lock:
+            others = [t for t in self.tracks.values() if t is not track and t.tokens is not None]
+        if fault.with_room is not None:
+            others = [t for t in others if t.rig_room == fault.with_room]
+        return others[0] if others else None
+
+    def _swap(self, fault, track: Track, target, partner: Track, rng) -> None:
+        page_b = int(rng.integers(len(partner.pages)))
+        phys_a, phys_b = track.pages[target.page], partner.pages[page_b]
+        old_a, old_b = self.rows(phys_a, target.layers), self.rows(phys_b, target.layers)
+        for j, li in enumerate(target.layers):
+            self.buffers[li][phys_a].copy_(torch.from_numpy(old_b[j]))
+            self.buffers[li][phys_b].copy_(torch.from_numpy(old_a[j]))
+        cells_a, cells_b = [], []
+        frozen_b = self.layout.frozen_slots(partner.n_tokens, page_b)
+        for j, layer in enumerate(target.layer_ids):
+            cells_a += [[layer, target.page, s] for s in _changed(self.layout, old_a[j], old_b[j], target.frozen)]
+            cells_b += [[layer, page_b, s] for s in _changed(self.layout, old_b[j], old_a[j], frozen_b)]
+        described = dict(target.describe(), partner_rid=partner.rid, partner_page=page_b)
+        self.record_fault(fault, track, True, target=described, cells=cells_a, point=track.points)
+        self.out.write("faults", {
+            "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
+            "after_step": fault.after_step, "side": self.role, "rid": partner.rid, "rig_room": partner.rig_room,
+            "room": partner.room, "applied": True, "reason": "swap partner", "target": described,
+            "cells": cells_b, "point": partner.points, "partner_of": track.rid,
+        })
+
+    # %% the oracle
+
+    def oracle_point(self, room: int, attempt: int, stage: str, step: int | None) -> None:
+        with self.lock:
+            track = self.tracks.get(room)
+        if track is None or track.tokens is None:
+            self.out.write("oracle", {"room": room, "attempt": attempt, "stage": stage, "step": step, "cells": None,
+                                      "note": "room not known to the rig"})
+            return
+        cells = []
+        for k, phys in enumerate(track.pages):
+            frozen = self.layout.frozen_slots(track.n_tokens, k)
+            if frozen <= 0:
+                continue
+            positions = track.start + k * PAGE_TOKENS + np.arange(frozen) * truth.TOKENS_PER_SLOT + 3
+            for li, layer in enumerate(self.layer_ids):
+                want = truth.slot_bytes(layer, positions, track.tokens[positions])
+                row = self.buffers[li][phys].numpy()
+                payload = row[: frozen * truth.PAYLOAD].reshape(frozen, truth.PAYLOAD)
+                scale_at = self.layout.slots * truth.PAYLOAD
+                scale = row[scale_at : scale_at + frozen * truth.SCALE].reshape(frozen, truth.SCALE)
+                if not np.array_equal(payload, want[:, : truth.PAYLOAD]):
+                    cells.append([layer, k, "payload"])
+                if not np.array_equal(scale, want[:, truth.PAYLOAD :]):
+                    cells.append([layer, k, "scale"])
+        track.points += 1
+        self.out.write("oracle", {"room": room, "attempt": attempt, "rid": track.rid, "rig_room": track.rig_room,
+                                  "stage": stage, "step": step, "cells": cells, "index": track.points - 1})
+
+
+def _changed(layout, old: np.ndarray, new: np.ndarray, frozen: int) -> list[str]:
+    from ...sim.inject import changed_segments
+
+    return changed_segments(layout, old, new, frozen)
+
+
+# %% hooks
+
+_state: InServer | None = None
+
+
+def _rid(req: Any) -> str:
+    return str(getattr(req, "rid", ""))
+
+
+def _on_send_metadata(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        _record_room(instance, *args, **kwargs)
+    except Exception:
+        log.exception("rig: recording a room failed")
+    return result
+
+
+def _record_room(queue, decode_req, kv_indices, page_size, state_indices=None, **metadata):
+    state = _state
+    state.refresh()
+    state.bind_pool(queue.token_to_kv_pool)
+    req = decode_req.req
+    start = int(metadata.get("decode_prefix_len", 0) or 0)
+    indices = np.asarray(kv_indices).reshape(-1)
+    pages = [int(p) for p in indices[::page_size] // page_size]
+    track = Track(_rid(req), state.plan.rooms.get(_rid(req)), int(req.bootstrap_room), start, len(indices), pages)
+    if state.faults_for(track.rid, ("in_flight", "after_recv", "after_step")):
+        track.before = {k: state.rows(p) for k, p in enumerate(pages)}
+    with state.lock:
+        state.tracks[track.room] = track
+
+
+def _on_commit(wrapped, instance, args, kwargs):
+    def _pick(decode_req, *_a, **_k):
+        return decode_req
+
+    decode_req = _pick(*args, **kwargs)
+    try:
+        _before_commit(decode_req)
+    except Exception:
+        log.exception("rig: in-flight faults failed")
+    result = wrapped(*args, **kwargs)
+    try:
+        _after_commit(decode_req)
+    except Exception:
+        log.exception("rig: recording a commit failed")
+    return result
+
+
+def _before_commit(decode_req) -> None:
+    state = _state
+    req = decode_req.req
+    track = state.tracks.get(int(req.bootstrap_room))
+    if track is None:
+        return
+    track.tokens = np.asarray(list(req.origin_input_ids) + list(req.output_ids), dtype=np.int64)
+    for fault in state.faults_for(track.rid, ("in_flight",)):
+        state.apply(fault, track)
+
+
+def _after_commit(decode_req) -> None:
+    state = _state
+    req = decode_req.req
+    track = state.tracks.get(int(req.bootstrap_room))
+    if track is None:
+        return
+    idx = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    if idx is not None:
+        track.req_pool_idx = int(idx)
+        with state.lock:
+            state.by_pool_idx[int(idx)] = track
+
+
+def _before_decode_forward(forward_batch) -> None:
+    """after_recv / after_step N: at the start of the decode forward after step N."""
+    state = _state
+    if state is None or not forward_batch.forward_mode.is_decode():
+        return
+    for idx in forward_batch.req_pool_indices.tolist():
+        track = state.by_pool_idx.get(int(idx))
+        if track is None:
+            continue
+        done = track.forwards
+        track.forwards += 1
+        for fault in state.faults_for(track.rid, ("after_recv", "after_step")):
+            if fault.after_step == done:
+                state.apply(fault, track)
+
+
+def _on_submit_jobs(wrapped, instance, args, kwargs):
+    def _pick(jobs, *_a, **_k):
+        return jobs
+
+    try:
+        for job_state, stage, step in _pick(*args, **kwargs):
+            _state.oracle_point(int(job_state.room.room), int(job_state.room.attempt), stage, step)
+    except Exception:
+        log.exception("rig: oracle failed")
+    return wrapped(*args, **kwargs)
+
+
+def _on_prefill_send(wrapped, instance, args, kwargs):
+    try:
+        _before_send(instance, *args, **kwargs)
+    except Exception:
+        log.exception("rig: before_send faults failed")
+    return wrapped(*args, **kwargs)
+
+
+def _before_send(sender, kv_indices, *_a, **_k) -> None:
+    """before_send: on the sender's last send, after the probe's digest, before the WRITE is queued."""
+    state = _state
+    total = getattr(sender, "num_kv_indices", None)
+    if total is None or int(getattr(sender, "curr_idx", 0)) + len(kv_indices) != int(total):
+        return
+    room = int(sender.bootstrap_room)
+    track = state.tracks.get(room)
+    if track is None:
+        return
+    for fault in state.faults_for(track.rid, ("before_send",)):
+        # only pages of this (last) send can still change what decode receives
+        state.apply(fault, track)
+
+
+def _prefill_track(scheduler, req, last_chunk=False, end_idx=None, *_a, **_k) -> None:
+    state = _state
+    if last_chunk:
+        state.refresh()
+    if not last_chunk or _rid(req) not in state.plan.rooms:
+        return
+    if not state.faults_for(_rid(req), ("before_send",)):
+        return
+    state.bind_pool(scheduler.token_to_kv_pool_allocator)
+    start = int(req.disagg_decode_prefix_len or 0)
+    end = int(end_idx) if end_idx is not None else min(int(req.extend_end), len(req.origin_input_ids))
+    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    pages = [int(p) for p in (row[::PAGE_TOKENS] // PAGE_TOKENS).tolist()]
+    track = Track(_rid(req), state.plan.rooms.get(_rid(req)), int(req.bootstrap_room), start, end - start, pages)
+    with state.lock:
+        state.tracks[track.room] = track
+
+
+def _around_send_kv_chunk(wrapped, instance, args, kwargs):
+    try:
+        _prefill_track(instance, *args, **kwargs)
+    except Exception:
+        log.exception("rig: tracking a prefill room failed")
+    return wrapped(*args, **kwargs)
+
+
+def apply() -> None:
+    """Arm the hooks of this server's role (decode or prefill) if the driver gave a plan."""
+    global _state
+    plan_path, out = os.environ.get(ENV_PLAN), os.environ.get(ENV_OUT)
+    if not plan_path or not out:
+        return
+    role = os.environ.get(ENV_ROLE, "")
+    _state = InServer(role, plan_path, _Out(Path(out), role))
+    from . import standin_model
+
+    if role == "decode":
+        standin_model.BEFORE_FORWARD.append(_before_decode_forward)
+        wrapt.register_post_import_hook(lambda m: (
+            wrapt.wrap_function_wrapper(m, "DecodePreallocQueue._send_kv_metadata", _on_send_metadata),
+            wrapt.wrap_function_wrapper(m, "DecodeTransferQueue._commit_transfer_to_req", _on_commit),
+        ), "sglang.srt.disaggregation.decode")
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "DecodeMonitor._submit_jobs", _on_submit_jobs),
+            "dsv4_idxk_probe.pd.decode",
+        )
+    elif role == "prefill":
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "CommonKVSender.send", _on_prefill_send),
+            "sglang.srt.disaggregation.common.conn",
+        )
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+                                                  _around_send_kv_chunk),
+            "sglang.srt.disaggregation.prefill",
+        )
