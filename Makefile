@@ -8,30 +8,40 @@ PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test install install-sglang install-test clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first and alone: pinned to the build the machine's wheel cache holds.
+# torch first and alone, pinned (from the package index, or a local wheel
+# cache where pip is configured with one).
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
 # The real SGLang, without its CUDA-only dependency tree, plus the modules
-# its PD and host-pool code imports; then the services the tests talk to.
-$(VENV)/.installed-test: $(VENV)/.installed requirements/sglang-imports.txt .ci/install-test-services.sh
+# its PD and host-pool code imports and what its own servers and router need
+# on a CPU machine (the SGLang rig: docs/rig.md), each pinned and --no-deps.
+$(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-imports.txt requirements/sglang-servers.txt
 	$(PIP) install -q -c $(CONSTRAINTS) --no-deps sglang==0.5.23
-	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/sglang-imports.txt -e '.[test]'
+	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/sglang-imports.txt
+	$(PIP) install -q --no-deps -r requirements/sglang-servers.txt
+	touch $@
+
+# Then the test extras and the services the tests talk to.
+$(VENV)/.installed-test: $(VENV)/.installed-sglang .ci/install-test-services.sh
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
 	bash .ci/install-test-services.sh
 	touch $@
 
 install: $(VENV)/.installed
 
+install-sglang: $(VENV)/.installed-sglang
+
 install-test: $(VENV)/.installed-test
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-sglang
 	$(PY) -m dsv4_idxk_probe demo
 
 test: $(VENV)/.installed-test

@@ -10,12 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "run the local PD rig (two processes, real NIXL, injected faults) and show what the probe found"
+HELP = ("run SGLang's own PD servers (stand-in model, real NIXL, injected faults) with the probe and show "
+        "what it found; --rig builtin runs the two-process rig instead")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--rooms", type=int, default=200, help="requests to run (200)")
+    a("--rig", choices=("sglang", "builtin"), default="sglang",
+      help="sglang: SGLang 0.5.23's launch_server prefill and decode plus its router (default); "
+           "builtin: the probe's own two-process rig (GPU benchmarks, fast tests)")
+    a("--overlap", action="store_true", help="sglang rig: SGLang's overlap event loops instead of the normal ones")
+    a("--concurrency", type=int, default=4, help="sglang rig: requests in flight at once (4)")
+    a("--rooms", type=int, default=None, help="requests to run (sglang rig 48, builtin 200)")
     a("--layers", type=int, default=8, help="C4 layers, 1..61 (8)")
     a("--layout", default="fp8", help="index-K row layout: fp8, fp4, bf16 or one from configs/layouts.yaml (fp8)")
     a("--seed", type=int, default=0, help="seed for room lengths, prefixes, steps and random fault targets (0)")
@@ -30,11 +36,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pool-source", choices=("auto", "sglang", "builtin"), default="auto",
       help="who allocates the buffers: SGLang's DeepSeekV4IndexerPool when importable (auto), or the built-in copy")
     a("--max-running", type=int, default=16, help="rooms decode holds at once (16)")
-    a("--step-interval", type=int, default=8, help="decode_step digest every N steps, in the written probe config (8)")
+    a("--step-interval", type=int, default=None,
+      help="decode_step digest every N decode batches (sglang rig) or steps (builtin), in the written probe config (4 / 8)")
     a("--plain", action="store_true", help="plain progress lines instead of a live bar")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rig == "sglang":
+        return _sglang(args)
+    return _builtin(args)
+
+
+def _sglang(args: argparse.Namespace) -> int:
+    from ..sim.faults import FaultSpecError
+
+    try:
+        from ..sglang.rig.demo import SGLangDemoOptions, run_sglang_demo
+        from ..sglang.rig.launch import LaunchError
+    except ImportError as exc:
+        print(f"dsv4-idxk-probe demo: the SGLang rig needs SGLang 0.5.23 and its server packages "
+              f"(make demo installs them): {exc}", file=sys.stderr)
+        return 2
+    opts = SGLangDemoOptions(
+        rooms=args.rooms or 48, seed=args.seed, faults=args.faults, no_faults=args.no_faults, log_dir=args.log_dir,
+        step_interval=args.step_interval or 4, concurrency=args.concurrency, overlap=args.overlap,
+    )
+    try:
+        return run_sglang_demo(opts, sys.stdout)
+    except FaultSpecError as exc:
+        print(f"dsv4-idxk-probe demo: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"dsv4-idxk-probe demo: {exc}", file=sys.stderr)
+        return 2
+
+
+def _builtin(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..digest.layout import LayoutError
     from ..sim.demo import DemoOptions, run_demo
@@ -43,11 +80,11 @@ def main(args: argparse.Namespace) -> int:
     from ..sim.rig import RigError
 
     opts = DemoOptions(
-        rooms=args.rooms, layers=args.layers, layout=args.layout, seed=args.seed, faults=args.faults,
+        rooms=args.rooms or 200, layers=args.layers, layout=args.layout, seed=args.seed, faults=args.faults,
         no_faults=args.no_faults, probe_config=args.probe_config, log_dir=args.log_dir,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, device=args.device,
         prefill_gpu=args.prefill_gpu, decode_gpu=args.decode_gpu, pool_source=args.pool_source,
-        max_running=args.max_running, step_interval=args.step_interval, plain=True if args.plain else None,
+        max_running=args.max_running, step_interval=args.step_interval or 8, plain=True if args.plain else None,
     )
     try:
         return run_demo(opts)

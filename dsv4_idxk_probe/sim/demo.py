@@ -136,7 +136,7 @@ def render(check: Verification, n_applied: int, out: TextIO) -> None:
         mark = "ok" if c.ok else "MISSED"
         if not c.record["applied"]:
             mark, expected = "n/a", "-"
-        rows.append((mark, c.label, str(c.record["room"]), expected, c.seen, c.localised, c.note))
+        rows.append((mark, c.label, str(c.record.get("rig_room") or c.record["room"]), expected, c.seen, c.localised, c.note))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(r[:6], widths)) + (f"  {r[6]}" if r[6] else ""), file=out)

@@ -18,7 +18,7 @@ HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 
 def test_demo_finds_every_shipped_fault_and_nothing_else(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_IDXK_PROBE")}
-    cmd = [sys.executable, "-m", "dsv4_idxk_probe", "demo", "--rooms", "24", "--layers", "4", "--plain"]
+    cmd = [sys.executable, "-m", "dsv4_idxk_probe", "demo", "--rig", "builtin", "--rooms", "24", "--layers", "4", "--plain"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]

@@ -76,13 +76,13 @@ def test_garbage_fault_spec_is_refused_before_anything_starts(tmp_path, capsys):
     env = RoleEnv(common=child_env(config=str(write_probe_config(tmp_path)), faults=str(bad)))
     with pytest.raises(FaultSpecError, match=r"bad.yaml:4: faults\[0\].kind: 'bitflop' is not one of"):
         run_rig(RigConfig(rooms=3, **SMALL), env, timeout_s=30)
-    assert cli(["demo", "--rooms", "20", "--faults", str(bad), "--log-dir", str(tmp_path / "demo")]) == 2
+    assert cli(["demo", "--rig", "builtin", "--rooms", "20", "--faults", str(bad), "--log-dir", str(tmp_path / "demo")]) == 2
     assert "faults[0].kind" in capsys.readouterr().err
 
 
 def test_fault_room_outside_the_run_is_refused(tmp_path, capsys):
     spec = write_faults(tmp_path, [{"room": 99, "when": "in_flight", "kind": "bitflip"}])
-    assert cli(["demo", "--rooms", "5", "--faults", str(spec), "--log-dir", str(tmp_path / "demo")]) == 2
+    assert cli(["demo", "--rig", "builtin", "--rooms", "5", "--faults", str(spec), "--log-dir", str(tmp_path / "demo")]) == 2
     assert "faults[0].room: room 99 is not in this run" in capsys.readouterr().err
 
 
@@ -102,7 +102,7 @@ def test_garbage_probe_config_is_refused_with_file_and_field(tmp_path, capsys, d
     with pytest.raises(ConfigError, match=message) as err:
         run_rig(RigConfig(rooms=3, **SMALL), env, timeout_s=30)
     assert str(config) in str(err.value)
-    assert cli(["demo", "--rooms", "20", "--probe-config", str(config), "--log-dir", str(tmp_path / "demo")]) == 2
+    assert cli(["demo", "--rig", "builtin", "--rooms", "20", "--probe-config", str(config), "--log-dir", str(tmp_path / "demo")]) == 2
     assert message in capsys.readouterr().err
 
 

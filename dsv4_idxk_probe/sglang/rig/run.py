@@ -40,6 +40,7 @@ class Phase:
     outcomes: list[Outcome]
     rooms: dict[str, int]  # rid -> bootstrap room (from the oracle's records)
     verification: Verification | None = None
+    faults: list[dict] = field(default_factory=list)  # what was injected, in sim.verify's form
     wrong_outputs: list[str] = field(default_factory=list)
     failed_requests: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -121,8 +122,8 @@ class RigSession:
         planned = sorted(phase.rooms[rid] for rid in completed if rid in phase.rooms)
         missing = sorted(rid for rid in completed if rid not in phase.rooms)
         phase.failed_requests += [f"{rid}: decode never digested this room" for rid in missing]
-        phase.verification = verify(self.log_dir, expectations(faults_seen, oracle), oracle, planned,
-                                    only_rooms=set(phase.rooms.values()))
+        phase.faults = expectations(faults_seen, oracle)
+        phase.verification = verify(self.log_dir, phase.faults, oracle, planned, only_rooms=set(phase.rooms.values()))
         phase.seconds = time.monotonic() - t0
         return phase
 
