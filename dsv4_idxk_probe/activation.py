@@ -31,9 +31,54 @@ _lock = threading.Lock()
 _runtime: Any = None
 
 
+#: Our name in the ``sglang.srt.plugins`` group (pyproject.toml), as SGLANG_PLUGINS lists it.
+PLUGIN_NAME = "dsv4_idxk_probe"
+
+#: The function in whose call SGLang loads plugins in a scheduler process.
+SCHEDULER_ENTRY = "run_scheduler_process"
+
+
 def load_plugin() -> None:
-    """Entry point for SGLang's ``sglang.srt.plugins`` group (see module doc)."""
+    """Entry point for SGLang's ``sglang.srt.plugins`` group (see module doc).
+
+    SGLang's loader also runs in its HTTP server, tokenizer, detokenizer and
+    data-parallel controller processes, which hold no PD queue or pool: the
+    probe installs only where a scheduler is starting.
+    """
+    if not in_scheduler_process():
+        if probe_requested(os.environ):
+            log.debug("dsv4-idxk-probe: not a scheduler process; nothing to install here")
+        return
     install()
+
+
+def in_scheduler_process() -> bool:
+    """Is this call made while SGLang starts a scheduler (`run_scheduler_process` on the stack)?"""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == SCHEDULER_ENTRY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def probe_requested(env: Mapping[str, str]) -> bool:
+    return (env.get(ev.DSV4_IDXK_PROBE) or "").strip().lower() not in ev.OFF_VALUES
+
+
+def allowlist_problem(env: Mapping[str, str]) -> str | None:
+    """SGLANG_PLUGINS, when set, loads only the plugins it names: say so if it drops the probe."""
+    allowed = env.get("SGLANG_PLUGINS")
+    if not probe_requested(env) or not allowed or not allowed.strip():
+        return None
+    names = {name.strip() for name in allowed.split(",") if name.strip()}
+    if PLUGIN_NAME in names:
+        return None
+    return (f"SGLANG_PLUGINS={allowed!r} does not list {PLUGIN_NAME!r}: SGLang's plugin loader will not load "
+            f"the probe although {ev.DSV4_IDXK_PROBE} is set; add it to the list, or install the .pth hook "
+            f"(dsv4-idxk-probe install-hook)")
 
 
 def current_runtime() -> Any:

@@ -70,8 +70,11 @@ def _remove_finder() -> None:
 
 def _install() -> None:
     try:
-        from .activation import install
+        from .activation import allowlist_problem, install
 
+        problem = allowlist_problem(__import__("os").environ)
+        if problem:  # the plugin route is closed: this route installs instead
+            logging.getLogger("dsv4_idxk_probe").warning("dsv4-idxk-probe: %s; installing through the .pth route", problem)
         install()
     except Exception:  # never break the host's import
         logging.getLogger("dsv4_idxk_probe").exception("dsv4-idxk-probe: start-up from the .pth route failed")

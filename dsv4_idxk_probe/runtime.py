@@ -71,6 +71,7 @@ class Runtime:
         self.enabled = True
         self.sides: dict[str, Any] = {}  # "prefill" / "decode" -> side object (dsv4_idxk_probe.sglang.sides)
         self.target_status: dict[str, tuple[str, bool]] = {}  # target name -> (status, required)
+        self.not_applicable_counts: dict[str, int] = {}  # hook site -> calls it did not apply to
         self._metrics = metrics
         self._registry = registry
         self._emit = emit
@@ -159,6 +160,15 @@ class Runtime:
         else:
             with self._lock:
                 self._early_errors[site] = self._early_errors.get(site, 0) + 1
+
+    def not_applicable(self, site: str, what: str) -> None:
+        """A hook found this SGLang without something it reads: counted and logged once,
+        not an error of the probe (a build or path the hook does not apply to)."""
+        with self._lock:
+            first = site not in self.not_applicable_counts
+            self.not_applicable_counts[site] = self.not_applicable_counts.get(site, 0) + 1
+        if first:
+            self.log.info("dsv4-idxk-probe: %s does not apply here (%s); counted, not an error", site, what)
 
     # %% life cycle
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 HELP = "List the patch targets the installed SGLang has (exit 1 if a required one is missing)"
@@ -80,4 +81,9 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{'':<17} {'':<{width}}  {r['detail']}")
         ok = sum(r["status"] == "ok" for r in rows)
         print(f"{ok}/{len(rows)} targets resolve; {len(failed)} required target(s) missing or changed")
-    return 1 if failed else 0
+    from ..activation import allowlist_problem
+
+    dropped = allowlist_problem(os.environ)
+    if dropped:
+        print(f"dsv4-idxk-probe check: {dropped}", file=sys.stderr)
+    return 1 if failed or dropped else 0

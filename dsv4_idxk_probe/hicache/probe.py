@@ -87,6 +87,7 @@ class HiCacheProbe:
         self._emit = emit
         self.local = threading.local()  # adapters mark nested calls here
         self._pools: dict[int, PoolState] = {}
+        self.unusable: dict[int, str] = {}  # id(pool) -> why it could not be registered (tried once)
         self._retired: list[PoolState] = []  # garbage-collected pools with counts still to publish
         self._lock = threading.Lock()
         self.checker = (

@@ -40,6 +40,9 @@ class _Room:
     fetch_failed: bool = False
     first_divergence: str | None = None
     finished: bool = False
+    retired: str | None = None  # why the room stopped being tracked (retraction, abort)
+    unsafe: set = field(default_factory=set)  # ids of its digests not yet run when it was retired
+    pending: list = field(default_factory=list)  # its digests submitted and maybe still running
     in_flight: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -114,9 +117,16 @@ class DecodeMonitor:
         return self._submit_jobs(jobs) if jobs else None
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv") -> None:
-        """Aborted, retracted or health-check rooms: record `skipped` and forget them."""
+        """Aborted, retracted or health-check rooms: record `skipped` and forget them.
+
+        A digest of the room still in flight read pages that are freed now and
+        may be reused before it ran: its result is recorded as skipped too.
+        """
         with self._lock:
-            self._rooms.pop(room.key, None)
+            state = self._rooms.pop(room.key, None)
+            if state is not None:
+                state.retired = reason
+                state.unsafe = {id(p) for p in state.pending if not p.ready()}
         self._publish(room, stage, None, "skipped", reason, None, None, None)
 
     def tracked(self) -> int:
@@ -139,14 +149,22 @@ class DecodeMonitor:
         self._count_in_flight(jobs, +1)
         enqueued = time.monotonic()
         requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
-        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch))
+        holder: list = []  # the batch's PendingDigest, for results of rooms retired meanwhile
+        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch, holder))
         if pending is None:
             self._count_in_flight(jobs, -1)
             if self.metrics is not None:
                 self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
+            return None
+        holder.append(pending)
+        with self._lock:
+            for state, _, _ in jobs:
+                state.pending = [p for p in state.pending if not p.ready()] + [pending]
         return pending
 
-    def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult) -> None:
+    def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult,
+                    holder: list | None = None) -> None:
+        batch_id = id(holder[0]) if holder else None
         if batch.error is not None:
             for state, stage, step in jobs:
                 safe_invoke("decode.on_failure", self._on_failure, state, stage, step, batch.error)
@@ -157,6 +175,12 @@ class DecodeMonitor:
             if i:
                 yield_to_serving()  # a batch's rooms one at a time, never holding the GIL for all of them
             room_bytes = batch.room_bytes[i] if i < len(batch.room_bytes) else None
+            if batch_id is not None and batch_id in state.unsafe:
+                # the room was retired before this digest ran: its pages may hold another room's bytes
+                self._count_in_flight([(state, stage, step)], -1)
+                self._publish(state.room, stage, step, "skipped", f"{state.retired} before this digest ran",
+                              None, None, state)
+                continue
             safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes)
 
     def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,

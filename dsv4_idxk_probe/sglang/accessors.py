@@ -91,8 +91,8 @@ def metadata_row(metadata_buffers: Any, index: Any) -> np.ndarray | None:
     a device (reading it would synchronise) or the index is unset."""
     if metadata_buffers is None or index is None or int(index) < 0:
         return None
-    rows = metadata_buffers.bootstrap_room
-    if rows.device.type != "cpu":
+    rows = getattr(metadata_buffers, "bootstrap_room", None)
+    if rows is None or rows.device.type != "cpu":
         return None
     return rows[int(index)].numpy().view(np.uint64)
 
@@ -101,6 +101,18 @@ def sender_is_last_send(sender: Any, kv_indices: Any) -> bool:
     """The sender's own notion of "last": this send reaches num_kv_indices."""
     total = getattr(sender, "num_kv_indices", None)
     return total is not None and int(getattr(sender, "curr_idx", 0)) + len(kv_indices) == int(total)
+
+
+# %% decode destinations
+
+#: Why a host-received room's receipt is not digested on the device (see pd_decode).
+HOST_RECEIVE = "received into the HiCache host pool (host-receive); not verified"
+
+
+def is_host_destination(metadata_kwargs: Any) -> bool:
+    """`_send_kv_metadata(..., destination=KVTransferDestination.HOST)`: decode's host pool."""
+    dest = metadata_kwargs.get("destination") if isinstance(metadata_kwargs, dict) else None
+    return dest is not None and str(getattr(dest, "name", getattr(dest, "value", dest))).upper() == "HOST"
 
 
 # %% decode peers

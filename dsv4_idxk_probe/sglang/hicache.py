@@ -95,9 +95,16 @@ def pool_views(pool: Any) -> RowViews:
 
 
 def _state(probe: HiCacheProbe, pool: Any):
+    """The pool's registration; a pool that cannot be registered is remembered, so its
+    copies pass straight through instead of failing to register on every call."""
     state = probe.state_of(pool)
-    if state is None:  # built before the probe was installed
-        state = probe.register(pool, pool_geometry(pool), pool_views(pool))
+    if state is None and id(pool) not in probe.unusable:  # built before the probe was installed
+        try:
+            state = probe.register(pool, pool_geometry(pool), pool_views(pool))
+        except Exception as exc:
+            probe.unusable[id(pool)] = f"{type(exc).__name__}: {exc}"
+            probe.log.warning("dsv4-idxk-probe hicache: pool %s not probed: %s", type(pool).__name__, probe.unusable[id(pool)])
+            raise
     return state
 
 
@@ -105,6 +112,8 @@ def _state(probe: HiCacheProbe, pool: Any):
 
 
 def _begin(probe, pool, direction, pick, args, kwargs):
+    if id(pool) in probe.unusable:
+        return None
     host, device, io_backend, layer = pick(*args, **kwargs)
     state = probe.state_of(pool) or _state(probe, pool)
     return probe.begin(state, direction, host, device, io_backend, layer)

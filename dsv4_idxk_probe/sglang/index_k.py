@@ -61,6 +61,9 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
         raise IndexKError("the pool has no C4 indexer pool (not DeepSeek-V4, or no C4 layer in this stage)")
     if getattr(indexer, "index_k_with_scale_buffer", None) is None:
         raise IndexKError("the C4 indexer keeps payload and scales in separate buffers (HIP fp4); not supported")
+    reason = row_layout_refusal(indexer)
+    if reason:
+        raise IndexKError(reason)
     buffers = tuple(indexer.contiguous_page_row_buffers())
     ratios = list(pool.compression_ratios)
     start = getattr(pool, "_stage_start", 0)
@@ -86,6 +89,29 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
         row_bytes=int(buffers[0].shape[1]),
         fp4=bool(getattr(indexer, "use_fp4_indexer", False)),
     )
+
+
+#: Where SGLang decides that ROCm stores fp8 index-K preshuffled (aiter paged MQA).
+PRESHUFFLE_MODULE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
+
+
+def row_layout_refusal(indexer: Any) -> str | None:
+    """Why this fp8 pool's rows do not follow "slot k at byte 128 k", or None.
+
+    On ROCm with aiter's preshuffled paged MQA, SetKAndS stores each page in
+    16-slot tiles interleaved by column, and with ``index_k_page8`` in aiter's
+    row-group page-8 order: the payload of one slot is spread over the page,
+    so the frozen-slot rule would read decode's later writes as corruption.
+    No layout describes those orders yet; the side is refused with this reason.
+    """
+    import sys
+
+    if getattr(sys.modules.get(PRESHUFFLE_MODULE), "_use_aiter_preshuffle", False):
+        return ("fp8 index-K is stored preshuffled in 16-slot tiles (ROCm, aiter_can_use_preshuffle_paged_mqa); "
+                "no layout describes it: not supported")
+    if getattr(indexer, "index_k_page8", False):
+        return "fp8 index-K uses aiter's row-group page-8 order (index_k_page8); no layout describes it: not supported"
+    return None
 
 
 def wire_positions(buffers: Sequence[Any], kv_args: Any) -> tuple[int, ...]:

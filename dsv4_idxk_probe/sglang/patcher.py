@@ -112,6 +112,8 @@ def _registry_adapter(hook: GuardedHook):
     """HookRegistry AROUND form ``fn(original_fn, *args, **kwargs)`` of a wrapt wrapper."""
 
     def around(original_fn, *args, **kwargs):
+        if "." not in hook.target.qualname:  # a module-level function: nothing to bind
+            return hook(original_fn, None, args, kwargs)
         if not args:
             return original_fn(*args, **kwargs)
         instance = args[0]

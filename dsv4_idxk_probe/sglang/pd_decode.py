@@ -35,8 +35,8 @@ from ..exchange.endpoint import unpack_endpoint
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from .accessors import (
-    ATTR_DEST, ATTR_RECV, ATTR_STEPS, SLOT_DIGEST, SLOT_ENDPOINT, decode_skip_reason, metadata_row,
-    prefill_peer_host, room_of,
+    ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, SLOT_DIGEST, SLOT_ENDPOINT, decode_skip_reason,
+    is_host_destination, metadata_row, prefill_peer_host, room_of,
 )
 from .index_k import decode_room_pages
 from .sides import build_side
@@ -47,30 +47,45 @@ ATTR_ROOM = "_dsv4_idxk_room"  # on a decode Req: its RoomId while the probe tra
 def decode_side(runtime: Any, scheduler: Any = None):
     side = runtime.sides.get("decode")
     if side is None and scheduler is not None:
-        queue = scheduler.disagg_decode_prealloc_queue
-        side = build_side(runtime, "decode", queue.token_to_kv_pool, queue.kv_manager.kv_args)
+        queue = getattr(scheduler, "disagg_decode_prealloc_queue", None)
+        manager = getattr(queue, "kv_manager", None)
+        if queue is None or manager is None:
+            runtime.not_applicable("decode.side", "the scheduler has no decode prealloc queue with a KV manager")
+            return None
+        side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
     return side if side is not None and side.active else None
 
 
 def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
-    build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+    side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+    if runtime.config.enforce and side.active:
+        scheduler = getattr(queue, "scheduler", None)
+        agreed, why = agree_on_enforce(getattr(scheduler, "attn_tp_cpu_group", None))
+        side.enforce_agreed = agreed
+        if not agreed:
+            runtime.log.error("dsv4-idxk-probe: enforce is off on this rank, decode observes only: %s", why)
 
 
 def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, kwargs: dict) -> None:
-    if decode_side(runtime, queue.scheduler) is None:
+    if decode_side(runtime, getattr(queue, "scheduler", None)) is None:
+        return
+    if is_host_destination(kwargs):
+        # Host-receive: prefill writes this room into decode's HiCache host pool; the
+        # device pages named later by the restore are not known here.
+        setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
         return
     setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, page_size, kwargs))
 
 
 def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], str | None]:
     """What the commit clears: the probe slots of the metadata row, and the sending rank's address."""
-    row = metadata_row(transfer_queue.metadata_buffers, getattr(decode_req, "metadata_buffer_index", None))
+    row = metadata_row(getattr(transfer_queue, "metadata_buffers", None), getattr(decode_req, "metadata_buffer_index", None))
     slots = [int(v) for v in row[: SLOT_ENDPOINT + 1]] if row is not None else []
     return slots, prefill_peer_host(decode_req)
 
 
 def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], str | None]) -> None:
-    side = decode_side(runtime, transfer_queue.scheduler)
+    side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     req = decode_req.req
     if side is None or room_of(req) is None:
         return
@@ -125,6 +140,17 @@ def on_decode_batch(runtime: Any, batch: Any) -> None:
     side.monitor.batch_done(finished, stepped)  # one launch for the whole batch
 
 
+def on_release(runtime: Any, req: Any) -> None:
+    """Before a finished room's pages go back to the allocator: its `decode_finish` digest.
+
+    Enqueued here, before the free, no later allocation of those pages (a new
+    room's transfer, a HiCache load) can be ordered ahead of it; the batch
+    hook then finds the room already finished and skips it.
+    """
+    if getattr(req, ATTR_ROOM, None) is not None and req.finished():
+        finish_room(runtime, req)
+
+
 def finish_room(runtime: Any, req: Any) -> None:
     room = getattr(req, ATTR_ROOM, None)
     if room is None or not req.finished():
@@ -171,11 +197,56 @@ def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
             continue
         setattr(req, ATTR_RECV, None)  # judged once, as upstream does (a retraction rewrites the tail)
         pending, inband, n_tokens = received
-        if pending is None or inband is None or inband.signature != side.signature or inband.n_tokens != n_tokens:
+        expected = expected_room_digest(side, getattr(req, ATTR_ROOM, None), inband)
+        if pending is None or expected is None or expected[1] != side.signature or expected[2] != n_tokens:
             continue
         if pending.wait():  # else the digest failed (counted): the request is kept, not judged
-            flags[i] = int(int(pending.room_digests[0]) != inband.room_digest)
+            flags[i] = int(int(pending.room_digests[0]) != expected[0])
     return flags
+
+
+def expected_room_digest(side: Any, room: Any, inband: Any) -> tuple[int, int, int] | None:
+    """(room digest, signature, tokens) of prefill: in band, or else from its exchange.
+
+    Prefill leaves the slots empty where its transport does not block before
+    the aux data leaves (Mooncake): it never waits on its scheduler thread, so
+    enforce asks the exchange here, on decode, where enforce already waits.
+    """
+    if inband is not None:
+        return inband.room_digest, inband.signature, inband.n_tokens
+    if room is None or getattr(side, "client", None) is None:
+        return None
+    digest = side.fetch(room.key)
+    return None if digest is None else (int(digest.room), int(digest.signature), int(digest.n_tokens))
+
+
+ENFORCE_AGREEMENT_TIMEOUT_S = 20.0
+
+
+def agree_on_enforce(group: Any, timeout_s: float = ENFORCE_AGREEMENT_TIMEOUT_S) -> tuple[bool, str]:
+    """Do all attention-TP ranks run an active probe? Only then may enforce all-reduce.
+
+    A rank whose probe did not start never joins the all-reduce, and the
+    others would hang in it. Each rank with an active decode side announces
+    itself in the process group's store; a rank that does not see all of its
+    group within `timeout_s` keeps enforce off (observe only). No collective:
+    a rank without the probe is never waited on by a call it does not make.
+    """
+    try:
+        import torch.distributed as dist
+
+        if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return True, "one rank"
+        ranks = dist.get_process_group_ranks(group)
+        store = dist.distributed_c10d._get_default_store()
+        prefix = "dsv4_idxk_probe/enforce/" + "-".join(str(r) for r in ranks)
+        store.set(f"{prefix}/{dist.get_rank()}", "1")
+        from datetime import timedelta
+
+        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))
+        return True, ""
+    except Exception as exc:
+        return False, f"not every attention-TP rank announced an active probe ({type(exc).__name__}: {exc})"
 
 
 def all_reduce_max(flags: list[int], group: Any) -> list[int]:
@@ -193,10 +264,20 @@ def all_reduce_max(flags: list[int], group: Any) -> list[int]:
 
 
 def enforce_batch(runtime: Any, scheduler: Any, batch: Any) -> None:
+    """Judge a prebuilt batch and drop its mismatching rooms on every rank alike.
+
+    Once the ranks agreed at start (`agree_on_enforce`), this rank takes part
+    in the all-reduce on every batch, whatever else of the probe failed (its
+    flags are then zeros), so no other rank waits for it in vain.
+    """
+    side = runtime.sides.get("decode")
+    if side is None or not side.active or not getattr(side, "enforce_agreed", True):
+        return
     reqs = list(batch.reqs)
     flags = safe_invoke("decode.enforce_flags", mismatch_flags, runtime, reqs, fallback=None) or [0] * len(reqs)
-    flags = all_reduce_max(flags, getattr(scheduler, "attn_tp_cpu_group", None))
-    if not any(flags):
+    flags = safe_invoke("decode.enforce_all_reduce", all_reduce_max, flags,
+                        getattr(scheduler, "attn_tp_cpu_group", None), fallback=None)
+    if not flags or not any(flags):
         return
     dropped = set()
     for i, req in enumerate(reqs):
@@ -303,6 +384,21 @@ def make_retract_wrapper(runtime):
             retracted = list(result[0]) + list(result[2]) if isinstance(result, tuple) and len(result) == 3 else []
             safe_invoke("decode.retract", on_retract, runtime, retracted)
         return result
+
+    return wrapper
+
+
+def make_release_wrapper(runtime):
+    """``release_kv_cache(req, tree_cache, ...)`` as batch_result_processor calls it, before:
+    `decode_finish` of a finished room while its pages are still its own."""
+
+    def _pick(req, *_a, **_k):
+        return req
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            safe_invoke("decode.release", on_release, runtime, _pick(*args, **kwargs))
+        return wrapped(*args, **kwargs)
 
     return wrapper
 

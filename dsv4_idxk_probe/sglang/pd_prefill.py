@@ -15,8 +15,8 @@ Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
   metadata row before the aux data leaves, with no sync of ours. Where the
   transport does not block (Mooncake's pinned async indices), the digest is
   not ready yet: observe mode leaves the slots empty and decode fetches the
-  vectors from the exchange instead; enforce mode waits on the digest's
-  event here (one host sync per room, enforce only).
+  vectors from the exchange instead, in enforce mode too (decode waits for
+  them there; this thread never waits).
 
 No SGLang import: objects are read through accessors.py / index_k.py.
 """
@@ -58,8 +58,11 @@ def prefill_side(runtime: Any, scheduler: Any):
     """The active prefill side, built from the scheduler if the init hook did not run."""
     side = runtime.sides.get("prefill")
     if side is None:
-        queue = scheduler.disagg_prefill_bootstrap_queue
-        manager = queue.kv_manager
+        queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+        manager = getattr(queue, "kv_manager", None)
+        if queue is None or manager is None:
+            runtime.not_applicable("prefill.side", "the scheduler has no prefill bootstrap queue with a KV manager")
+            return None
         side = build_side(runtime, "prefill", scheduler.token_to_kv_pool_allocator, manager.kv_args,
                           host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None))
     return side if side.active else None
@@ -72,7 +75,7 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
 
 def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -> None:
     """Digest the room whose last chunk is about to be sent; fill what the row can hold now."""
-    row = metadata_row(scheduler.disagg_metadata_buffers, getattr(req, "metadata_buffer_index", None))
+    row = metadata_row(getattr(scheduler, "disagg_metadata_buffers", None), getattr(req, "metadata_buffer_index", None))
     if row is not None:
         row[1 : SLOT_ENDPOINT + 1] = 0  # rows are reused and prefill never clears them
     side = prefill_side(runtime, scheduler)
@@ -103,14 +106,17 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
 
 
 def on_sender_send(runtime: Any, sender: Any, write: InbandWrite, kv_indices: Any) -> None:
-    """Before a chunk leaves: commit the in-band digest if it is ready (it is, after NIXL's .cpu())."""
+    """Before a chunk leaves: commit the in-band digest if it is ready (it is, after NIXL's .cpu()).
+
+    Never waits for it: where the transport does not block before the aux data
+    leaves (Mooncake's pinned async indices), this thread is the scheduler's,
+    already behind the next forward. The slots stay empty and decode takes the
+    digest from the exchange (enforce waits there, on decode).
+    """
     if write.pending.ready():
         write.commit()
     elif not sender_is_last_send(sender, kv_indices):
         return  # the aux data does not leave with this send; try again at the next
-    elif runtime.config.enforce and write.pending.wait():  # enforce only: decode must see the digest in band
-        write.commit()
-        _count(runtime, "inband_waited")
     else:
         _count(runtime, "inband_deferred")  # decode will ask the exchange for this room
     delattr(sender, ATTR_INBAND)

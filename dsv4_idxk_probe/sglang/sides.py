@@ -56,7 +56,6 @@ class PrefillSide(_Side):
         self.server = None  # exchange.VectorServer when the exchange is on
         self.endpoint_slot = 0
         self.inband_deferred = 0  # digests not ready when the aux data left (no blocking copy on that path)
-        self.inband_waited = 0  # enforce mode: waited for the digest before the aux data left
         bind = _bind_address(config.exchange, host)
         if config.exchange.enabled and bind:
             from ..exchange import VectorServer, pack_endpoint
@@ -96,6 +95,7 @@ class DecodeSide(_Side):
         self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._peers_cap = config.exchange.table_size
         self.batches = 0  # decode batches seen: `decode_step` runs every step_interval of them
+        self.enforce_agreed = True  # enforce: every attention-TP rank runs an active probe (pd_decode)
         self._lock = threading.Lock()
         self.monitor = DecodeMonitor(
             self.engine, runtime.emit, runtime.metrics,

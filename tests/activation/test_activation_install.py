@@ -122,3 +122,29 @@ def test_unset_variable_imports_nothing_heavy():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("DSV4_IDXK_PROBE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False []", out.stderr
+
+
+@pytest.mark.parametrize("allowed, problem", [
+    (None, False), ("", False), ("dsv4_idxk_probe", False), ("other, dsv4_idxk_probe", False), ("other", True),
+])
+def test_an_sglang_plugins_allowlist_that_drops_the_probe_is_named(allowed, problem):
+    """Finding 7: SGLANG_PLUGINS loads only what it lists; `check` and the .pth route say so."""
+    from dsv4_idxk_probe.activation import allowlist_problem
+
+    env = {"DSV4_IDXK_PROBE": "1"} | ({} if allowed is None else {"SGLANG_PLUGINS": allowed})
+    message = allowlist_problem(env)
+    assert bool(message) == problem
+    if problem:
+        assert "SGLANG_PLUGINS" in message and "dsv4_idxk_probe" in message
+    assert allowlist_problem({"SGLANG_PLUGINS": "other"}) is None  # probe not asked for: nothing to say
+
+
+def test_check_fails_when_the_allowlist_drops_the_probe(capsys, monkeypatch):
+    from dsv4_idxk_probe.cli.main import run
+
+    monkeypatch.setenv("DSV4_IDXK_PROBE", "1")
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    assert run(["check"]) == 1
+    assert "does not list 'dsv4_idxk_probe'" in capsys.readouterr().err
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else,dsv4_idxk_probe")
+    assert run(["check"]) == 0

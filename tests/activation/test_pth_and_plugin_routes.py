@@ -89,7 +89,14 @@ PLUGIN_CODE = """
     import sglang.srt.managers.scheduler_components.batch_result_processor
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
-    load_plugins()
+
+    def run_scheduler_process():  # the name SGLang's scheduler entry has: plugins load inside it
+        load_plugins()
+
+    if IN_SCHEDULER:
+        run_scheduler_process()
+    else:
+        load_plugins()  # SGLang's HTTP server, tokenizer and detokenizer processes call it too
     from dsv4_idxk_probe import activation
     runtime = activation.current_runtime()
     status = runtime.patcher.verify() if runtime else {}
@@ -103,15 +110,30 @@ def test_sglang_plugin_loader_runs_the_declared_entry_point(tmp_path):
     check_loader_with(declared_entry_points(), tmp_path)
 
 
-def check_loader_with(entry_points: dict, tmp_path: Path) -> None:
-    assert entry_points, f"no [project.entry-points.\"{GROUP}\"] in pyproject.toml"
+def write_entry_points(entry_points: dict, tmp_path: Path) -> None:
+    """A distribution carrying exactly these entry points, in tmp_path/site."""
     dist = tmp_path / "site" / "dsv4_idxk_probe_entry_point_check-0.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4-idxk-probe-entry-point-check\nVersion: 0.0\n")
     lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
     (dist / "entry_points.txt").write_text(f"[{GROUP}]\n{lines}")
-    result = run(PLUGIN_CODE, tmp_path, probe="1", extra_path=[str(tmp_path / "site")])
+
+
+def check_loader_with(entry_points: dict, tmp_path: Path) -> None:
+    assert entry_points, f"no [project.entry-points.\"{GROUP}\"] in pyproject.toml"
+    write_entry_points(entry_points, tmp_path)
+    result = run(PLUGIN_CODE.replace("IN_SCHEDULER", "True"), tmp_path, probe="1", extra_path=[str(tmp_path / "site")])
     assert result["loaded"]
     for name in PD_TARGETS:
         assert result["status"][name] == "patched", result["status"]
     assert "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk" in result["registered"]
+
+
+def test_plugin_outside_a_scheduler_process_installs_nothing(tmp_path):
+    """Finding 7: SGLang's loader also runs in its HTTP, tokenizer and detokenizer
+    processes; the probe (and its exporter) start only where a scheduler starts."""
+    write_entry_points(declared_entry_points(), tmp_path)
+    code = PLUGIN_CODE.replace("IN_SCHEDULER", "False").replace(
+        "status = runtime.patcher.verify() if runtime else {}", "status = {}")
+    result = run(code, tmp_path, probe="1", extra_path=[str(tmp_path / "site")])
+    assert result["loaded"] is False and result["registered"] == []

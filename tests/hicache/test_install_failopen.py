@@ -157,3 +157,24 @@ def test_bad_config_is_refused_when_the_wrappers_are_built():
     with pytest.raises(HiCacheConfigError, match="hicache.guard"):
         env.install()
     env.uninstall()
+
+
+def test_a_pool_that_cannot_be_registered_is_tried_once_not_on_every_copy(hicache, make_pool, standins, monkeypatch):
+    """Finding 8: the failure is logged and counted once; later copies pass straight through."""
+    from dsv4_idxk_probe.sglang import hicache as adapter
+
+    env = hicache()
+    env.allow_probe_errors = True
+
+    def unreadable(pool):
+        raise ValueError("a pool this probe cannot read")
+
+    monkeypatch.setattr(adapter, "pool_geometry", unreadable)
+    before = safety.error_counts()
+    pool = make_pool("fp8_indexer")
+    for _ in range(3):
+        assert _copy_round_trip(pool)
+    after = safety.error_counts()
+    grown_by = {site: after[site] - before.get(site, 0) for site in after if after[site] != before.get(site, 0)}
+    assert grown_by == {"hicache.pool_init": 1}
+    assert id(pool) in env.probe.unusable

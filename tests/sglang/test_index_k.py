@@ -109,3 +109,25 @@ def test_side_is_inactive_with_a_reason_when_the_pool_cannot_be_read(prefill):
         index_k_geometry(SimpleNamespace(index_pools={}, c4_indexer_kv_pool=None))
     runtime.close()
     other.close()
+
+
+# %% finding 6: row orders no layout describes are refused by name
+
+
+def test_rocm_preshuffled_fp8_rows_are_refused_with_the_reason(monkeypatch):
+    import sys
+
+    from dsv4_idxk_probe.sglang.index_k import PRESHUFFLE_MODULE
+
+    pool, _ = pdworld.make_pool(seed=1)
+    # what SGLang's store module decides on ROCm with aiter's preshuffled paged MQA
+    monkeypatch.setitem(sys.modules, PRESHUFFLE_MODULE, SimpleNamespace(_use_aiter_preshuffle=True))
+    with pytest.raises(IndexKError, match="preshuffled in 16-slot tiles"):
+        index_k_geometry(pool)
+
+
+def test_aiter_page8_rows_are_refused_with_the_reason():
+    pool, _ = pdworld.make_pool(seed=1)
+    pool.index_pools[4].index_k_page8 = True
+    with pytest.raises(IndexKError, match="page-8"):
+        index_k_geometry(pool)

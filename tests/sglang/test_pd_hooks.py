@@ -10,10 +10,12 @@ room's index-K rows and the metadata row, as the transfer engine would.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 import sglang.srt.disaggregation.common.conn as conn
 import sglang.srt.disaggregation.decode  # noqa: F401  (the table's modules, imported before patching)
@@ -210,8 +212,10 @@ def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monke
 
 
 @pytest.mark.parametrize("mode", ["observe", "enforce"])
-def test_no_blocking_copy_defers_in_observe_and_waits_in_enforce(worlds, monkeypatch, mode):
-    """Mooncake-like path: nothing blocks before the last send."""
+def test_no_blocking_copy_defers_and_never_waits_on_the_scheduler_thread(worlds, monkeypatch, mode):
+    """Mooncake-like path: nothing blocks before the last send. The hook runs on the
+    scheduler thread, already behind the next forward: it must not wait for the
+    digest there, in enforce mode either (decode takes it from the exchange)."""
     prefill, _ = worlds
     runtime, sink, _ = make_runtime(mode=mode)
     targets = [t for t in load_targets(["sglang-0.5.23"]) if t.name in ("pd.send_kv_chunk", "pd.sender_send")]
@@ -222,12 +226,8 @@ def test_no_blocking_copy_defers_in_observe_and_waits_in_enforce(worlds, monkeyp
         req = send_room(prefill)
         (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
         side = runtime.sides["prefill"]
-        if mode == "observe":
-            assert (made[0].waited, side.inband_deferred, InbandDigest.from_slots(row[1:5])) == (0, 1, None)
-            assert int(row[5]) == side.endpoint_slot  # decode can still ask the exchange
-        else:
-            assert (made[0].waited, side.inband_waited) == (1, 1)
-            assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
+        assert (made[0].waited, side.inband_deferred, InbandDigest.from_slots(row[1:5])) == (0, 1, None)
+        assert int(row[5]) == side.endpoint_slot  # decode can still ask the exchange
     finally:
         patcher.unpatch()
         runtime.close()
@@ -247,7 +247,7 @@ def test_enforce_leaves_the_inband_slot_empty_when_the_digest_failed(worlds, mon
         req = send_room(prefill)
         (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
         side = runtime.sides["prefill"]
-        assert (made[0].passed, side.inband_waited, side.inband_deferred) == (False, 0, 1)
+        assert (made[0].passed, made[0].waited, side.inband_deferred) == (False, 0, 1)
         assert InbandDigest.from_slots(row[1:5]) is None
     finally:
         patcher.unpatch()
@@ -453,3 +453,92 @@ def test_port_base_plus_gpu_id(worlds):
         runtime.close()
 
 
+
+
+# %% findings of the SGLang-in-the-loop review (issue 16)
+
+
+def test_host_received_room_is_not_digested_at_host_page_ids(worlds, patched):
+    """Finding 1: with host-receive, `_send_kv_metadata` names HOST pool indices
+    (destination=HOST); digesting device rows at those ids reads the wrong pages,
+    or past the device pool. The room is recorded as skipped, with the reason."""
+    prefill, decode = worlds
+    runtime, sink, _ = patched
+    send_room(prefill)
+    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+    host_indices = torch.arange(40 * pdworld.PAGE, 40 * pdworld.PAGE + pdworld.ROOM_TOKENS, dtype=torch.int64)
+    host = SimpleNamespace(name="HOST", value="host")  # KVTransferDestination.HOST
+    pdworld.prealloc_queue(decode)._send_kv_metadata(dreq, host_indices, pdworld.PAGE, None, decode_prefix_len=0,
+                                                     destination=host)
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert (record["verdict"], record["reason"]) == ("skipped", pd_decode.HOST_RECEIVE)
+    assert runtime.sides["decode"].monitor.tracked() == 0
+
+
+def test_finish_digest_is_taken_before_release_frees_the_pages(worlds, patched):
+    """Finding 2: `decode_finish` is enqueued in a before-hook on release_kv_cache,
+    so a writer of the freed pages (a reused page's transfer) cannot change it."""
+    prefill, decode = worlds
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    sink.wait_for(1, stage="decode_recv")
+    dreq.req.finished_reason = "FINISH_LENGTH"
+    release = pd_decode.make_release_wrapper(runtime)
+
+    def release_and_reuse(req, tree_cache):  # SGLang frees; the next room's transfer lands at once
+        for buf in decode.index_k:
+            buf[pdworld.DECODE_PAGES[1:]] = 0
+
+    release(release_and_reuse, None, (dreq.req, None), {})
+    step = pd_decode.make_decode_step_wrapper(runtime)
+    step(lambda *a, **k: None, None, (SimpleNamespace(reqs=[dreq.req]), None), {})  # the batch hook after it
+    finish = sink.wait_for(1, stage="decode_finish")
+    assert [r["verdict"] for r in finish] == ["match"]
+
+
+def test_retracted_rooms_digest_still_running_is_skipped_not_judged(worlds, patched, monkeypatch):
+    """Finding 2, retraction: a step digest still in flight when the room is retracted
+    read pages that are freed now; its verdict would be about another room's bytes."""
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    sink.wait_for(1, stage="decode_recv")
+    monitor = runtime.sides["decode"].monitor
+    held = []
+    real_submit = monitor.engine.submit
+
+    def late_submit(requests, on_done):  # the digest runs only after the retraction
+        pending = real_submit(requests, lambda batch: held.append((on_done, batch)))
+        monkeypatch.setattr(type(pending), "ready", lambda self: False, raising=False)
+        return pending
+
+    monkeypatch.setattr(monitor.engine, "submit", late_submit)
+    monitor.batch_done([], [(dreq.req._dsv4_idxk_room, 1)])
+    pd_decode.make_retract_wrapper(runtime)(lambda: ([dreq.req], 0.5, []), None, (), {})
+    for wait in range(200):
+        if held:
+            break
+        time.sleep(0.01)
+    on_done, batch = held[0]
+    on_done(batch)
+    steps = sink.wait_for(2, stage="decode_step")
+    assert sorted(r["verdict"] for r in steps) == ["skipped", "skipped"]
+    assert any("before this digest ran" in r["reason"] for r in steps)
+
+
+def test_a_scheduler_without_the_pd_queue_is_not_applicable_not_an_error(worlds):
+    """Finding 8: accessor misses are counted as "not applicable", never as probe errors."""
+    from dsv4_idxk_probe import safety
+
+    runtime, sink, _ = make_runtime()
+    try:
+        before = safety.error_counts()
+        scheduler = SimpleNamespace(disagg_metadata_buffers=SimpleNamespace())  # no queue, no bootstrap_room rows
+        req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+        pd_prefill.on_last_chunk(runtime, scheduler, req, None)
+        assert pd_decode.decode_side(runtime, SimpleNamespace()) is None
+        assert safety.error_counts() == before
+        assert runtime.not_applicable_counts == {"prefill.side": 1, "decode.side": 1}
+    finally:
+        runtime.close()

@@ -20,6 +20,9 @@ only, by the rig's plugin (`plugin.load`).
 5. ``disaggregation.prefill``'s direct ``torch.cuda.Event()`` /
    ``torch.cuda.current_stream()`` (overlap loop, early prefix send): a CPU
    event that is always complete (CPU forwards are synchronous).
+6. ``mem_cache.pool_host.common._cuda_host_register``: HiCache pins its host
+   pools with cudaHostRegister; without CUDA there is nothing to pin, so the
+   host pool stays plain (pageable) host memory.
 """
 
 from __future__ import annotations
@@ -134,6 +137,15 @@ def _patch_prefill(module) -> None:
         module.torch = _cpu_torch()
 
 
+# %% 6. HiCache host-pool pinning
+
+
+def _no_pinning(wrapped, instance, args, kwargs):
+    if torch.cuda.is_available():
+        return wrapped(*args, **kwargs)
+    return None
+
+
 # %% registration
 
 _applied = False
@@ -159,3 +171,7 @@ def apply() -> None:
     )
     wrapt.register_post_import_hook(_patch_nixl, "nixl")
     wrapt.register_post_import_hook(_patch_prefill, "sglang.srt.disaggregation.prefill")
+    wrapt.register_post_import_hook(
+        lambda m: wrapt.wrap_function_wrapper(m, "_cuda_host_register", _no_pinning),
+        "sglang.srt.mem_cache.pool_host.common",
+    )

@@ -78,13 +78,15 @@ class _Out:
 class Plan:
     rooms: dict[str, int]  # rid -> rig room number
     seed: int
+    scribble_freed: bool = False  # overwrite a finished room's pages right after SGLang frees them
     faults: Any = None  # sim.faults.FaultSpec
     by_room: dict[int, list] = field(default_factory=dict)  # rig room -> faults that hit it
 
     @classmethod
     def load(cls, path: str) -> "Plan":
         doc = json.loads(Path(path).read_text())
-        plan = cls({str(k): int(v) for k, v in doc["rooms"].items()}, int(doc.get("seed", 0)))
+        plan = cls({str(k): int(v) for k, v in doc["rooms"].items()}, int(doc.get("seed", 0)),
+                   bool(doc.get("scribble_freed", False)))
         if doc.get("faults"):
             from ...sim.faults import load_fault_spec
             from ...sim.plan import RoomPlan
@@ -270,7 +272,8 @@ class InServer:
                     cells.append([layer, k, "scale"])
         track.points += 1
         self.out.write("oracle", {"room": room, "attempt": attempt, "rid": track.rid, "rig_room": track.rig_room,
-                                  "stage": stage, "step": step, "cells": cells, "index": track.points - 1})
+                                  "stage": stage, "step": step, "cells": cells, "index": track.points - 1,
+                                  "start": track.start, "n_tokens": track.n_tokens})
 
 
 def _changed(layout, old: np.ndarray, new: np.ndarray, frozen: int) -> list[str]:
@@ -369,6 +372,31 @@ def _before_decode_forward(forward_batch) -> None:
                 state.apply(fault, track)
 
 
+def _on_release(wrapped, instance, args, kwargs):
+    """After SGLang freed a finished room's pages: with `scribble_freed`, zero them at once,
+    as the next room's transfer or a HiCache load into a reused page would overwrite them."""
+    result = wrapped(*args, **kwargs)
+    try:
+        _scribble(*args, **kwargs)
+    except Exception:
+        log.exception("rig: scribbling freed pages failed")
+    return result
+
+
+def _scribble(req, *_a, **_k) -> None:
+    state = _state
+    if not state.plan.scribble_freed or not req.finished():
+        return
+    track = state.tracks.get(int(getattr(req, "bootstrap_room", -1) or -1))
+    if track is None or _rid(req) not in state.plan.rooms:
+        return
+    for buf in state.buffers:
+        for page in track.pages:
+            buf[page].zero_()
+    state.out.write("events", {"event": "scribbled_freed_pages", "rid": track.rid, "room": track.room,
+                               "pages": track.pages})
+
+
 def _on_submit_jobs(wrapped, instance, args, kwargs):
     def _pick(jobs, *_a, **_k):
         return jobs
@@ -449,6 +477,10 @@ def apply() -> None:
         wrapt.register_post_import_hook(
             lambda m: wrapt.wrap_function_wrapper(m, "DecodeMonitor._submit_jobs", _on_submit_jobs),
             "dsv4_idxk_probe.pd.decode",
+        )
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "release_kv_cache", _on_release),
+            "sglang.srt.managers.scheduler_components.batch_result_processor",
         )
     elif role == "prefill":
         wrapt.register_post_import_hook(

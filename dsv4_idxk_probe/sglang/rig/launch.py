@@ -53,8 +53,9 @@ class ServerOptions:
     chunked_prefill_size: int = 1024
     max_running_requests: int = 8
     max_total_tokens: int = 65536
+    decode_radix_cache: bool = False  # --disaggregation-decode-enable-radix-cache (decode prefix hits)
     prefill_hicache: bool = False  # --enable-hierarchical-cache on prefill
-    decode_hicache: bool = False  # HiCache on decode (needed by host-receive)
+    decode_hicache: bool = False  # HiCache on decode (needed by host-receive; implies the decode radix cache)
     decode_host_receive_threshold: float | None = None  # --disaggregation-decode-host-receive-threshold
     hicache_io_backend: str = "direct"
     hicache_ratio: float = 2.0
@@ -177,6 +178,8 @@ def server_args(role: str, model_dir: Path, ports: Ports, opts: ServerOptions) -
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(ports.bootstrap), *opts.extra_prefill]
     else:
+        if opts.decode_radix_cache or opts.decode_hicache:
+            args.append("--disaggregation-decode-enable-radix-cache")
         if opts.decode_host_receive_threshold is not None:
             args += ["--disaggregation-decode-host-receive-threshold", str(opts.decode_host_receive_threshold)]
         args += list(opts.extra_decode)

@@ -95,18 +95,23 @@ class RigSession:
 
     # %% phases
 
-    def _write_plan(self, rooms: dict[str, int], faults: str | None) -> None:
+    def _write_plan(self, rooms: dict[str, int], faults: str | None, **flags: Any) -> None:
         tmp = self.plan_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rooms": rooms, "seed": self.seed, "faults": faults}))
+        tmp.write_text(json.dumps({"rooms": rooms, "seed": self.seed, "faults": faults, **flags}))
         os.replace(tmp, self.plan_path)
 
     def phase(self, name: str, requests: list[Request], *, faults: str | None = None, concurrency: int = 4,
-              settle_s: float = 60.0, check_outputs: bool = True) -> Phase:
-        """Send `requests` (their numbers are what `faults` names) and judge their rooms."""
+              settle_s: float = 60.0, check_outputs: bool = True, scribble_freed: bool = False) -> Phase:
+        """Send `requests` (their numbers are what `faults` names) and judge their rooms.
+
+        `scribble_freed`: decode zeroes each finished room's pages right after SGLang
+        frees them (what a reused page's next writer does); nothing may be reported.
+        """
         assert self.cluster is not None, "start() the session first"
         t0 = time.monotonic()
         self.rooms.update({r.rid: r.number for r in requests})
-        self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None)
+        self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
+                         scribble_freed=scribble_freed)
         outcomes = send(self.cluster.url, requests, concurrency)
         phase = Phase(name, requests, outcomes, {})
         for o in outcomes:
@@ -170,6 +175,13 @@ class RigSession:
 
     def _fault_records(self, rids: set[str]) -> list[dict]:
         return [f for f in self._read("faults") if f.get("rid") in rids or f.get("partner_of") in rids]
+
+    def events(self, rids: set[str]) -> list[dict]:
+        """The in-server parts' other records (scribbled pages), for the phase's rooms."""
+        return [e for e in self._read("events") if e.get("rid") in rids]
+
+    def oracle(self, rids: set[str]) -> list[dict]:
+        return [o for o in self._read("oracle") if o.get("rid") in rids]
 
 
 def expected_output(request: Request) -> list[int]:

@@ -1,0 +1,73 @@
+"""SGLang 0.5.23's prefill and decode servers with their normal event loops, the
+decode radix cache on, NIXL over UCX on loopback, the probe switched on by its
+environment variable only: the test bed of record (docs/rig.md)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dsv4_idxk_probe.sglang.rig import launch, workload
+from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+
+from .conftest import decode_records, describe, start_session
+
+OPTIONS = launch.ServerOptions(decode_radix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    session = start_session(tmp_path_factory, "sglang-normal", OPTIONS)
+    yield session
+    session.stop()
+
+
+def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):
+    requests = workload.plan("faults", workload.WorkloadOptions(rooms=48, seed=1))
+    phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
+    assert phase.ok, describe(phase)
+    applied = [c for c in phase.verification.checks if c.record["applied"]]
+    kinds = {c.record["kind"] for c in applied}
+    assert kinds == {"bitflip", "byte_set", "zero_page", "swap_pages", "stale_page", "partial_write", "drop_page"}
+    assert {c.record["when"] for c in applied} == {"in_flight", "before_send", "after_recv", "after_step"}
+    assert any(c.expected for c in applied) and any(not c.expected for c in applied)  # seen, and invisible by design
+    assert phase.verification.verdicts.get("mismatch", 0) >= 8
+
+
+def test_500_clean_rooms_all_match_through_chunked_prefill_and_decode_prefix_hits(rig):
+    requests = workload.plan("clean", workload.WorkloadOptions(rooms=500, seed=2, max_new_tokens=24))
+    phase = rig.phase("clean", requests, settle_s=120.0)
+    assert phase.ok, describe(phase)
+    assert phase.verification.verdicts == {"match": 500}, describe(phase)
+    assert sum(len(r.input_ids) > OPTIONS.chunked_prefill_size for r in requests) > 300  # several chunks each
+    oracle = rig.oracle(set(phase.rooms))
+    prefix_rooms = {o["rid"] for o in oracle if o["start"] > 0}
+    assert len(prefix_rooms) >= 10, "the decode radix cache gave no prefix hits"
+    assert oracle and all(not o["cells"] for o in oracle)
+
+
+def test_aborted_requests_are_skipped_and_serving_goes_on(rig):
+    requests = workload.plan("abort", workload.WorkloadOptions(rooms=16, seed=3, aborts=(2, 5, 9, 13)))
+    phase = rig.phase("abort", requests)
+    judged = {r.rid for r in requests if r.abort_after_s is None}
+    assert not phase.failed_requests and not phase.wrong_outputs, describe(phase)
+    v = phase.verification
+    assert not v.unexplained and not v.oracle_disagreements, describe(phase)
+    assert v.verdicts.get("mismatch", 0) == 0 and v.verdicts.get("unverified", 0) == 0, describe(phase)
+    assert judged <= set(phase.rooms), "a request sent after the aborts was not verified"
+
+
+def test_the_warm_up_room_on_the_fake_bootstrap_host_is_skipped(rig):
+    skipped = [r for r in decode_records(rig) if r.get("verdict") == "skipped"]
+    assert any("fake bootstrap host" in str(r.get("reason")) for r in skipped), skipped[:3]
+
+
+def test_probe_metrics_are_on_sglangs_own_metrics_endpoint(rig):
+    status, body = launch.http_get(rig.cluster.server_url("decode") + "/metrics", timeout=10)
+    assert status == 200
+    text = body.decode()
+    matches = re.findall(r'dsv4_idxk_probe_rooms_verified_total\{[^}]*stage="decode_finish"[^}]*verdict="match"[^}]*\} (\S+)', text)
+    assert matches and float(matches[0]) >= 1, text[:2000]
+    status, body = launch.http_get(rig.cluster.server_url("prefill") + "/metrics", timeout=10)
+    assert status == 200 and "dsv4_idxk_probe_rooms_digested_total" in body.decode()
