@@ -127,7 +127,7 @@ class DecodeMonitor:
             if state is not None:
                 state.retired = reason
                 state.unsafe = {id(p) for p in state.pending if not p.ready()}
-        self._publish(room, stage, None, "skipped", reason, None, None, None)
+        self._publish(room, stage, None, "skipped", reason, None, None, state)
 
     def tracked(self) -> int:
         with self._lock:
@@ -244,6 +244,7 @@ class DecodeMonitor:
             comparison=comparison,
             first_divergence=state.first_divergence if state is not None else None,
             extra=state.extra if state is not None and state.extra else None,
+            tokens=state.n_tokens if state is not None else None,
         )
         safe_invoke("decode.emit", self.emit, record)
         if self.on_verdict is not None:

@@ -52,6 +52,7 @@ def room_record(
     comparison: Comparison | None = None,
     first_divergence: str | None = None,
     extra: dict[str, Any] | None = None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
     """Build one ``kind: room`` record (plain JSON types only)."""
     if stage not in STAGES:
@@ -76,6 +77,8 @@ def room_record(
         "localisation": comparison.to_record() if comparison is not None and comparison.verdict == "mismatch" else None,
         "first_divergence": first_divergence,
     }
+    if tokens is not None and digest is None:  # which transfer a record without a digest belongs to
+        record["tokens"] = int(tokens)
     if extra:
         record["extra"] = extra
     return record

@@ -67,8 +67,9 @@ class Packed(NamedTuple):
         )
 
 
-def _order(stage: "StageResult") -> tuple[int, int]:
-    return (STAGE_ORDER[stage.stage], stage.step or 0)
+def _order(stage: "StageResult") -> tuple[int, int, int]:
+    """Transfer first (a rebootstrapped room is sent again), then stage, then step."""
+    return (stage.transfer, STAGE_ORDER[stage.stage], stage.step or 0)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,8 @@ class StageResult:
     file: str
     line: int
     comparison: Comparison | None = None
+    tokens: int | None = None  # tokens of the transfer this stage judged (None: no digest, no tokens field)
+    transfer: int = 0  # which transfer of the room: 0, then 1 after a rebootstrap, ...
 
     @property
     def where(self) -> str:
@@ -99,6 +102,10 @@ class StageResult:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": self.stage, "step": self.step, "verdict": self.verdict}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        if self.transfer:
+            out["transfer"] = self.transfer
         if self.reason:
             out["reason"] = self.reason
         if self.live_verdict is not None and self.live_verdict != self.verdict:
@@ -125,6 +132,15 @@ class RoomResult:
     has_prefill: bool = False
     n_pages: int = 0
     layer_ids: tuple = ()
+    transfers: list = field(default_factory=list)  # token counts of its transfers, in the order seen
+
+    def transfer_of(self, tokens: int | None) -> int:
+        """The index of the transfer of `tokens` tokens (a record without tokens joins the latest)."""
+        if tokens is None:
+            return max(len(self.transfers) - 1, 0)
+        if tokens not in self.transfers:
+            self.transfers.append(tokens)
+        return self.transfers.index(tokens)
 
     @property
     def ordered(self) -> list[StageResult]:
@@ -171,6 +187,7 @@ class RoomResult:
             "last_match_before": {"stage": intact.stage, "step": intact.step} if first and intact else None,
             "stages": [s.to_json() for s in ordered],
             "closed": self.closed,
+            **({"transfers": list(self.transfers)} if len(self.transfers) > 1 else {}),
         }
 
 
@@ -342,7 +359,7 @@ class _Joiner:
 
     def __init__(self, analysis: Analysis):
         self.a = analysis
-        self.prefill: dict[Key, Packed | None] = {}
+        self.prefill: dict[Key, dict[int | None, Packed | None]] = {}  # (room, attempt) -> tokens -> digest
         self.prefill_skipped: set[Key] = set()
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
 
@@ -379,39 +396,46 @@ class _Joiner:
             raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
         digest = rec.get("digest")
         packed = pack_digest(digest) if digest is not None else None
+        tokens = packed.n_tokens if packed is not None else rec.get("tokens")
+        tokens = tokens if type(tokens) is int else None
         key = (room, attempt)
         if stage == "prefill_send":
-            self._add_prefill(key, packed, verdict)
+            self._add_prefill(key, tokens, packed, verdict)
             return
         ts = rec.get("ts")
-        result = StageResult(stage, step, "", "", verdict, ts if type(ts) is float or type(ts) is int else None, file, line)
+        result = StageResult(stage, step, "", "", verdict, ts if type(ts) is float or type(ts) is int else None, file, line,
+                             tokens=tokens)
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])
-        else:
-            for s in found.stages:
-                if s.stage == stage and s.step == step:
-                    self.a.duplicates += 1
-                    return
+        result.transfer = found.transfer_of(tokens)
+        for s in found.stages:
+            if s.stage == stage and s.step == step and s.transfer == result.transfer:
+                self.a.duplicates += 1
+                return
         found.stages.append(result)
         if key in self.prefill:
             self._judge(key, found, result, packed)
         else:
             self.deferred.append((key, result, packed))
 
-    def _add_prefill(self, key: Key, packed: Packed | None, verdict: str | None) -> None:
-        if key in self.prefill:
-            if self.prefill[key] == packed:
+    def _add_prefill(self, key: Key, tokens: int | None, packed: Packed | None, verdict: str | None) -> None:
+        """One prefill record per transfer: a rebootstrapped room is sent again, with more tokens."""
+        sent = self.prefill.setdefault(key, {})
+        if tokens in sent:
+            if sent[tokens] == packed:
                 self.a.duplicates += 1
             else:
                 self.a.conflicts += 1  # keep the first; the summary says how many disagreed
             return
-        self.prefill[key] = packed
+        sent[tokens] = packed
         if verdict == "skipped":
             self.prefill_skipped.add(key)
 
     def _judge(self, key: Key, room: RoomResult, result: StageResult, observed: Packed | None) -> None:
-        expected = self.prefill.get(key)
+        sent = self.prefill.get(key, {})
+        # the transfer of the same length; else the latest one (a length that differs is not comparable)
+        expected = sent.get(result.tokens) if result.tokens in sent else (list(sent.values())[-1] if sent else None)
         room.has_prefill = key in self.prefill
         if expected is not None and not room.layer_ids:
             room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8

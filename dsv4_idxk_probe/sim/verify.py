@@ -23,8 +23,15 @@ from ..roomlog.reader import expand_inputs
 STAGE_RANK = {"decode_recv": 0, "decode_step": 1, "decode_finish": 2}
 
 
-def stage_key(stage: str, step: int | None) -> tuple[int, int]:
-    return STAGE_RANK[stage], step or 0
+def stage_key(stage: str, step: int | None, transfer: int = 0) -> tuple[int, int, int]:
+    """Order of a digest point: transfer (a rebootstrapped room is sent again), stage, step."""
+    return transfer, STAGE_RANK[stage], step or 0
+
+
+def _transfer(transfers: dict, room: int, tokens: int | None) -> int:
+    """Which transfer of `room` had `tokens` tokens (the diff lists them for rooms sent more than once)."""
+    sent = transfers.get(room) or []
+    return sent.index(tokens) if tokens in sent else 0
 
 
 def stage_label(stage: str | None, step: int | None) -> str:
@@ -90,13 +97,18 @@ def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[
             verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
         status = 1 if verdicts.get("mismatch") else 0
     result = Verification(status, Path(log_dir) / "diff.json", verdicts=verdicts)
-    stages = {room: {stage_key(s["stage"], s["step"]): s for s in r["stages"]} for room, r in rooms.items()}
+    stages = {room: {stage_key(s["stage"], s["step"], s.get("transfer", 0)): s for s in r["stages"]}
+              for room, r in rooms.items()}
+    transfers = {room: r.get("transfers") for room, r in rooms.items()}
+    faults = [dict(f, effects=[dict(e, transfer=_transfer(transfers, e["room"], e.get("tokens"))) for e in f["effects"]])
+              for f in faults]
+    oracle = [dict(o, transfer=_transfer(transfers, o["room"], o.get("n_tokens"))) for o in oracle]
     earliest = _earliest(faults)
-    result.checks = [_check_fault(rec, stages, earliest) for rec in sorted(faults, key=lambda f: (f["fault"], f["room"]))]
+    result.checks = [_check_fault(rec, stages, earliest) for rec in sorted(faults, key=lambda f: (f["fault"], f["room"] or 0))]
     result.unexplained = _unexplained(stages, faults)
     result.oracle_checked, result.oracle_disagreements = _against_oracle(stages, oracle)
     result.unfinished = sorted(
-        room for room in planned if stage_key("decode_finish", None) not in stages.get(room, {})
+        room for room in planned if not any(k[1:] == stage_key("decode_finish", None)[1:] for k in stages.get(room, {}))
     )
     return result
 
@@ -133,7 +145,7 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
     problems, seen, where = [], [], []
     for effect in visible:
         room_stages = stages.get(effect["room"], {})
-        want = stage_key(effect["stage"], effect["step"])
+        want = stage_key(effect["stage"], effect["step"], effect.get("transfer", 0))
         cells = _effect_cells(effect)
         # a cell another fault changed earlier may show before this fault's own stage
         allowed = min(earliest.get((effect["room"], c), want) for c in cells)
@@ -163,7 +175,7 @@ def _earliest(faults: list[dict]) -> dict:
         for e in record["effects"]:
             if e["stage"] is None:
                 continue
-            key = stage_key(e["stage"], e["step"])
+            key = stage_key(e["stage"], e["step"], e.get("transfer", 0))
             for cell in _effect_cells(e):
                 out[(e["room"], cell)] = min(out.get((e["room"], cell), key), key)
     return out
@@ -175,7 +187,8 @@ def _unexplained(stages: dict, faults: list[dict]) -> list[str]:
     for record in faults:
         for e in record["effects"]:
             if e["stage"] is not None:
-                explained.setdefault(e["room"], []).append((stage_key(e["stage"], e["step"]), _effect_cells(e)))
+                explained.setdefault(e["room"], []).append((stage_key(e["stage"], e["step"], e.get("transfer", 0)),
+                                                            _effect_cells(e)))
     out = []
     for room, by_key in sorted(stages.items()):
         for key, s in sorted(by_key.items()):
@@ -197,7 +210,7 @@ def _against_oracle(stages: dict, oracle: list[dict]) -> tuple[int, list[str]]:
     """Probe verdict and localisation versus the oracle's frozen-byte comparison, per digest point."""
     bad = []
     for o in oracle:
-        s = stages.get(o["room"], {}).get(stage_key(o["stage"], o["step"]))
+        s = stages.get(o["room"], {}).get(stage_key(o["stage"], o["step"], o.get("transfer", 0)))
         label = f"room {o['room']} {stage_label(o['stage'], o['step'])}"
         if s is None:
             bad.append(f"{label}: no probe record")

@@ -23,6 +23,11 @@ only, by the rig's plugin (`plugin.load`).
 6. ``mem_cache.pool_host.common._cuda_host_register``: HiCache pins its host
    pools with cudaHostRegister; without CUDA there is nothing to pin, so the
    host pool stays plain (pageable) host memory.
+7. ``mem_cache.memory_pool_host.transfer_kv_direct``: the "direct" io
+   backend's row copy is an sgl_kernel op with no CPU build; the stand-in
+   copies the same rows with ``index_select`` / ``index_copy_``, layer by
+   layer. Only this op: the pools' own branch choice (page rows or the
+   token-granular ``transfer_cache_dsv4_mla``) stays SGLang's.
 """
 
 from __future__ import annotations
@@ -146,6 +151,22 @@ def _no_pinning(wrapped, instance, args, kwargs):
     return None
 
 
+# %% 7. HiCache's direct row copy
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size=1):
+    """dst_layers[i][dst_indices] = src_layers[i][src_indices], rows along the first dimension."""
+    src_rows = src_indices.to(torch.int64).cpu()
+    dst_rows = dst_indices.to(torch.int64).cpu()
+    for src, dst in zip(src_layers, dst_layers):
+        dst.index_copy_(0, dst_rows.to(dst.device), src.index_select(0, src_rows.to(src.device)).to(dst.device))
+
+
+def _patch_host_pools(module) -> None:
+    if not torch.cuda.is_available() and not hasattr(module, "transfer_kv_direct"):
+        module.transfer_kv_direct = transfer_kv_direct
+
+
 # %% registration
 
 _applied = False
@@ -175,3 +196,4 @@ def apply() -> None:
         lambda m: wrapt.wrap_function_wrapper(m, "_cuda_host_register", _no_pinning),
         "sglang.srt.mem_cache.pool_host.common",
     )
+    wrapt.register_post_import_hook(_patch_host_pools, "sglang.srt.mem_cache.memory_pool_host")

@@ -214,15 +214,15 @@ def expectations(fault_records: list[dict], oracle: list[dict]) -> list[dict]:
         if not f.get("partner_of"):
             record.update(room=room, rig_room=f.get("rig_room"), applied=f["applied"], reason=f.get("reason", ""))
         for layer, page, segment in f.get("cells", []):
-            stage, step = _first_seen(points.get(int(room), []) if room is not None else [], f.get("point", 0),
-                                      (layer, page, segment))
+            stage, step, tokens = _first_seen(points.get(int(room), []) if room is not None else [], f.get("point", 0),
+                                              (layer, page, segment))
             record["effects"].append({"room": room, "layers": [layer], "page": page, "segments": [segment],
-                                      "stage": stage, "step": step})
+                                      "stage": stage, "step": step, "tokens": tokens})
     return list(merged.values())
 
 
-def _first_seen(points: list[dict], after: int, cell: tuple) -> tuple[str | None, int | None]:
+def _first_seen(points: list[dict], after: int, cell: tuple) -> tuple[str | None, int | None, int | None]:
     for o in points:
         if o.get("index", 0) >= after and list(cell) in o["cells"]:
-            return o["stage"], o["step"]
-    return None, None
+            return o["stage"], o["step"], o.get("n_tokens")
+    return None, None, None
