@@ -331,9 +331,12 @@ def decode_room(wrappers, decode, prefill_meta_row, room: int, row: int, n_token
     return req, batch
 
 
-def finish_room(step_wrapper, req, batch, timer: Timer):
+def finish_room(step_wrapper, release_wrapper, req, batch, timer: Timer):
+    """As SGLang finishes a room: release_kv_cache inside the batch's result processing
+    (the probe's finish digest, before the free), then the batch hook after it."""
     req.finished_reason = "length"
     with SyncGuard():
+        timer.run("decode release_kv_cache (finish)", release_wrapper, lambda *a, **k: None, None, (req, None), {})
         timer.run("decode process_batch_result_decode (finish)", step_wrapper, lambda *a, **k: None, None,
                   (batch, None), {})
 
@@ -392,7 +395,7 @@ def main() -> int:
     runtime.attach("decode", dec_side)
     pre_wrappers = (pd_prefill.make_send_kv_chunk_wrapper(runtime), pd_prefill.make_sender_send_wrapper(runtime))
     dec_wrappers = (pd_decode.make_send_kv_metadata_wrapper(runtime), pd_decode.make_commit_transfer_wrapper(runtime),
-                    pd_decode.make_decode_step_wrapper(runtime))
+                    pd_decode.make_decode_step_wrapper(runtime), pd_decode.make_release_wrapper(runtime))
 
     perm_pre = rng.permutation(args.pages - 1)[: total_rooms * pages_per_room] + 1
     perm_dec = rng.permutation(args.pages - 1)[: total_rooms * pages_per_room] + 1
@@ -429,7 +432,7 @@ def main() -> int:
                 break
             del req
         for req, batch in live:
-            finish_room(dec_wrappers[2], req, batch, timer)
+            finish_room(dec_wrappers[2], dec_wrappers[3], req, batch, timer)
     if sum(safety.error_counts().values()) != errors_before and not failures:
         failures.append(f"the probe failed (a sync?):\n{first_error.first}")
 

@@ -57,7 +57,8 @@ class ServerOptions:
     prefill_hicache: bool = False  # --enable-hierarchical-cache on prefill
     decode_hicache: bool = False  # HiCache on decode (needed by host-receive; implies the decode radix cache)
     decode_host_receive_threshold: float | None = None  # --disaggregation-decode-host-receive-threshold
-    hicache_io_backend: str = "direct"
+    hicache_io_backend: str = "direct"  # with layer_first: the one copy cpu_patches can stand in for
+    hicache_mem_layout: str = "layer_first"
     hicache_ratio: float = 2.0
     extra_prefill: tuple[str, ...] = ()
     extra_decode: tuple[str, ...] = ()
@@ -174,7 +175,7 @@ def server_args(role: str, model_dir: Path, ports: Ports, opts: ServerOptions) -
     hicache = opts.prefill_hicache if role == "prefill" else opts.decode_hicache
     if hicache:
         args += ["--enable-hierarchical-cache", "--hicache-io-backend", opts.hicache_io_backend,
-                 "--hicache-ratio", str(opts.hicache_ratio)]
+                 "--hicache-mem-layout", opts.hicache_mem_layout, "--hicache-ratio", str(opts.hicache_ratio)]
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(ports.bootstrap), *opts.extra_prefill]
     else:

@@ -1,0 +1,71 @@
+"""HiCache on prefill (`--enable-hierarchical-cache`, direct io backend, layer_first):
+SGLang's own DeepSeek-V4 host pools back device pages up and load them back for
+prefix hits, through the wrapped backup/load methods and the probe's branch counters.
+Prompts that come back after their device pages were evicted are served from the host
+pool, so their index-K travels device -> host -> device -> decode and must still match.
+
+HiCache on decode cannot run with DeepSeek-V4 on SGLang 0.5.23 (decode's radix cache
+with HiCache is refused for sliding-window models; docs/rig.md), so neither can
+host-receive decode; test_sglang_refuses_hicache_on_a_dsv4_decode_server shows it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsv4_idxk_probe.sglang.rig import launch, workload
+from dsv4_idxk_probe.sglang.rig.workload import Request
+
+from .conftest import describe, start_session
+
+# a small device pool on prefill, so the radix cache evicts to the host pool
+OPTIONS = launch.ServerOptions(prefill_hicache=True, extra_prefill=("--max-total-tokens", "16384"))
+INDEXER_POOL = "deepseek_v4_c4_indexer"
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    session = start_session(tmp_path_factory, "sglang-hicache", OPTIONS)
+    yield session
+    session.stop()
+
+
+def copies(session, direction: str, branch: str, pool: str = INDEXER_POOL) -> float:
+    status, body = launch.http_get(session.cluster.server_url("prefill") + "/metrics", timeout=10)
+    assert status == 200
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("dsv4_idxk_probe_hicache_copies_total{") and f'pool="{pool}"' in line \
+                and f'direction="{direction}"' in line and f'branch="{branch}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_prefixes_backed_up_and_loaded_back_from_the_host_pool_still_match_on_decode(rig):
+    first = workload.plan("hicache", workload.WorkloadOptions(rooms=24, seed=8, min_prompt=1500, max_new_tokens=12,
+                                                              shared_prefix_share=0.0))
+    phase = rig.phase("fill", first)
+    assert phase.ok, describe(phase)
+    assert copies(rig, "d2h", "page") > 0, "nothing was backed up to the host pool"
+    again = [Request(100 + r.number, f"again-{r.number}", r.input_ids, r.max_new_tokens) for r in first[:8]]
+    phase = rig.phase("again", again)
+    assert phase.ok, describe(phase)
+    assert copies(rig, "h2d", "page") > 0, "no prefix came back from the host pool"
+    assert copies(rig, "d2h", "token") == 0 and copies(rig, "h2d", "token") == 0  # index-K stayed page-aligned
+    assert phase.verification.verdicts == {"match": 8}, describe(phase)
+
+
+def test_sglang_refuses_hicache_on_a_dsv4_decode_server(tmp_path):
+    model = launch.write_model_dir(tmp_path / "model")
+    ports = launch.Ports.free()
+    args = launch.server_args("decode", model, ports, launch.ServerOptions(decode_hicache=True))
+    env = launch.server_env(dict(__import__("os").environ), launch.rig_plugin_site(tmp_path / "site"),
+                            tmp_path, "decode")
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode != 0
+    assert re.search(r"sliding window attention \(SWA\) models currently supports only device-resident cache",
+                     out.stdout + out.stderr), (out.stdout + out.stderr)[-2000:]
