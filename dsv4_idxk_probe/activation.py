@@ -159,15 +159,13 @@ def _teardown(runtime: Any, patcher: Any) -> None:
 
 
 def _start_exporter(runtime: Any) -> None:
+    """Inside SGLang the probe opens no listener: its metrics go out through SGLang's
+    /metrics (``--enable-metrics``, which sets PROMETHEUS_MULTIPROC_DIR). A
+    ``metrics.port`` in the config is for standalone processes (`metrics.serving.expose`)."""
     port = runtime.config.metrics.port
     if port is None:
         return
-    try:
-        from .metrics.serving import expose
-
-        started = expose(port)
-        if started is not None:
-            server, _thread = started
-            runtime.on_close(lambda: (server.shutdown(), server.server_close()))
-    except Exception as exc:
-        log.error("dsv4-idxk-probe: metrics port %s not served: %s", port, exc)
+    log.warning(
+        "dsv4-idxk-probe: metrics.port %s is not served inside SGLang; the probe's metrics are on SGLang's "
+        "/metrics (start SGLang with --enable-metrics)", port,
+    )

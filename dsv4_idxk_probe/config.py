@@ -12,7 +12,9 @@ so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,6 +25,9 @@ from . import environment_variables as ev
 
 MODES = ("observe", "enforce")
 DEFAULT_TARGETS = ("sglang-0.5.23",)
+MAX_CONFIG_BYTES = 1 << 20  # a probe config is a few hundred bytes; a bigger file is a mistake
+#: Path of the exchange's shared secret; overrides ``exchange.secret_file`` (docs/security.md).
+EXCHANGE_SECRET_FILE_ENV = "DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE"
 
 
 class ConfigError(ValueError):
@@ -41,6 +46,9 @@ class ExchangeConfig:
     table_size: int = 4096
     max_request_bytes: int = 4096
     backoff_s: float = 5.0
+    secret_file: str | None = None  # shared by prefill and decode; none: the server stays on loopback
+    max_connections: int = 64  # per prefill server; 16 of them may be unauthenticated at once
+    idle_s: float = 60.0  # an authenticated peer silent this long is dropped (it reconnects when it asks)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class DigestConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = None  # our own exporter, only outside SGLang (it serves /metrics itself)
+    addr: str = "127.0.0.1"  # where that exporter listens; a wildcard or routable address is logged at WARNING
 
 
 @dataclass(frozen=True)
@@ -86,10 +95,16 @@ class ProbeConfig:
 # %% field checks
 
 
-def _int(source, where, value, minimum):
+def _int(source, where, value, minimum, maximum=None):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{source}: {where} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{source}: {where} must be an integer <= {maximum:_}, got {value:_}")
     return value
+
+
+def _bounded(minimum, maximum):
+    return lambda source, where, value: _int(source, where, value, minimum, maximum)
 
 
 def _port(source, where, value):
@@ -110,7 +125,13 @@ def _bool(source, where, value):
 def _str(source, where, value):
     if not isinstance(value, str):
         raise ConfigError(f"{source}: {where} must be a string, got {value!r}")
+    if len(value) > 4096 or "\x00" in value:
+        raise ConfigError(f"{source}: {where} must be a string of at most 4096 characters without NUL")
     return value
+
+
+def _optional_str(source, where, value):
+    return None if value is None else _str(source, where, value)
 
 
 def _choice(*allowed):
@@ -122,10 +143,15 @@ def _choice(*allowed):
     return check
 
 
-def _positive(source, where, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{source}: {where} must be a number > 0, got {value!r}")
-    return float(value)
+def _seconds(maximum):
+    def check(source, where, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{source}: {where} must be a number > 0, got {value!r}")
+        if not math.isfinite(value) or value > maximum:
+            raise ConfigError(f"{source}: {where} must be a number of seconds <= {maximum}, got {value!r}")
+        return float(value)
+
+    return check
 
 
 _CHECKS = {
@@ -133,20 +159,23 @@ _CHECKS = {
         "enabled": _bool,
         "bind": _str,
         "port_base": lambda s, w, v: _port(s, w, v) or 0,
-        "timeout_ms": lambda s, w, v: _int(s, w, v, 1),
+        "timeout_ms": _bounded(1, 60_000),
         "fetch_always": _bool,
-        "table_size": lambda s, w, v: _int(s, w, v, 1),
-        "max_request_bytes": lambda s, w, v: _int(s, w, v, 64),
-        "backoff_s": _positive,
+        "table_size": _bounded(1, 1_000_000),
+        "max_request_bytes": _bounded(64, 1 << 20),
+        "backoff_s": _seconds(3600),
+        "secret_file": _optional_str,
+        "max_connections": _bounded(1, 4096),
+        "idle_s": _seconds(86_400),
     },
     "roomlog": {
         "dir": _str,
-        "max_bytes": lambda s, w, v: _int(s, w, v, 1024),
-        "max_files": lambda s, w, v: _int(s, w, v, 1),
+        "max_bytes": _bounded(1024, 1 << 36),
+        "max_files": _bounded(1, 10_000),
         "gzip": _bool,
-        "queue_size": lambda s, w, v: _int(s, w, v, 1),
+        "queue_size": _bounded(1, 1_000_000),
     },
-    "metrics": {"port": _port},
+    "metrics": {"port": _port, "addr": _str},
     "digest": {"collector_wait": _choice("block", "poll")},  # digest.engine.WAITS (a test keeps them equal)
 }
 _SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig, "digest": DigestConfig}
@@ -160,10 +189,17 @@ def _section(source: str, name: str, value: Any):
     if not isinstance(value, Mapping):
         raise ConfigError(f"{source}: {name} must be a mapping, got {type(value).__name__}")
     checks = _CHECKS[name]
+    _string_keys(source, name, value)
     unknown = sorted(set(value) - set(checks))
     if unknown:
         raise ConfigError(f"{source}: {name} has unknown key(s) {unknown}; known: {sorted(checks)}")
     return cls(**{key: checks[key](source, f"{name}.{key}", v) for key, v in value.items()})
+
+
+def _string_keys(source: str, where: str, mapping: Mapping) -> None:
+    odd = [k for k in mapping if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{source}: {where} keys must be strings, got {odd[0]!r}")
 
 
 def _resolve_path(base: Path | None, value: str) -> str:
@@ -179,6 +215,7 @@ def _hicache(source: str, value: Any) -> dict:
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{source}: hicache must be a mapping, got {type(value).__name__}")
+    _string_keys(source, "hicache", value)
     try:
         from .hicache.settings import HiCacheConfigError, parse_settings
     except ImportError:  # the HiCache checks are not part of this build
@@ -200,6 +237,7 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
         document = {}
     if not isinstance(document, Mapping):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(document).__name__}")
+    _string_keys(source, "the top level", document)
     unknown = sorted(set(document) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
@@ -211,12 +249,13 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
     if document.get("layouts") is not None:
         values["layouts"] = _resolve_path(base_dir, _str(source, "layouts", document["layouts"]))
     if "step_interval" in document:
-        values["step_interval"] = _int(source, "step_interval", document["step_interval"], 0)
+        values["step_interval"] = _int(source, "step_interval", document["step_interval"], 0, 1_000_000)
     if "targets" in document:
         targets = document["targets"]
         if isinstance(targets, str):
             targets = [targets]
-        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        if (not isinstance(targets, list) or not targets or len(targets) > 64
+                or not all(isinstance(t, str) and t and len(t) <= 4096 and "\x00" not in t for t in targets)):
             raise ConfigError(f"{source}: targets must be a non-empty list of file names or paths, got {targets!r}")
         values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t) for t in targets)
     for name in _SECTION_TYPES:
@@ -224,6 +263,10 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
             values[name] = _section(source, name, document[name])
     if "roomlog" in values and base_dir is not None:
         values["roomlog"] = replace(values["roomlog"], dir=_resolve_path(base_dir, values["roomlog"].dir))
+    if "exchange" in values and values["exchange"].secret_file:
+        values["exchange"] = replace(
+            values["exchange"], secret_file=_resolve_path(base_dir, values["exchange"].secret_file)
+        )
     if "hicache" in document:
         values["hicache"] = _hicache(source, document["hicache"])
     config = ProbeConfig(**values)
@@ -241,18 +284,65 @@ def _check_layouts(config: ProbeConfig) -> None:
         raise ConfigError(f"{config.source}: layouts: {exc}") from None
 
 
+def read_small_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """A regular file's text, UTF-8, size-capped before it is read.
+
+    Opened non-blocking, so a FIFO never hangs the caller; /dev/zero and
+    other devices are refused by type, a big file by its size. Every
+    problem is a `ConfigError` naming the file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: cannot read {what}: not a regular file")
+        if info.st_size > max_bytes:
+            raise ConfigError(f"{path}: {what} is {info.st_size:,} bytes, over the {max_bytes:,}-byte limit")
+        chunks, size = [], 0
+        while True:  # the size can change under us: read at most one byte past the cap
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                raise ConfigError(f"{path}: {what} grew over the {max_bytes:,}-byte limit while read")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: {what} is not UTF-8 text (byte {exc.start})") from None
+
+
 def load_file(path: str | os.PathLike) -> ProbeConfig:
     """Read and validate one YAML config file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    text = read_small_text(path, "config file")
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
     return parse_config(document, str(path), path.parent)
+
+
+def _check_secret(config: ProbeConfig) -> None:
+    """A configured secret must be readable now: a typo must not leave the exchange open or off silently."""
+    if not config.exchange.secret_file:
+        return
+    from .exchange.auth import SecretError, load_secret
+
+    try:
+        load_secret(config.exchange.secret_file)
+    except SecretError as exc:
+        raise ConfigError(f"{config.source}: exchange.secret_file: {exc}") from None
 
 
 def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
@@ -272,6 +362,10 @@ def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
     targets = env.get(ev.DSV4_IDXK_PROBE_TARGETS, "").strip()
     if targets:
         config = replace(config, targets=tuple(t.strip() for t in targets.split(",") if t.strip()))
+    secret_file = env.get(EXCHANGE_SECRET_FILE_ENV, "").strip()
+    if secret_file:
+        config = replace(config, exchange=replace(config.exchange, secret_file=secret_file))
+    _check_secret(config)
     if config.enforce and env.get(ev.DSV4_IDXK_PROBE_FAULTS, "").strip():
         raise ConfigError(
             f"environment: {ev.DSV4_IDXK_PROBE_FAULTS} (fault injection) cannot be combined with enforce mode"

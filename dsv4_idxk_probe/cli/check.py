@@ -4,7 +4,8 @@ Resolves every target of the table(s) against the installed SGLang (importing
 the target modules, patching nothing) and prints one line per target: status,
 kind, role, required, where, and why a target is missing or changed. Exit 0
 when every required target resolves, 1 when one does not, 2 when a target
-file is invalid (the message names file, line and field).
+file is invalid (the message names file, line and field), 3 on an internal
+error (`dsv4-idxk-probe --help` has the table for every command).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _default_targets() -> list[str]:
 
         return list(load_config().targets)
     except ConfigError as exc:
-        print(f"note: config not used ({exc})", file=sys.stderr)
+        print(f"dsv4-idxk-probe check: note: config not used ({exc})", file=sys.stderr)
     from ..config import DEFAULT_TARGETS
 
     return list(DEFAULT_TARGETS)
@@ -54,7 +55,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         targets = load_targets(names)
     except TargetFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"dsv4-idxk-probe check: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as exc:  # a table the loader could not even read: still bad input
+        print(f"dsv4-idxk-probe check: cannot read target table ({', '.join(names)}): {exc}", file=sys.stderr)
         return 2
     rows = []
     for target in targets:

@@ -2,7 +2,8 @@
 
 Exit status: 0 every injected fault was found where and when expected and
 nothing else was reported; 1 the probe missed or invented something; 2 bad
-input (fault spec, probe config, rig settings) or a rig failure.
+input (fault spec, probe config, rig settings) or a rig failure; 3 an
+internal error (`dsv4-idxk-probe --help` has the table for every command).
 """
 
 from __future__ import annotations

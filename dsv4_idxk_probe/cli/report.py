@@ -1,8 +1,9 @@
 """`dsv4-idxk-probe report`: one self-contained HTML page of what the room logs say.
 
-Exit status: 0 the page was written; 2 bad input (nothing readable) or the
-page could not be written. Findings do not change the status: `diff` is the
-tool for a pass/fail answer.
+Exit status (`dsv4-idxk-probe --help` has the table for every command): 0
+the page was written; 2 bad input (nothing readable) or the page could not
+be written. Findings do not change the status: `diff` is the tool for a
+pass/fail answer. ``-o -`` writes the page to stdout.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ HELP = "write an HTML report: summary, a (layer x page) heatmap per bad room, ve
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="+", metavar="LOG", help="room logs: files, directories or globs (rotated, .gz)")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="HTML file to write")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="HTML file to write ('-': stdout)")
     parser.add_argument("--title", default="dsv4-idxk-probe report", help="page title")
     parser.add_argument("--max-rooms", type=int, default=50, metavar="N", help="bad rooms drawn (50)")
+
+
+PREFIX = "dsv4-idxk-probe report:"
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         paths = expand_inputs(args.logs)
     except InputError as exc:
-        print(f"dsv4-idxk-probe report: {exc}", file=sys.stderr)
+        print(f"{PREFIX} {exc}", file=sys.stderr)
         return 2
     analysis = analyse(paths)
     for message in analysis.errors[:20]:
@@ -38,13 +42,16 @@ def main(args: argparse.Namespace) -> int:
     if analysis.n_errors > 20:
         print(f"... and {analysis.n_errors - 20} more bad lines (listed in the report)", file=sys.stderr)
     if not analysis.record_kinds:
-        print("dsv4-idxk-probe report: no records found in the inputs", file=sys.stderr)
+        print(f"{PREFIX} no records found in the inputs", file=sys.stderr)
         return 2
     page = render(analysis, title=args.title, max_rooms=max(0, args.max_rooms))
+    if args.output == "-":
+        sys.stdout.write(page)
+        return 0
     try:
         write_atomically(args.output, page)
     except OSError as exc:
-        print(f"dsv4-idxk-probe report: cannot write {args.output}: {exc}", file=sys.stderr)
+        print(f"{PREFIX} cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({len(analysis.rooms):,} rooms, {len(analysis.bad_rooms()):,} not matching)")
     return 0

@@ -123,10 +123,24 @@ class Comparison:
         }
 
 
+def _span(layer_ids: tuple[int, ...]) -> str:
+    return f"({layer_ids[0]}..{layer_ids[-1]})" if layer_ids else "()"
+
+
 def compare(expected: RoomDigest, observed: RoomDigest) -> Comparison:
     """Compare two digests of the same room; localise any difference."""
     if expected.signature != observed.signature:
         return Comparison("not_comparable", "layout signature differs")
+    if expected.layer_ids != observed.layer_ids:
+        return Comparison(
+            "not_comparable",
+            f"layers differ: {len(expected.layer_ids)} layers {_span(expected.layer_ids)} "
+            f"vs {len(observed.layer_ids)} {_span(observed.layer_ids)}",
+        )
+    if expected.segments != observed.segments:
+        return Comparison("not_comparable", f"segments differ: {','.join(expected.segments)} vs {','.join(observed.segments)}")
+    if expected.layer_segment.shape != observed.layer_segment.shape:
+        return Comparison("not_comparable", "layer_segment shapes differ")
     if expected.n_tokens != observed.n_tokens or expected.n_pages != observed.n_pages:
         return Comparison(
             "not_comparable",

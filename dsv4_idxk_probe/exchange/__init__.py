@@ -2,11 +2,12 @@
 
 The room digest rides in band (SGLang's metadata row); the (layer, segment)
 matrix and page vector that localise a mismatch are served by each prefill
-scheduler from its bounded table of recent rooms, over ZMQ::
+scheduler from its bounded table of recent rooms, over TCP with a shared
+secret (docs/security.md)::
 
-    server = VectorServer(monitor.lookup, bind="10.0.0.5", port=0)
+    server = VectorServer(monitor.lookup, bind="10.0.0.5", port=0, secret_file="/etc/probe/secret")
     server.start()                      # daemon thread; server.endpoint -> (host, port)
-    client = VectorClient(timeout_ms=200)
+    client = VectorClient(timeout_ms=200, secret_file="/etc/probe/secret")
     digest = client.fetch(server.endpoint, "1234/0")   # RoomDigest, or None
     client.close(); server.close()
 
@@ -23,7 +24,7 @@ _LAZY = {"VectorClient": ".client", "VectorServer": ".server", "ExchangeError": 
 
 
 def __getattr__(name):
-    """ZMQ is imported only by the sides that use the exchange."""
+    """The exchange's modules (and msgspec) are imported only by the sides that use it."""
     if name in _LAZY:
         import importlib
 

@@ -35,12 +35,30 @@ VERDICT_SET = frozenset(VERDICTS)
 SEVERITY = {"mismatch": 4, "not_comparable": 3, "unverified": 2, "match": 1, "skipped": 0}
 DECISIVE = ("match", "mismatch", "not_comparable")
 MAX_ERRORS_KEPT = 10_000
+MAX_ROOM_CHARS = 256
+MAX_TS = 1e11  # the year 5138: anything later is not a timestamp
 
 Key = tuple  # (room: str, attempt: int)
 
 
 class RecordError(ValueError):
     """A record that parses but breaks the schema; the message names the field."""
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, never longer than a line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _printable(text: str) -> str:
+    """Text any output can carry: a lone surrogate (which the writer's JSON fallback can
+    produce) becomes its escape, the same for prefill and decode, so rooms still join."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
 
 
 class Packed(NamedTuple):
@@ -287,14 +305,14 @@ _signatures: dict[str, int] = {}
 def _shape(layer_ids: Any, segments: Any) -> tuple[tuple, tuple]:
     if type(layer_ids) is not list or type(segments) is not list:
         raise RecordError("digest.layer_ids and digest.segments must be lists")
+    # Types first: a list or dict inside cannot be hashed into the cache key.
+    if any(type(i) is not int for i in layer_ids):
+        raise RecordError("digest.layer_ids must be a list of integers")
+    if not segments or any(type(x) is not str for x in segments):
+        raise RecordError("digest.segments must be a non-empty list of strings")
     key = (tuple(layer_ids), tuple(segments))
     shape = _shapes.get(key)
     if shape is None:
-        ids, segs = key
-        if any(type(i) is not int for i in ids):
-            raise RecordError("digest.layer_ids must be a list of integers")
-        if not segs or any(type(x) is not str for x in segs):
-            raise RecordError("digest.segments must be a non-empty list of strings")
         shape = key
         if len(_shapes) < _CACHE_LIMIT:
             _shapes[key] = shape
@@ -365,10 +383,13 @@ class _Joiner:
 
     def add_record(self, rec: dict, file: str, line: int) -> None:
         """Validate and route one record; RecordError names the offending field."""
-        if rec.get("v") != SCHEMA_VERSION:
-            raise RecordError(f"v must be {SCHEMA_VERSION} (schema version this tool reads), got {rec.get('v')!r}")
+        version = rec.get("v")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise RecordError(f"v must be {SCHEMA_VERSION} (schema version this tool reads), got {_short(version)}")
         kind = rec.get("kind")
-        self.a.record_kinds[kind if type(kind) is str else "?"] += 1
+        if type(kind) is not str:
+            raise RecordError(f"kind must be a string, got {_short(kind)}")
+        self.a.record_kinds[kind] += 1
         if kind == "room":
             self._room(rec, file, line)
         elif kind == "hicache":
@@ -378,6 +399,9 @@ class _Joiner:
         pool, branch, direction, count = rec.get("pool"), rec.get("branch"), rec.get("direction", ""), rec.get("count", 1)
         if not isinstance(pool, str) or not isinstance(branch, str) or not isinstance(direction, str):
             raise RecordError("hicache records need string pool, branch and direction")
+        if max(len(pool), len(branch), len(direction)) > 256:
+            raise RecordError("hicache pool, branch and direction must be at most 256 characters")
+        pool, branch, direction = _printable(pool), _printable(branch), _printable(direction)
         if type(count) is not int or count < 0:
             raise RecordError("count must be a non-negative integer")
         self.a.hicache[(pool, direction, branch)] += count
@@ -386,25 +410,30 @@ class _Joiner:
         room, attempt, stage, step, verdict = rec.get("room"), rec.get("attempt"), rec.get("stage"), rec.get("step"), rec.get("verdict")
         if type(room) is not str or not room:
             raise RecordError("room must be a non-empty string")
+        if len(room) > MAX_ROOM_CHARS:
+            raise RecordError(f"room must be at most {MAX_ROOM_CHARS} characters")
+        if not room.isascii():
+            room = _printable(room)
         if type(attempt) is not int or attempt < 0:
             raise RecordError("attempt must be a non-negative integer")
-        if stage not in STAGE_SET:
+        if type(stage) is not str or stage not in STAGE_SET:
             raise RecordError(f"stage must be one of {', '.join(STAGES)}")
         if step is not None and type(step) is not int:
             raise RecordError("step must be an integer or null")
-        if verdict is not None and verdict not in VERDICT_SET:
+        if verdict is not None and (type(verdict) is not str or verdict not in VERDICT_SET):
             raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
         digest = rec.get("digest")
         packed = pack_digest(digest) if digest is not None else None
         tokens = packed.n_tokens if packed is not None else rec.get("tokens")
-        tokens = tokens if type(tokens) is int else None
+        tokens = tokens if type(tokens) is int and 0 <= tokens < 1 << 40 else None
         key = (room, attempt)
         if stage == "prefill_send":
             self._add_prefill(key, tokens, packed, verdict)
             return
         ts = rec.get("ts")
-        result = StageResult(stage, step, "", "", verdict, ts if type(ts) is float or type(ts) is int else None, file, line,
-                             tokens=tokens)
+        if ts is not None and (type(ts) not in (int, float) or not 0 <= ts <= MAX_TS):
+            raise RecordError(f"ts must be null or a Unix time in seconds (0 to {MAX_TS:.0f}), got {_short(ts)}")
+        result = StageResult(stage, step, "", "", verdict, ts, file, line, tokens=tokens)
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])

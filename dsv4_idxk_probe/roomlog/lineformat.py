@@ -10,6 +10,7 @@ needs no JSON canonicalisation: anyone can verify a line from its bytes.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import xxhash
@@ -29,11 +30,15 @@ except ImportError:  # the standard library gives the same records, slower
 def _dumps(record: dict[str, Any]) -> bytes:
     """Compact JSON. orjson writes it on the probe's threads in under a microsecond per
     record (the standard library takes ~7 us, all of it holding the GIL the serving
-    thread needs). orjson writes non-ASCII text as UTF-8 and NaN or infinity as null;
-    records hold neither by construction (the only float is the timestamp), and both
-    are valid lines. What orjson refuses (lone surrogates, integers past 64 bits) goes
-    to the standard library, which escapes surrogates and refuses NaN, and is kept only
-    if it reads back unchanged: integers past 64 bits would come back as floats."""
+    thread needs). orjson writes non-ASCII text as UTF-8, and NaN or infinity as null:
+    so a record's top-level numbers (its only floats, `ts`) are checked first, and a
+    non-finite one refuses the record (the writer drops and counts it, docs/roomlog.md).
+    What orjson refuses (lone surrogates, integers past 64 bits) goes to the standard
+    library, which escapes surrogates and refuses NaN anywhere, and is kept only if it
+    reads back unchanged: integers past 64 bits would come back as floats."""
+    for value in record.values():
+        if type(value) is float and not math.isfinite(value):
+            raise ValueError("NaN or infinity is not allowed in a room log record")
     if _orjson_dumps is not None:
         try:
             return _orjson_dumps(record)
@@ -99,6 +104,8 @@ def decode_line(line: bytes) -> dict[str, Any]:
         record = _parse(line)
     except ValueError as exc:
         raise LineError(f"checksum matches but the JSON does not parse: {exc}") from None
+    except RecursionError:
+        raise LineError("checksum matches but the JSON nests too deeply to parse") from None
     if not isinstance(record, dict):
         raise LineError("line is not a JSON object")
     del record[CHECKSUM_KEY]

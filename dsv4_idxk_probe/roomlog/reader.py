@@ -5,6 +5,10 @@ either parsed (`record`) or rejected (`error`), so callers can report
 ``file:line: why`` and carry on. Opening problems (a missing path, a glob
 that matches nothing, an unreadable or truncated .gz) are `InputError`s or
 error entries, never tracebacks.
+
+Memory is bounded on any input, compressed or not: a line longer than
+`MAX_LINE_BYTES` is skipped in pieces (an error entry names it), and a file
+stops after `MAX_FILE_BYTES` of (decompressed) text.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from typing import Iterable, Iterator, NamedTuple
 from .lineformat import LineError, decode_line
 
 _GZIP_MAGIC = b"\x1f\x8b"
+MAX_LINE_BYTES = 8 << 20  # a room of 1M tokens is ~0.3 MB; 8 MB is no record the probe writes
+MAX_FILE_BYTES = 1 << 36  # the largest roomlog.max_bytes a config accepts
+_SKIP_CHUNK = 1 << 20
 _LOG_SUFFIXES = (".jsonl", ".jsonl.gz")
 _GLOB_CHARS = set("*?[")
 
@@ -99,13 +106,40 @@ def _open(path: Path):
     return f
 
 
-def read_file(path: Path) -> Iterator[Entry]:
+def _lines(f, max_line: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, bytes consumed); line None for one over `max_line`, whose rest is skipped unread."""
+    while True:
+        raw = f.readline(max_line + 1)
+        if not raw:
+            return
+        if len(raw) <= max_line or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        consumed = len(raw)
+        while True:  # drop the rest of the line in bounded pieces
+            piece = f.readline(_SKIP_CHUNK)
+            consumed += len(piece)
+            if not piece or piece.endswith(b"\n"):
+                break
+        yield None, consumed
+
+
+def read_file(path: Path, *, max_line: int = MAX_LINE_BYTES, max_file: int = MAX_FILE_BYTES) -> Iterator[Entry]:
     """Entries of one file; unreadable parts become error entries naming the line."""
     name = str(path)
     line_no = 0
+    total = 0
     try:
         with _open(path) as f:
-            for line_no, raw in enumerate(f, 1):
+            for raw, size in _lines(f, max_line):
+                line_no += 1
+                total += size
+                if total > max_file:
+                    yield Entry(name, line_no, None, f"file is over {max_file:,} bytes; the rest is not read")
+                    return
+                if raw is None:
+                    yield Entry(name, line_no, None, f"line is over {max_line:,} bytes (skipped unread)")
+                    continue
                 try:
                     yield Entry(name, line_no, decode_line(raw))
                 except LineError as exc:

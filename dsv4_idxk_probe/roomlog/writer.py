@@ -71,6 +71,10 @@ class RoomLogWriter:
         self.dropped = 0  # queue full, closed, or unserialisable
         self.write_errors = 0
         self.written = 0
+        self.lost = 0  # counted as written, then found in a deleted or replaced file
+        self.dir_recreated = 0
+        self._unchecked = 0  # lines written since the file was last found in place
+        self._dir_ino = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._closed = False
         self._count_lock = threading.Lock()
@@ -224,28 +228,87 @@ class RoomLogWriter:
         self._write(pending)
 
     def _write(self, lines: list[bytes]) -> None:
+        """Append whole lines: after a failed write the file is cut back to its last good
+        offset, so no torn fragment can join the next record."""
         if not lines:
             return
         data = b"".join(lines)
         try:
+            if self._fd is not None:
+                if self._still_ours():
+                    self._unchecked = 0  # what went before is in place
+                else:
+                    self._replaced()
             if self._fd is None:
                 self._open()
+        except OSError:
+            self._write_failed(len(lines))
+            return
+        start = self._size
+        try:
             view = memoryview(data)
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
-            self._size += len(data)
-            self.written += len(lines)
         except OSError:
-            self.write_errors += 1
-            if self.write_errors == 1:
-                log.exception("room log: write failed in %s (records dropped and counted)", self.dir)
-            self._drop(len(lines))
+            self._cut_back(start)
+            self._write_failed(len(lines))
+            return
+        self._size += len(data)
+        self.written += len(lines)
+        self._unchecked += len(lines)
+
+    def _write_failed(self, n: int) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            log.exception("room log: write failed in %s (records dropped and counted)", self.dir)
+        self._drop(n)
+        if self._fd is not None and not self._still_ours():
+            self._replaced()
+
+    def _cut_back(self, offset: int) -> None:
+        """Truncate to `offset`; if even that fails, end this file (the reader rejects its torn tail)."""
+        try:
+            os.ftruncate(self._fd, offset)
+        except OSError:
+            log.warning("room log: cannot cut %s back after a failed write; continuing in a new file", self._files[-1])
+            self._close_file()
+            self._seq += 1
+
+    def _still_ours(self) -> bool:
+        """Whether our file is still at its path in the directory we opened (inode check)."""
+        try:
+            on_disk = os.stat(self._files[-1])
+            mine = os.fstat(self._fd)
+            directory = os.stat(self.dir)
+        except OSError:
+            return False
+        return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino) and directory.st_ino == self._dir_ino
+
+    def _replaced(self) -> None:
+        """Our file or directory was deleted or replaced: what went into it since the last
+        check is lost (counted as dropped, no longer as written); start a new file."""
+        lost = self._unchecked
+        self._unchecked = 0
+        if lost:
+            self.written -= lost
+            self.lost += lost
+            self._drop(lost)
+        log.warning("room log: %s was deleted or replaced; %d record(s) lost, writing to a new file", self.dir, lost)
+        self._close_file()
+        self._files.pop()
+        self._seq += 1
 
     def _open(self) -> None:
+        if not self.dir.is_dir():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir_recreated += 1
+            log.warning("room log: directory %s was missing; recreated it", self.dir)
+        self._dir_ino = os.stat(self.dir).st_ino
         path = self._path(self._seq)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = os.fstat(self._fd).st_size
+        self._unchecked = 0
         self._files.append(path)
 
     def _close_file(self) -> None:
@@ -255,7 +318,11 @@ class RoomLogWriter:
 
     def _rotate(self) -> None:
         opened = self._fd is not None
+        if opened and not self._still_ours():
+            self._replaced()
+            opened = False
         self._close_file()
+        self._unchecked = 0
         if opened and self.gzip_rotated:
             self._files[-1] = self._gzip(self._files[-1])
         self._seq += 1

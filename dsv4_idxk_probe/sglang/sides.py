@@ -64,6 +64,7 @@ class PrefillSide(_Side):
             server = VectorServer(
                 self.monitor.lookup, bind=bind, port=port,
                 max_request_bytes=config.exchange.max_request_bytes, metrics=runtime.metrics,
+                secret_file=config.exchange.secret_file, max_connections=config.exchange.max_connections, idle_s=config.exchange.idle_s,
             )
             try:
                 server.start()
@@ -90,7 +91,8 @@ class DecodeSide(_Side):
             from ..exchange import VectorClient
 
             self.client = VectorClient(
-                timeout_ms=config.exchange.timeout_ms, backoff_s=config.exchange.backoff_s, metrics=runtime.metrics
+                timeout_ms=config.exchange.timeout_ms, backoff_s=config.exchange.backoff_s, metrics=runtime.metrics,
+                secret_file=config.exchange.secret_file,
             )
         self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._peers_cap = config.exchange.table_size

@@ -30,6 +30,15 @@ _WHERE_KEYS = {"layer", "page", "segment", "offset", "range"}
 _KIND_ONLY = {"bit": ("bitflip",), "value": ("byte_set",), "keep_bytes": ("partial_write",), "with_room": ("swap_pages",)}
 
 
+MAX_FAULTS = 10_000
+MAX_INTEGER = 1 << 40  # rooms, steps, layers, pages and byte offsets: far past any run
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class FaultSpecError(ValueError):
     """A fault spec that cannot be used; the message names the file, line and field."""
 
@@ -96,11 +105,13 @@ class FaultSpec:
 
 def load_fault_spec(path: str | Path) -> FaultSpec:
     """Read and check a spec file; FaultSpecError names the file, line and field."""
+    from ..config import ConfigError, read_small_text
+
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise FaultSpecError(f"{path}: cannot read fault spec: {exc.strerror or exc}") from None
+        text = read_small_text(path, "fault spec")
+    except ConfigError as exc:  # not a regular file, too big, not UTF-8: named, never a traceback
+        raise FaultSpecError(str(exc)) from None
     return parse_fault_spec(text, str(path))
 
 
@@ -110,6 +121,8 @@ def parse_fault_spec(text: str, source: str = "<faults>") -> FaultSpec:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise FaultSpecError(f"{source}: not valid YAML: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise FaultSpecError(f"{source}: not valid YAML: nested too deeply") from None
     return _Parser(source, root).spec(document)
 
 
@@ -127,6 +140,8 @@ class _Parser:
     def spec(self, doc: Any) -> FaultSpec:
         if not isinstance(doc, dict):
             raise self.fail([], "top level must be a mapping with a 'faults' list")
+        if isinstance(doc.get("faults"), list) and len(doc["faults"]) > MAX_FAULTS:
+            raise self.fail(["faults"], f"at most {MAX_FAULTS} faults, got {len(doc['faults'])}")
         self.unknown(doc, _TOP_KEYS, [])
         if doc.get("version", 1) != 1:
             raise self.fail(["version"], f"only version 1 is understood, got {doc.get('version')!r}")
@@ -136,7 +151,7 @@ class _Parser:
         return FaultSpec(tuple(self.fault(i, f) for i, f in enumerate(faults)), self.source)
 
     def unknown(self, mapping: dict, known: set, path: list) -> None:
-        extra = sorted(str(k) for k in mapping if k not in known)
+        extra = sorted(str(k) for k in mapping if not isinstance(k, str) or k not in known)
         if extra:
             raise self.fail(path + [extra[0]], f"unknown field; known: {', '.join(sorted(known))}")
 
@@ -193,7 +208,11 @@ class _Parser:
         if isinstance(raw, list):
             if not raw:
                 raise self.fail(at, "a list of rooms must not be empty")
-            return tuple(self.integer(r, at + [j], 0) for j, r in enumerate(raw)), None
+            rooms = tuple(self.integer(r, at + [j], 0) for j, r in enumerate(raw))
+            for j, room in enumerate(rooms):
+                if room in rooms[:j]:  # a room hit twice would be expected twice: a false "MISSED"
+                    raise self.fail(at + [j], f"room {room} is listed more than once")
+            return rooms, None
         return (self.integer(raw, at, 0),), None
 
     def where(self, raw: Any, kind: str, at: list) -> dict[str, Any]:
@@ -246,11 +265,13 @@ class _Parser:
             raise self.fail(at + [field], f"must be {low}..{high} or 'random', got {value}")
         return value
 
-    def integer(self, value: Any, at: list, minimum: int) -> int:
+    def integer(self, value: Any, at: list, minimum: int, maximum: int = MAX_INTEGER) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(at, f"must be an integer, got {value!r}")
+            raise self.fail(at, f"must be an integer, got {_short(value)}")
         if value < minimum:
             raise self.fail(at, f"must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise self.fail(at, f"must be <= {maximum:_}, got {value:_}")
         return value
 
 

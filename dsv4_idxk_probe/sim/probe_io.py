@@ -52,7 +52,8 @@ def start_exchange(lookup: Callable[[str], RoomDigest | None], config: ProbeConf
     if not ex.enabled:
         return None
     server = VectorServer(
-        lookup, bind=LOOPBACK, port=ex.port_base, max_request_bytes=ex.max_request_bytes, metrics=metrics
+        lookup, bind=LOOPBACK, port=ex.port_base, max_request_bytes=ex.max_request_bytes, metrics=metrics,
+        secret_file=ex.secret_file, max_connections=ex.max_connections, idle_s=ex.idle_s,
     )
     server.start()
     return server
@@ -68,7 +69,8 @@ class VectorFetcher:
 
     def __init__(self, config: ProbeConfig, metrics, override: tuple[str, int] | None = None):
         ex = config.exchange
-        self.client = VectorClient(timeout_ms=ex.timeout_ms, backoff_s=ex.backoff_s, metrics=metrics) if ex.enabled else None
+        self.client = VectorClient(timeout_ms=ex.timeout_ms, backoff_s=ex.backoff_s, metrics=metrics,
+                                   secret_file=ex.secret_file) if ex.enabled else None
         self.override = override
         self.endpoints: dict[str, tuple[str, int]] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -129,3 +130,77 @@ def test_the_collector_waits_a_config_accepts_are_the_engines():
         assert parse_config({"digest": {"collector_wait": wait}}).digest.collector_wait == wait
     with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(WAITS)}")):
         parse_config({"digest": {"collector_wait": "spin"}})
+
+
+# %% hostile files and values (issue 17)
+
+
+def test_a_fifo_config_is_refused_without_hanging(tmp_path):
+    fifo = tmp_path / "probe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=f"{fifo}: cannot read config file: not a regular file"):
+        load_config({"DSV4_IDXK_PROBE": "1", "DSV4_IDXK_PROBE_CONFIG": str(fifo)})
+
+
+def test_dev_zero_config_is_refused_by_type():
+    with pytest.raises(ConfigError, match="/dev/zero: cannot read config file: not a regular file"):
+        load_config({"DSV4_IDXK_PROBE": "1", "DSV4_IDXK_PROBE_CONFIG": "/dev/zero"})
+
+
+def test_a_config_over_the_size_cap_is_refused_before_it_is_read(tmp_path):
+    big = tmp_path / "probe.yaml"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(ConfigError, match=r"probe.yaml: config file is 1,048,577 bytes, over the 1,048,576-byte limit"):
+        load_file(big)
+
+
+def test_a_non_utf8_config_names_the_file(tmp_path):
+    path = tmp_path / "probe.yaml"
+    path.write_bytes(b"mode: observe\n# \xff\xfe\n")
+    with pytest.raises(ConfigError, match=f"{path}: config file is not UTF-8 text \\(byte 16\\)"):
+        load_file(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{1: a, foo: b}\n", "probe.yaml: the top level keys must be strings, got 1"),
+    ("exchange: {1: a, timeout_ms: 5}\n", "probe.yaml: exchange keys must be strings, got 1"),
+    ("hicache: {1: a, guard: block}\n", "probe.yaml: hicache keys must be strings, got 1"),
+    ("exchange: {backoff_s: .inf}\n", "probe.yaml: exchange.backoff_s must be a number of seconds <= 3600, got inf"),
+    ("exchange: {backoff_s: .nan}\n", "probe.yaml: exchange.backoff_s must be a number > 0, got nan"),
+    ("roomlog: {queue_size: 1e12}\n", "probe.yaml: roomlog.queue_size must be an integer >= 1, got '1e12'"),
+    ("roomlog: {queue_size: 1000000000000}\n", "roomlog.queue_size must be an integer <= 1_000_000, got 1_000_000_000_000"),
+    ("exchange: {table_size: 1e11}\n", "probe.yaml: exchange.table_size must be an integer >= 1, got '1e11'"),
+    ("exchange: {table_size: 100000000000}\n", "exchange.table_size must be an integer <= 1_000_000, got 100_000_000_000"),
+    ("exchange: {table_size: 1.0e+11}\n", "exchange.table_size must be an integer >= 1, got 100000000000.0"),
+    ("exchange: {timeout_ms: 3600000}\n", "exchange.timeout_ms must be an integer <= 60_000"),
+    ("exchange: {max_request_bytes: 1073741824}\n", "exchange.max_request_bytes must be an integer <= 1_048_576"),
+    ("exchange: {max_connections: 0}\n", "exchange.max_connections must be an integer >= 1, got 0"),
+    ("exchange: {idle_s: -1}\n", "exchange.idle_s must be a number > 0, got -1"),
+    ("roomlog: {max_bytes: 100000000000000}\n", "roomlog.max_bytes must be an integer <="),
+    ("roomlog: {max_files: 1000000}\n", "roomlog.max_files must be an integer <= 10_000"),
+    ("step_interval: 10000000000\n", "step_interval must be an integer <= 1_000_000"),
+    ("metrics: {addr: 5}\n", "metrics.addr must be a string, got 5"),
+    ("exchange: {secret_file: missing-secret}\n", "exchange.secret_file: "),
+    ("mode: " + "[" * 5000 + "\n", "probe.yaml: not valid YAML"),
+    ("mode: " + "[" * 5000 + "]" * 5000 + "\n", "probe.yaml: not valid YAML: nested too deeply"),
+])
+def test_hostile_values_are_named_errors(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(env(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_secret_file_from_config_or_environment(tmp_path):
+    secret = tmp_path / "exchange.secret"
+    secret.write_text("0123456789abcdef-cluster-secret\n")
+    config = load_config(env(tmp_path, "exchange: {secret_file: exchange.secret}\n"))
+    assert config.exchange.secret_file == str(secret)  # relative to the config file
+    assert load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(secret))).exchange.secret_file == str(secret)
+    short = tmp_path / "short"
+    short.write_text("x")
+    with pytest.raises(ConfigError, match="exchange.secret_file: .*short: the exchange secret must be at least 16 bytes"):
+        load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(short)))
+
+
+def test_metrics_exporter_defaults_to_loopback():
+    assert parse_config(None).metrics.addr == "127.0.0.1"
