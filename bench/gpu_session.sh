@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh OUTDIR [STEPS]     STEPS: comma list, default all
 #
 # Needs torch with CUDA and Triton. Packages the machine lacks (nixl,
-# nixl-cu13, pyzmq, xxhash, prometheus_client, wrapt, orjson, pyyaml, rich
+# nixl-cu13, pyzmq, msgspec, xxhash, prometheus_client, wrapt, orjson, pyyaml, rich
 # and its two dependencies) are installed from ./.whl when that folder
 # exists; fill it on a machine with an index, for the GPU machine's Python:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \

@@ -307,7 +307,7 @@ def prefill_room(wrappers, prefill, room: int, row: int, n_tokens: int, timer: T
 
 
 def decode_room(wrappers, decode, prefill_meta_row, room: int, row: int, n_tokens: int, steps: int, timer: Timer):
-    send_metadata, commit, step = wrappers
+    send_metadata, commit, step = wrappers[:3]
     req = SimpleNamespace(rid=f"bench-{room}", bootstrap_room=room, bootstrap_host="10.0.0.1", finished_reason=None)
     req.finished = lambda: req.finished_reason is not None
     dreq = SimpleNamespace(req=req, metadata_buffer_index=row, kv_receiver=SimpleNamespace(bootstrap_infos=[]))

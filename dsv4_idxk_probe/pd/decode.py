@@ -42,7 +42,7 @@ class _Room:
     finished: bool = False
     retired: str | None = None  # why the room stopped being tracked (retraction, abort)
     unsafe: set = field(default_factory=set)  # ids of its digests not yet run when it was retired
-    pending: list = field(default_factory=list)  # its digests submitted and maybe still running
+    pending: dict = field(default_factory=dict)  # id -> its digests submitted whose results have not come back
     in_flight: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -126,7 +126,7 @@ class DecodeMonitor:
             state = self._rooms.pop(room.key, None)
             if state is not None:
                 state.retired = reason
-                state.unsafe = {id(p) for p in state.pending if not p.ready()}
+                state.unsafe = {key for key, p in state.pending.items() if not p.ready()}
         self._publish(room, stage, None, "skipped", reason, None, None, state)
 
     def tracked(self) -> int:
@@ -157,14 +157,18 @@ class DecodeMonitor:
                 self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
             return None
         holder.append(pending)
-        with self._lock:
-            for state, _, _ in jobs:
-                state.pending = [p for p in state.pending if not p.ready()] + [pending]
+        if not pending.ready():  # one query per batch; a batch digested at submit (host buffers) is done
+            with self._lock:
+                for state, _, _ in jobs:
+                    state.pending[id(pending)] = pending
         return pending
 
     def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult,
                     holder: list | None = None) -> None:
         batch_id = id(holder[0]) if holder else None
+        with self._lock:  # results are back: no longer a digest a retirement must wait for
+            for state, _, _ in jobs:
+                state.pending.pop(batch_id, None)
         if batch.error is not None:
             for state, stage, step in jobs:
                 safe_invoke("decode.on_failure", self._on_failure, state, stage, step, batch.error)
