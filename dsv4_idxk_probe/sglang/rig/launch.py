@@ -70,10 +70,11 @@ class Ports:
     decode: int
     bootstrap: int
     router: int
+    router_metrics: int  # the router's own Prometheus exporter (29000 unless told; two rigs would collide)
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(*free_ports(4))
+        return cls(*free_ports(5))
 
 
 @dataclass
@@ -192,6 +193,7 @@ def router_args(ports: Ports) -> list[str]:
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
         "--prefill", f"http://127.0.0.1:{ports.prefill}", str(ports.bootstrap),
         "--decode", f"http://127.0.0.1:{ports.decode}", "--host", "127.0.0.1", "--port", str(ports.router),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports.router_metrics),
     ]
 
 
