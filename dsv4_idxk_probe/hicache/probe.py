@@ -22,6 +22,7 @@ import traceback
 import weakref
 from typing import Any, Callable
 
+from ..pd.records import SCHEMA_VERSION  # one room-log schema for every record kind
 from .branches import DIRECTIONS, MOVING, NO_IO_BACKEND, classify, label_sets, moved
 from .geometry import INVARIANTS, PoolGeometry, describe, invariant_failures, token_row_mismatches
 from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker
@@ -293,7 +294,7 @@ class HiCacheProbe:
 
     def emit(self, record: dict) -> None:
         if self._emit is not None:
-            safe_invoke("hicache.emit", self._emit, {"kind": "hicache", "time": time.time(), **record})
+            safe_invoke("hicache.emit", self._emit, {"v": SCHEMA_VERSION, "kind": "hicache", "time": time.time(), **record})
 
     def _on_violations(self, slot: CheckSlot, counts: dict[str, int]) -> None:
         for check, n in counts.items():

@@ -396,6 +396,8 @@ class _Joiner:
             self._hicache(rec)
 
     def _hicache(self, rec: dict) -> None:
+        if "branch" not in rec and type(rec.get("event")) is str:
+            return  # a pool, guard or check event: the room log keeps it, the diff counts only branches
         pool, branch, direction, count = rec.get("pool"), rec.get("branch"), rec.get("direction", ""), rec.get("count", 1)
         if not isinstance(pool, str) or not isinstance(branch, str) or not isinstance(direction, str):
             raise RecordError("hicache records need string pool, branch and direction")

@@ -178,3 +178,18 @@ def test_a_pool_that_cannot_be_registered_is_tried_once_not_on_every_copy(hicach
     grown_by = {site: after[site] - before.get(site, 0) for site in after if after[site] != before.get(site, 0)}
     assert grown_by == {"hicache.pool_init": 1}
     assert id(pool) in env.probe.unusable
+
+
+def test_host_pool_records_are_read_by_diff_without_errors(hicache, make_pool, standins, tmp_path):
+    """Found with SGLang's own servers: the pool's start-up record had no schema version,
+    and `diff` counted every host-pool record of a prefill log as a bad line."""
+    from dsv4_idxk_probe.roomlog.analysis import analyse
+    from dsv4_idxk_probe.roomlog.lineformat import encode_line
+
+    env = hicache()
+    make_pool("fp8_indexer")
+    assert any(r.get("event") == "pool" for r in env.records)
+    log = tmp_path / "prefill-host.jsonl"
+    log.write_bytes(b"".join(encode_line(r) for r in env.records))
+    result = analyse([log])
+    assert result.n_errors == 0, result.errors
