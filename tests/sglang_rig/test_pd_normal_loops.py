@@ -1,6 +1,8 @@
-"""SGLang 0.5.23's prefill and decode servers with their normal event loops, the
-decode radix cache on, NIXL over UCX on loopback, the probe switched on by its
-environment variable only: the test bed of record (docs/rig.md)."""
+"""SGLang 0.5.23's prefill and decode servers with their normal event loops, NIXL
+over UCX on loopback, the probe switched on by its environment variable only: the
+test bed of record (docs/rig.md). Prefill's radix cache is on (SGLang's default), so
+shared prompt prefixes are cache hits there and leave early as cached-prefix sends;
+decode's radix cache cannot run with DeepSeek-V4 here (test_sglang_refusals.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dsv4_idxk_probe.sim.demo import shipped_fault_spec
 
 from .conftest import decode_records, describe, start_session
 
-OPTIONS = launch.ServerOptions(decode_radix_cache=True)
+OPTIONS = launch.ServerOptions()
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +37,16 @@ def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):
     assert phase.verification.verdicts.get("mismatch", 0) >= 8
 
 
-def test_500_clean_rooms_all_match_through_chunked_prefill_and_decode_prefix_hits(rig):
+def test_500_clean_rooms_all_match_through_chunked_prefill_and_prefill_prefix_hits(rig):
     requests = workload.plan("clean", workload.WorkloadOptions(rooms=500, seed=2, max_new_tokens=24))
     phase = rig.phase("clean", requests, settle_s=120.0)
     assert phase.ok, describe(phase)
     assert phase.verification.verdicts == {"match": 500}, describe(phase)
     assert sum(len(r.input_ids) > OPTIONS.chunked_prefill_size for r in requests) > 300  # several chunks each
     oracle = rig.oracle(set(phase.rooms))
-    prefix_rooms = {o["rid"] for o in oracle if o["start"] > 0}
-    assert len(prefix_rooms) >= 10, "the decode radix cache gave no prefix hits"
     assert oracle and all(not o["cells"] for o in oracle)
+    cached = [int(n) for n in re.findall(r"#cached-token: (\d+)", rig.cluster.logs["prefill"].read_text())]
+    assert sum(n > 0 for n in cached) >= 10, "prefill's radix cache gave no prefix hits"
 
 
 def test_aborted_requests_are_skipped_and_serving_goes_on(rig):

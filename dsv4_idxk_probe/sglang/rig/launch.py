@@ -53,7 +53,9 @@ class ServerOptions:
     chunked_prefill_size: int = 1024
     max_running_requests: int = 8
     max_total_tokens: int = 65536
-    decode_radix_cache: bool = False  # --disaggregation-decode-enable-radix-cache (decode prefix hits)
+    # --disaggregation-decode-enable-radix-cache (decode prefix hits): SGLang 0.5.23 refuses it for
+    # DeepSeek-V4 off ROCm (it needs the unified KV layout, a HIP-only path); kept to show the refusal
+    decode_radix_cache: bool = False
     prefill_hicache: bool = False  # --enable-hierarchical-cache on prefill
     decode_hicache: bool = False  # HiCache on decode (needed by host-receive; implies the decode radix cache)
     decode_host_receive_threshold: float | None = None  # --disaggregation-decode-host-receive-threshold
