@@ -145,15 +145,19 @@ class RigSession:
     def _logged(self, rooms: set[int]) -> bool:
         from ...roomlog.reader import expand_inputs, read_entries
 
-        seen = set()
+        finished, sent = set(), set()  # both sides' writers flush in the background
         try:
             for entry in read_entries(expand_inputs([str(self.log_dir)])):
                 rec = entry.record
-                if isinstance(rec, dict) and rec.get("role") == "decode" and rec.get("stage") == "decode_finish":
-                    seen.add(int(rec.get("room")))
+                if not isinstance(rec, dict) or rec.get("kind") != "room":
+                    continue
+                if rec.get("stage") == "decode_finish":
+                    finished.add(int(rec.get("room")))
+                elif rec.get("stage") == "prefill_send":
+                    sent.add(int(rec.get("room")))
         except Exception:
             return False
-        return rooms <= seen
+        return rooms <= finished and rooms <= sent
 
     # %% in-server records
 
