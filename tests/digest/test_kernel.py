@@ -200,30 +200,40 @@ from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
 layout = get_layout(sys.argv[1])
 n_pages, page = 4, 4096
 nbytes = n_pages * layout.row_bytes
-total = -(-nbytes // page) * page + page
+total = page + -(-nbytes // page) * page + page
 region = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 base = ctypes.addressof(ctypes.c_char.from_buffer(region))
 libc = ctypes.CDLL(None)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 guard = base + total - page
 assert libc.mprotect(guard, page, 0) == 0  # the page after the buffer cannot be read
+assert libc.mprotect(base, page, 0) == 0  # nor the page before it (row -1 reaches into it)
 rows = np.frombuffer(region, dtype=np.uint8, count=nbytes, offset=guard - nbytes - base).reshape(n_pages, -1)
 rows[:] = 7
-engine = DigestEngine(layout, [1], [torch.from_numpy(rows)], backend="triton")
-kernel = engine.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
-reference = DigestEngine(layout, [1], [torch.from_numpy(rows.copy())], backend="reference")
-expected = reference.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
-assert np.array_equal(kernel.layer_segment, expected.layer_segment)
+rooms = [RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens),
+         RoomRequest("outside", [-1, n_pages, 0, n_pages + 1, 1 << 40], 5 * layout.page_tokens)]
+results = {}
+for backend, buffer in (("triton", rows), ("reference", rows.copy())):
+    engine = DigestEngine(layout, [1], [torch.from_numpy(buffer)], backend=backend)
+    got = []
+    engine.submit(rooms, got.append)
+    engine.close()
+    results[backend] = got[0]
+kernel, reference = results["triton"], results["reference"]
+assert kernel.out_of_range == reference.out_of_range == (0, 4), (kernel.out_of_range, reference.out_of_range)
+for k, r in zip(kernel.digests, reference.digests):
+    assert np.array_equal(k.layer_segment, r.layer_segment) and np.array_equal(k.pages, r.pages), k.key
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="host memory behind a guard page is read by the CPU interpreter")
 @pytest.mark.parametrize("layout_name", ["fp8", "fp4", "bf16"])
-def test_the_last_row_of_a_buffer_is_digested_without_reading_past_it(layout_name):
-    """The buffer ends right before an unreadable page; a load past the row's frozen
-    words (a 128-word block over 64 scale words) would kill the process. In a child
-    process, so a regression fails this test instead of the suite."""
+def test_no_row_is_read_outside_its_buffer(layout_name):
+    """The buffer lies between two unreadable pages. Its last row is digested without
+    reading past it (a load past the row's frozen words would kill the process), and
+    page ids -1, n_pages, n_pages + 1 and 2^40 are flagged and never read, where a read
+    would fault. In a child process, so a regression fails this test, not the suite."""
     import subprocess
     import sys
 
