@@ -10,7 +10,7 @@ One run measures, in order:
      (and of a buffer as large as each layout's digest); a read-only kernel that
      sums the words of the same gathered rows the digest reads;
   3. the digest of one large room (43 layers x 1024 pages) for fp8, fp4 and bf16
-     rows over a sweep of rows per program, warps and the arithmetic variant, each
+     rows over a sweep of rows per program and warps, each
      point checked exact on a sample of its cells; ratios to each ceiling;
   4. 64 short rooms (16 pages x 43 layers, fp8) in one launch: GPU time per room,
      beside the launch floor (an empty Triton kernel, and the digest kernel on a
@@ -21,7 +21,7 @@ One run measures, in order:
 
 Usage:  python bench/digest_gpu.py [--out DIR]
         python bench/digest_gpu.py --precompile-only   (fill Triton's cache, 16 processes)
-        python bench/digest_gpu.py --profile-one fp8 --shapes 1x4x0,2x8x0   (for ncu)
+        python bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4   (for ncu)
         python bench/digest_gpu.py --smoke      (no GPU: the interpreter, tiny sizes)
 Prints a table last; writes digest_gpu.json under --out. `--precompile-only` first
 spares the lease a minute of one-at-a-time compiles: the run then loads each
@@ -58,12 +58,12 @@ from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, la
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
-SWEEP = [(rows, warps, mulhi) for rows in (1, 2, 4) for warps in (1, 2, 4, 8) for mulhi in (False, True)]
+SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4, 8)]
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
     """The sweep's points whose threads hold at most 72 words of the tile (more spill)."""
-    return [(r, w, m) for r, w, m in sweep if r * layout.row_bytes // 4 <= 72 * 32 * w]
+    return [(r, w) for r, w in sweep if r * layout.row_bytes // 4 <= 72 * 32 * w]
 
 
 class Sizes:
@@ -76,7 +76,7 @@ class Sizes:
         self.short_rooms, self.short_pages = (4, 2) if smoke else (64, 16)
         self.contiguous_bytes = (1 << 20) if smoke else (2 << 30)
         self.sample_pages = 4 if smoke else 32
-        self.sweep = [(1, 2, False), (2, 4, True)] if smoke else SWEEP
+        self.sweep = [(1, 2), (2, 4)] if smoke else SWEEP
 
 
 def median_ms(fn, warmup=25, rep=100) -> float:
@@ -223,7 +223,7 @@ def gathered_read(layout, bufs, table, base_align, pages, device) -> dict:
 class Launch:
     """The kernel with device-resident tables for `rooms`, launched again and again."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, mulhi=False):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4):
         self.plan = plan_cells(rooms, len(bufs))
         self.table = torch.tensor(
             [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
@@ -232,11 +232,11 @@ class Launch:
         self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, device=device)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, device=device)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
-        self.tune(rows, warps, mulhi)
+        self.tune(rows, warps)
 
-    def tune(self, rows, warps, mulhi):
+    def tune(self, rows, warps):
         self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
-                                   base_align=self.base_align, shift_by_mulhi=mulhi)
+                                   base_align=self.base_align)
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.flags.data_ptr(), len(self.rooms),
@@ -278,16 +278,15 @@ def bench_large_room(name, device, sizes, ceilings, rng) -> dict:
     gathered = gathered_read(layout, bufs, launch.layers, launch.base_align, pages, device)
     same_size = contiguous_read(device, read_bytes, [(ceilings["best_block"], ceilings["best_warps"])])
     sweep = []
-    for rows, warps, mulhi in sweep_for(layout, sizes.sweep):
-        launch.tune(rows, warps, mulhi)
+    for rows, warps in sweep_for(layout, sizes.sweep):
+        launch.tune(rows, warps)
         launch.cells.fill_(0x5A5A)
         ms = median_ms(launch)
-        sweep.append({"rows": rows, "warps": warps, "mulhi": mulhi, "ms": ms,
+        sweep.append({"rows": rows, "warps": warps, "ms": ms,
                       "read_TBps": read_bytes / (ms * 1e-3) / 1e12, "exact": launch.exact_on(samples)})
     best = max(sweep, key=lambda r: r["read_TBps"])
     shape = kernel_shape(layout)
-    default = next((r for r in sweep if (r["rows"], r["warps"], r["mulhi"])
-                    == (shape["rows"], shape["num_warps"], shape["shift_by_mulhi"])), None)
+    default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
     tbps = best["read_TBps"] * 1e12
     return {
         "layout": name, "row_bytes": layout.row_bytes, "bytes_read": read_bytes, "best": best, "engine_default": default,
@@ -335,7 +334,7 @@ def short_rooms(device, sizes, shape, rng) -> dict:
     perm = torch.randperm(bufs[0].shape[0], device=device)
     rooms = [RoomRequest(f"s{i}", perm[i * n_pages : (i + 1) * n_pages].contiguous(), n_pages * 256 - 37)
              for i in range(n_rooms)]
-    launch = Launch(layout, bufs, rooms, device, shape["rows"], shape["num_warps"], shape["shift_by_mulhi"])
+    launch = Launch(layout, bufs, rooms, device, shape["rows"], shape["num_warps"])
     samples = launch.sample_reference(rng, 2)
     kernel_ms = median_ms(launch)
     exact = launch.exact_on(samples)
@@ -392,22 +391,21 @@ def short_rooms(device, sizes, shape, rng) -> dict:
 
 
 def profile_one(name, device, sizes, shapes) -> None:
-    """Two launches of each (rows, warps, mulhi) shape on the large room, for Nsight
+    """Two launches of each (rows, warps) shape on the large room, for Nsight
     Compute (run under `ncu -k regex:_digest_rooms_kernel`)."""
     layout = get_layout(name)
     bufs = random_pool(layout, sizes.layers, sizes.pages + 64, device)
     pages = torch.randperm(bufs[0].shape[0], device=device)[: sizes.pages].contiguous()
     launch = Launch(layout, bufs, [RoomRequest("big", pages, sizes.pages * 256)], device)
-    for rows, warps, mulhi in shapes:
-        launch.tune(rows, warps, mulhi)
+    for rows, warps in shapes:
+        launch.tune(rows, warps)
         launch()
         launch()
     torch.cuda.synchronize()
 
 
 def _compile_jobs(sizes) -> list[tuple]:
-    jobs = [("digest", name, rows, warps, mulhi) for name in LAYOUTS
-            for rows, warps, mulhi in sweep_for(get_layout(name), sizes.sweep)]
+    jobs = [("digest", name, rows, warps) for name in LAYOUTS for rows, warps in sweep_for(get_layout(name), sizes.sweep)]
     jobs += [("contiguous", block, warps) for block in (2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
     jobs += [("gathered", name, rows, warps) for name in LAYOUTS for rows in (1, 2) for warps in (4, 8)]
     return jobs
@@ -419,12 +417,12 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, mulhi = job
+            _, name, rows, warps = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
             _digest_rooms_kernel.warmup(address, table, address, address, **layout_constants(layout, align), ROWS=rows,
-                                        SHIFT_BY_MULHI=mulhi, num_warps=warps, grid=(1,))
+                                        num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
@@ -463,7 +461,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="no GPU: the interpreter, tiny sizes")
     parser.add_argument("--profile-one", choices=LAYOUTS, help="only launch --shapes twice each (for ncu)")
-    parser.add_argument("--shapes", default="1x4x0", help="rows x warps x mulhi, comma separated")
+    parser.add_argument("--shapes", default="1x1", help="rows x warps, comma separated")
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
@@ -474,7 +472,7 @@ def main() -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.profile_one:
         shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
-        profile_one(args.profile_one, device, sizes, [(r, w, bool(m)) for r, w, m in shapes])
+        profile_one(args.profile_one, device, sizes, shapes)
         return 0
     rng = np.random.default_rng(int(time.time()))
     report = {
@@ -515,7 +513,7 @@ def main() -> int:
         b, g, s = r["best"], r["gathered_read"].get("best"), r["contiguous_same_size"]["best"]
         d = r["engine_default"]
         print(f"{r['layout']} ({r['row_bytes']} B rows, {r['bytes_read'] / 1e6:.0f} MB): digest {b['ms'] * 1e3:.1f} us = "
-              f"{b['read_TBps']:.2f} TB/s (rows {b['rows']}, warps {b['warps']}, mulhi {b['mulhi']}; sweep exact: "
+              f"{b['read_TBps']:.2f} TB/s (rows {b['rows']}, warps {b['warps']}; sweep exact: "
               f"{r['all_exact']}); ratio to contiguous {r['ratio_to_contiguous']:.3f}, to same-size contiguous "
               f"{r['ratio_to_contiguous_same_size']:.3f} ({s['read_TBps']:.2f}), to gathered "
               f"{(r['ratio_to_gathered'] or 0):.3f} ({(g or {}).get('read_TBps', 0):.2f}), to copy {r['ratio_to_copy']:.3f}"

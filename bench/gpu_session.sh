@@ -87,5 +87,5 @@ step rig 60 python3 bench/rig_gpu.py --rooms 200
 step digest 420 bash -c "python3 bench/digest_gpu.py --precompile-only && python3 bench/digest_gpu.py --out $res/digest"
 step digestncu 150 bash -c "ncu --clock-control none -k regex:_digest_rooms_kernel --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
-    python3 bench/digest_gpu.py --profile-one fp8 > $res/digest_ncu.txt 2>&1; tail -80 $res/digest_ncu.txt"
+    python3 bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4 > $res/digest_ncu.txt 2>&1; tail -80 $res/digest_ncu.txt"
 tar -czf "$out/results.tgz" --exclude=./site -C "$res" .

@@ -3,27 +3,30 @@
 The grid is (room, layer, block of ROWS logical pages). A program reads its
 room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
-layer's base address and the room's page table, hashes the frozen words of
+layer's buffer and the room's page table, hashes the frozen words of
 each segment into two 32-bit lane sums, and stores each (layer, page,
 segment) cell contribution. Programs past a room's last page return at once.
 Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
 vector and the room digest (sums mod 2^64, as `reference.py` defines them).
 
-Why it reads at the memory's limit (bench/RESULTS.md, issue 21): the layout
-is compiled in (segment offsets and sizes are constants), so each segment of
-a row is one tile loaded in one go, every segment's loads are issued before
-any word is hashed, and a row holds no masked tail; loads are 16 bytes wide
-where the buffers are 16-byte aligned. Rows whose slots are all frozen (all
-but a room's last page) take a branch with no masks at all.
+Why it reads at the memory's rate (bench/RESULTS.md, 2026-12-01; issue 21):
+the layout is compiled in (segment offsets and sizes are constants), so each
+segment of a row is one tile loaded in one go, every segment's loads are
+issued before any word is hashed, and a row holds no masked tail; loads are
+16 bytes wide where the buffers are 16-byte aligned from the layer table (a
+pointer argument; see `layer_table`). Rows whose slots are all frozen (all
+but a room's last page) take a branch with no masks at all. One warp per
+program for rows up to 8448 B needs no cross-warp reduction.
 
 Page ids are checked on the device against the page count of each layer's
 buffer: a row whose id is out of range is never read; its cells are stored
 as 0 and its flag (one byte per (layer, page) row, beside the cells) is set,
 so the engine counts it and never lets such a room match (docs/digest.md).
 
-Every table is passed as a plain address, so a launch hands Triton four
-integers and nothing to inspect. The same code reads device memory and
+The room table and the outputs are passed as plain addresses and the layer
+table is the pool's own, so a launch hands Triton four integers and nothing to
+inspect. The same code reads device memory and
 pinned host memory (the engine has the kernel store its cells straight into
 pinned host memory, which spares a download), and runs under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
@@ -52,6 +55,7 @@ _FMIX_2 = tl.constexpr(ref.FMIX_2)
 
 _ROOM_COLUMNS = tl.constexpr(ROOM_COLUMNS)
 LAYER_COLUMNS = 3  # int64: buffer address minus the table's own, global layer id, pages in the buffer
+_LAYER_COLUMNS = tl.constexpr(LAYER_COLUMNS)
 MAX_SEGMENTS = 4  # segments a layout may have for this kernel (index-K layouts have 1 or 2)
 
 
@@ -84,21 +88,15 @@ def _load_segment(rows, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl
 
 @triton.jit
 def _segment_digest(w, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
-                    SLOTS: tl.constexpr, MASKED: tl.constexpr, SHIFT_BY_MULHI: tl.constexpr):
-    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md, "Words").
-    SHIFT_BY_MULHI: the two shifts as multiply-high (v >> k == umulhi(v, 2^(32-k))),
-    the same values, computed on the multiply unit instead of the integer unit."""
+                    SLOTS: tl.constexpr, MASKED: tl.constexpr):
+    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md, "Words")."""
     WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
     idx = tl.arange(0, TILE)
     j = (OFFSET + idx).to(tl.uint32)  # the word's position in the row
     x = w ^ (j * _SALT_MUL + _SALT_ADD)[None, :]
     a = x * _MIX_A
-    if SHIFT_BY_MULHI:
-        a = a ^ tl.umulhi(a, 1 << 16)
-        b = (x ^ tl.umulhi(x, 1 << 17)) * _MIX_B
-    else:
-        a = a ^ (a >> 16)
-        b = (x ^ (x >> 15)) * _MIX_B
+    a = a ^ (a >> 16)
+    b = (x ^ (x >> 15)) * _MIX_B
     if MASKED:
         keep = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
         a = tl.where(keep, a, 0)
@@ -116,7 +114,7 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
                  S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
                  S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
                  S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
-                 MASKED: tl.constexpr, SHIFT_BY_MULHI: tl.constexpr):
+                 MASKED: tl.constexpr):
     """Each segment's digest of each row, uint64 [ROWS] x 4 (unused segments: 0).
     Every segment's loads come before any hashing, so a row costs one round trip."""
     w0 = _load_segment(rows, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
@@ -126,16 +124,16 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
         w2 = _load_segment(rows, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 3:
         w3 = _load_segment(rows, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
-    d0 = _segment_digest(w0, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED, SHIFT_BY_MULHI)
+    d0 = _segment_digest(w0, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
     d1 = tl.zeros_like(d0)
     d2 = tl.zeros_like(d0)
     d3 = tl.zeros_like(d0)
     if NUM_SEGMENTS > 1:
-        d1 = _segment_digest(w1, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED, SHIFT_BY_MULHI)
+        d1 = _segment_digest(w1, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 2:
-        d2 = _segment_digest(w2, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED, SHIFT_BY_MULHI)
+        d2 = _segment_digest(w2, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 3:
-        d3 = _segment_digest(w3, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED, SHIFT_BY_MULHI)
+        d3 = _segment_digest(w3, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
     return d0, d1, d2, d3
 
 
@@ -171,7 +169,6 @@ def _digest_rooms_kernel(
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
-    SHIFT_BY_MULHI: tl.constexpr,  # the shifts as multiply-high: the same values; faster or not, measured
 ):
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
@@ -185,7 +182,7 @@ def _digest_rooms_kernel(
     id_bytes = tl.load(entry + 1)
     n_tokens = tl.load(entry + 3)
     first_cell = tl.load(entry + 4)
-    layer_entry = layer_table + layer * 3
+    layer_entry = layer_table + layer * _LAYER_COLUMNS
     # A buffer is found from the table's own address (a pointer argument, so the
     # compiler knows it is 16-byte aligned) plus the buffer's distance from it,
     # which the host checked is a multiple of BASE_ALIGN: written as such, the row
@@ -217,12 +214,12 @@ def _digest_rooms_kernel(
         d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
                                       S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
                                       S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
-                                      False, SHIFT_BY_MULHI)
+                                      False)
     else:
         d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
                                       S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
                                       S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
-                                      True, SHIFT_BY_MULHI)
+                                      True)
 
     row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
@@ -243,7 +240,7 @@ _ARG_NAMES = (
     "room_table", "layer_table", "cells", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "SHIFT_BY_MULHI",
+
 )
 
 
@@ -306,13 +303,12 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, shift_by_mulhi: bool = False):
+                 base_align: int = 16):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows,
-                     "SHIFT_BY_MULHI": bool(shift_by_mulhi)}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
