@@ -25,6 +25,7 @@ is the same, and still delivers results on the background thread.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from . import reference
 from .layout import RowLayout, layout_signature
 from .pinned import EventPool, Staging, StagingPool
 from .result import RoomDigest
-from .room_table import ROOM_COLUMNS, CellPlan, RoomRequest, plan_cells
+from .room_table import ROOM_COLUMNS, CellPlan, RoomRequest, frozen_slots_per_page, plan_cells
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class BatchResult:
     gpu_seconds: float | None = None  # kernel time, when measured on a GPU
     room_bytes: tuple[int, ...] = ()  # frozen bytes digested per room, in submit order
     error: str | None = None  # the batch could not be digested (no digests): why
+    # Per room, in submit order: its (layer, page) rows whose physical page id lay outside
+    # that layer's buffer, so they were not read. A room with any has a digest that
+    # compares equal to none (docs/digest.md, "Page ids out of range").
+    out_of_range: tuple[int, ...] = ()
 
 
 @dataclass
@@ -69,6 +74,8 @@ class EngineStats:
     completed_rooms: int = 0
     dropped_batches: int = 0
     callback_errors: int = 0
+    out_of_range_rooms: int = 0  # rooms with a page id outside a registered buffer
+    out_of_range_rows: int = 0  # their (layer, page) rows, never read
 
 
 @dataclass
@@ -88,6 +95,7 @@ class PendingDigest:
     final_rooms: np.ndarray | None = None  # a private copy, once collected
     counted: bool = True  # False for the engine's own warm-up batch
     error: str | None = None  # recording `done` failed: the collector drops the batch
+    flags: np.ndarray | None = None  # uint8 [n_cells]: 1 where the row's page id was out of range
 
     def ready(self) -> bool:
         """Whether `room_digests` is readable now; never, for a batch whose event failed."""
@@ -108,11 +116,19 @@ class PendingDigest:
 
     @property
     def room_digests(self) -> np.ndarray:
-        """uint64 [n_rooms], in submit order: the sum mod 2^64 of each room's cells."""
+        """uint64 [n_rooms], in submit order: the sum mod 2^64 of each room's cells; a
+        fresh random value for a room with out-of-range page ids (it must match nothing)."""
         if self.final_rooms is not None:
             return self.final_rooms
-        return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) for i in range(len(self.rooms))],
-                        dtype=np.uint64)
+        return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) if not n else secrets.randbits(64)
+                         for i, n in enumerate(out_of_range_counts(self.plan, self.flags))], dtype=np.uint64)
+
+
+def out_of_range_counts(plan: CellPlan, flags: np.ndarray | None) -> list[int]:
+    """Per room: its (layer, page) rows flagged as out of range."""
+    if flags is None or not flags.any():  # nearly every batch: one pass over a byte per row
+        return [0] * len(plan.page_counts)
+    return [int(flag_block(plan, flags, i).sum()) for i in range(len(plan.page_counts))]
 
 
 def poll_intervals(first: float, most: float) -> Iterator[float]:
@@ -141,7 +157,8 @@ class DigestEngine:
         backend: str = "auto",
         device: torch.device | str | None = None,
         block: int | None = None,
-        rows: int = 1,
+        rows: int | None = None,
+        num_warps: int | None = None,
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         max_poll_interval_s: float = 0.004,
@@ -171,10 +188,12 @@ class DigestEngine:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "reference"
         self.backend = backend
-        # Fastest on an H200 (bench/RESULTS.md): 128-word steps for rows up to
-        # 8448 B, 256 for larger rows, one row per program.
-        self.block = block or (128 if layout.row_bytes <= 8448 else 256)
-        self.rows = rows
+        # `block` is no longer used: the kernel reads each segment of a row as one tile
+        # (issue 21). Rows per program and warps: the fastest on an H200 (bench/RESULTS.md).
+        self.block = block
+        shape = kernel_shape(layout)
+        self.rows = rows or shape["rows"]
+        self.num_warps = num_warps or shape["num_warps"]
         self._staging = StagingPool(self.device)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
@@ -182,7 +201,7 @@ class DigestEngine:
             # Pinned allocation costs milliseconds: reserve now, not on the hot path,
             # for bursts of batches up to the smallest size class (64 KiB), and of
             # single-room batches up to 64 pages where those need more.
-            self._staging.reserve(8 * (32 + 64 + len(self.layer_ids) * 64 * len(layout.segments)), prealloc)
+            self._staging.reserve(staging_bytes(32 + 64, len(self.layer_ids) * 64, len(layout.segments)), prealloc)
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
@@ -197,17 +216,14 @@ class DigestEngine:
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         if self.backend == "triton":
-            from .kernel import DigestKernel, current_stream  # Triton is imported only when the kernel is used
+            from .kernel import DigestKernel, current_stream, layer_table  # Triton: only when the kernel is used
 
             self._current_stream = current_stream
-            self._tables = (  # kept alive here: the kernel holds only their addresses
-                torch.tensor([[b.data_ptr(), lid] for b, lid in zip(self.buffers, self.layer_ids)], dtype=torch.int64)
-                .reshape(-1, 2).to(self.device),
-                torch.tensor([[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32).to(self.device),
-            )
+            # Each layer's buffer, global id and page count; the kernel reads it on the device.
+            self._layer_table, base_align = layer_table(self.buffers, self.layer_ids, self.device)
             self._kernel = DigestKernel(
-                self._tables[0].data_ptr(), len(self.layer_ids), self._tables[1].data_ptr(), layout,
-                block=self.block, rows=self.rows,
+                self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
+                base_align=base_align,
             )
             if self.device.type == "cuda":
                 self._warm_up()
@@ -251,15 +267,19 @@ class DigestEngine:
     def _launch(self, rooms: list[RoomRequest], callback) -> PendingDigest:
         plan = plan_cells(rooms, len(self.layer_ids))
         if self.backend == "reference":
-            return PendingDigest(plan, rooms, callback, self._reference_cells(plan, rooms))
+            cells, flags = self._reference_cells(plan, rooms)
+            return PendingDigest(plan, rooms, callback, cells, flags=flags)
         return self._launch_triton(plan, rooms, callback)
 
-    def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> np.ndarray:
+    def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> tuple[np.ndarray, np.ndarray]:
+        """The cells and out-of-range flags the kernel stores, computed with the reference."""
         cells = np.zeros((plan.n_cells, len(self.layout.segments)), dtype=np.uint64)
+        flags = np.zeros(plan.n_cells, dtype=np.uint8)
         for slot, room in enumerate(rooms):
             pages = room.pages.cpu().numpy() if isinstance(room.pages, torch.Tensor) else room.pages
-            plan.block(cells, slot)[:] = reference.room_cells(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids)
-        return cells
+            checked_room_cells(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids,
+                               plan.block(cells, slot), flag_block(plan, flags, slot))
+        return cells, flags
 
     def _device_pages(self, pages: Any) -> torch.Tensor | None:
         """The room's page table where it already lives on the kernel's device, read in
@@ -283,7 +303,7 @@ class DigestEngine:
             host_words += plan.page_counts[slot] if dev is None else 0
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
-        staging = self._staging.take(8 * (input_words + plan.n_cells * n_segments))
+        staging = self._staging.take(staging_bytes(input_words, plan.n_cells, n_segments))
         words, read_base = staging.words, staging.host_address
 
         # One NumPy write per page table and per table row: each call counts on a
@@ -299,7 +319,10 @@ class DigestEngine:
                 cursor += n_pages
             row = ROOM_COLUMNS * slot
             words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
-        cells = words[input_words : input_words + plan.n_cells * n_segments].view(np.uint64).reshape(-1, n_segments)
+        cells_end = input_words + plan.n_cells * n_segments
+        cells = words[input_words:cells_end].view(np.uint64).reshape(-1, n_segments)
+        flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + plan.n_cells]  # then a byte per row
+        cells_address, flags_address = staging.host_address + 8 * input_words, staging.host_address + 8 * cells_end
 
         started = None
         if self.time_kernels:
@@ -307,16 +330,16 @@ class DigestEngine:
             started.record()
         keepalive = [d for d in on_device if d is not None]
         if self.device.type != "cuda":  # the interpreter runs it now
-            self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages)
-            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive)
+            self._kernel.launch(read_base, cells_address, flags_address, n_rooms, plan.max_pages)
+            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags)
         device, raw_stream = self._current_stream()
-        self._kernel.launch(read_base, staging.host_address + 8 * input_words, n_rooms, plan.max_pages,
+        self._kernel.launch(read_base, cells_address, flags_address, n_rooms, plan.max_pages,
                             device=device, stream=raw_stream)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)
         done = self._events.take(self.time_kernels)
-        ticket = PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive)
+        ticket = PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive, flags=flags)
         try:
             done.record(stream)
         except Exception as exc:  # the serving thread goes on; the collector drops the batch
@@ -419,12 +442,15 @@ class DigestEngine:
     def _finish(self, ticket: PendingDigest) -> BatchResult:
         """Fold each room's cells (the event has completed), then recycle the buffers."""
         plan, digests, room_bytes = ticket.plan, [], []
+        out_of_range = out_of_range_counts(plan, ticket.flags)
         for slot, room in enumerate(ticket.rooms):
             layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
             digests.append(
                 RoomDigest(
                     key=room.key,
-                    signature=self.signature,
+                    # Rows not read make the digest worthless: a signature no other digest
+                    # has, so every comparison says not_comparable, never match.
+                    signature=self.signature if not out_of_range[slot] else secrets.randbits(64),
                     n_tokens=room.n_tokens,
                     layer_ids=self.layer_ids,
                     segments=self.layout.segment_names,
@@ -433,12 +459,76 @@ class DigestEngine:
                 )
             )
             frozen = min(max(room.n_tokens, 0) // self.layout.tokens_per_slot, room.n_pages * self.layout.slots)
-            room_bytes.append(frozen * len(self.layer_ids) * self._frozen_bytes_per_slot)
+            unread = 0
+            if out_of_range[slot]:  # rows not read are not digested bytes
+                per_page = frozen_slots_per_page(self.layout, room.n_pages, room.n_tokens)
+                unread = int(flag_block(plan, ticket.flags, slot).sum(axis=0, dtype=np.int64) @ per_page)
+            room_bytes.append((frozen * len(self.layer_ids) - unread) * self._frozen_bytes_per_slot)
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
         if ticket.counted:
             self.stats.completed_rooms += len(digests)
-        ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) for d in digests], dtype=np.uint64)
+        if ticket.counted and any(out_of_range):
+            self._count_out_of_range(ticket.rooms, out_of_range)
+        ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) if not n else secrets.randbits(64)
+                                       for d, n in zip(digests, out_of_range)], dtype=np.uint64)
         self._release(ticket)
-        return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes))
+        return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
+                           out_of_range=tuple(out_of_range))
+
+    def _count_out_of_range(self, rooms: list[RoomRequest], out_of_range: list[int]) -> None:
+        """A page id outside a registered buffer is a probe failure (a wrong page table):
+        counted in the engine's stats and as a probe error, logged, never read."""
+        self.stats.out_of_range_rooms += sum(1 for n in out_of_range if n)
+        self.stats.out_of_range_rows += sum(out_of_range)
+        keys = [room.key for room, n in zip(rooms, out_of_range) if n]
+        try:
+            raise PageOutOfRange(f"{sum(out_of_range)} (layer, page) rows of rooms {keys[:8]} have a page id "
+                                 f"outside their layer's buffer; not read, not comparable")
+        except PageOutOfRange:
+            record_error("digest.page_out_of_range")
+
+
+class PageOutOfRange(ValueError):
+    """A room's page table names a page outside a registered buffer."""
+
+
+def flag_block(plan: CellPlan, flags: np.ndarray, slot: int) -> np.ndarray:
+    """Room `slot`'s out-of-range flags as uint8 [layers, pages] (a view)."""
+    first, n_pages = plan.first_cells[slot], plan.page_counts[slot]
+    return flags[first : first + plan.n_layers * n_pages].reshape(plan.n_layers, n_pages)
+
+
+def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
+    """A batch's staging buffer: its tables, then its cells, then a flag byte per cell row."""
+    return 8 * (input_words + n_cells * n_segments) + n_cells
+
+
+def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int],
+                       cells: np.ndarray, flags: np.ndarray) -> None:
+    """`reference.room_cells`, with page ids checked as the kernel checks them: a row whose
+    id lies outside its layer's buffer is not read, its cells are 0 and its flag 1.
+    `cells` (uint64 [layers, pages, segments]) and `flags` (uint8 [layers, pages]) are filled."""
+    pages = np.asarray(pages).reshape(-1).astype(np.int64)
+    n_pages = len(pages)
+    frozen = frozen_slots_per_page(layout, n_pages, n_tokens)
+    for li, (buf, layer_id) in enumerate(zip(buffers, layer_ids)):
+        readable = (pages >= 0) & (pages < buf.shape[0])
+        flags[li] = ~readable
+        cells[li] = 0
+        if readable.any():
+            rows = reference._as_rows(buf)[pages[readable]]
+            logical = np.flatnonzero(readable)
+            cells[li, readable] = reference.cell_contributions(
+                reference.segment_digests(rows, frozen[readable], layout), [layer_id] * len(logical), logical)
+
+
+# Rows per program and warps per program, fastest on an H200
+# per layout in the sweep of bench/RESULTS.md (2026-12-01 08:39 UTC): one row per
+# program, one warp for rows up to 8448 B (no cross-warp reduction, 16 loads of 16 B
+# in flight per thread), two for larger rows; the digests are the same whatever they are.
+def kernel_shape(layout: RowLayout) -> dict:
+    if layout.row_bytes <= 8448:
+        return {"rows": 1, "num_warps": 1}
+    return {"rows": 1, "num_warps": 2}

@@ -3,15 +3,30 @@
 The grid is (room, layer, block of ROWS logical pages). A program reads its
 room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
-layer's base address and the room's page table, hashes the frozen words of
+layer's buffer and the room's page table, hashes the frozen words of
 each segment into two 32-bit lane sums, and stores each (layer, page,
 segment) cell contribution. Programs past a room's last page return at once.
 Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
 vector and the room digest (sums mod 2^64, as `reference.py` defines them).
 
-Every table is passed as a plain address, so a launch hands Triton eight
-integers and nothing to inspect. The same code reads device memory and
+Why it reads at the memory's rate (bench/RESULTS.md, 2026-12-01; issue 21):
+the layout is compiled in (segment offsets and sizes are constants), so each
+segment of a row is one tile loaded in one go, every segment's loads are
+issued before any word is hashed, and a row holds no masked tail; loads are
+16 bytes wide where the buffers are 16-byte aligned from the layer table (a
+pointer argument; see `layer_table`). Rows whose slots are all frozen (all
+but a room's last page) take a branch with no masks at all. One warp per
+program for rows up to 8448 B needs no cross-warp reduction.
+
+Page ids are checked on the device against the page count of each layer's
+buffer: a row whose id is out of range is never read; its cells are stored
+as 0 and its flag (one byte per (layer, page) row, beside the cells) is set,
+so the engine counts it and never lets such a room match (docs/digest.md).
+
+The room table and the outputs are passed as plain addresses and the layer
+table is the pool's own, so a launch hands Triton four integers and nothing to
+inspect. The same code reads device memory and
 pinned host memory (the engine has the kernel store its cells straight into
 pinned host memory, which spares a download), and runs under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
@@ -19,6 +34,7 @@ pinned host memory, which spares a download), and runs under
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -38,8 +54,9 @@ _FMIX_1 = tl.constexpr(ref.FMIX_1)
 _FMIX_2 = tl.constexpr(ref.FMIX_2)
 
 _ROOM_COLUMNS = tl.constexpr(ROOM_COLUMNS)
-LAYER_COLUMNS = 2  # int64: buffer base address, global layer id
-SEGMENT_COLUMNS = 2  # int32: word offset in the row, words per slot
+LAYER_COLUMNS = 3  # int64: buffer address minus the table's own, global layer id, pages in the buffer
+_LAYER_COLUMNS = tl.constexpr(LAYER_COLUMNS)
+MAX_SEGMENTS = 4  # segments a layout may have for this kernel (index-K layouts have 1 or 2)
 
 
 @triton.jit
@@ -51,24 +68,109 @@ def _fmix64(k):
     return k ^ (k >> 33)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "room_table", "layer_table", "segment_table", "cells", "row_words", "slots", "page_tokens", "tokens_per_slot",
-    ]
-)  # one compiled kernel whatever the addresses and sizes
+@triton.jit
+def _load_segment(rows, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
+                  SLOTS: tl.constexpr, MASKED: tl.constexpr):
+    """The segment's words of each row, uint32 [ROWS, TILE]; unread words are 0.
+    MASKED: only the frozen words of readable rows are read (a tail page, an
+    out-of-range id); otherwise every row is whole and every word is read."""
+    WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
+    idx = tl.arange(0, TILE)
+    pointers = rows[:, None] + (OFFSET + idx)[None, :]
+    if MASKED:
+        mask = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
+        return tl.load(pointers, mask=mask, other=0)
+    elif TILE != WORDS:
+        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=0)
+    else:
+        return tl.load(pointers)
+
+
+@triton.jit
+def _segment_digest(w, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
+                    SLOTS: tl.constexpr, MASKED: tl.constexpr):
+    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md, "Words")."""
+    WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
+    idx = tl.arange(0, TILE)
+    j = (OFFSET + idx).to(tl.uint32)  # the word's position in the row
+    x = w ^ (j * _SALT_MUL + _SALT_ADD)[None, :]
+    a = x * _MIX_A
+    a = a ^ (a >> 16)
+    b = (x ^ (x >> 15)) * _MIX_B
+    if MASKED:
+        keep = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
+        a = tl.where(keep, a, 0)
+        b = tl.where(keep, b, 0)
+    elif TILE != WORDS:
+        a = tl.where((idx < WORDS)[None, :], a, 0)
+        b = tl.where((idx < WORDS)[None, :], b, 0)
+    sum_a, sum_b = tl.sum(a, axis=1), tl.sum(b, axis=1)  # uint32: mod 2^32, as the definition sums
+    return (sum_b.to(tl.uint64) << 32) | sum_a.to(tl.uint64)
+
+
+@triton.jit
+def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                 S0_OFFSET: tl.constexpr, S0_SLOT_WORDS: tl.constexpr, S0_TILE: tl.constexpr,
+                 S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
+                 S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
+                 S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Each segment's digest of each row, uint64 [ROWS] x 4 (unused segments: 0).
+    Every segment's loads come before any hashing, so a row costs one round trip."""
+    w0 = _load_segment(rows, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
+    if NUM_SEGMENTS > 1:
+        w1 = _load_segment(rows, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
+    if NUM_SEGMENTS > 2:
+        w2 = _load_segment(rows, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
+    if NUM_SEGMENTS > 3:
+        w3 = _load_segment(rows, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
+    d0 = _segment_digest(w0, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
+    d1 = tl.zeros_like(d0)
+    d2 = tl.zeros_like(d0)
+    d3 = tl.zeros_like(d0)
+    if NUM_SEGMENTS > 1:
+        d1 = _segment_digest(w1, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
+    if NUM_SEGMENTS > 2:
+        d2 = _segment_digest(w2, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
+    if NUM_SEGMENTS > 3:
+        d3 = _segment_digest(w3, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _store_cell(out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
+    """c = fmix64(d ^ salt(layer id, logical page, segment)); 0 for a row not read."""
+    salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + SEGMENT * _CELL_SEGMENT
+    cell = tl.where(readable, _fmix64(d ^ salt), 0)
+    tl.store(out + (SEGMENT - 1), cell, mask=valid)
+
+
+@triton.jit(do_not_specialize=["room_table", "cells", "flags"])  # one compiled kernel per layout
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
-    layer_table,  # address of int64 [n_layers, 2]: the layer's uint8 buffer address, global layer id
-    segment_table,  # address of int32 [n_segments, 2]: word offset in the row, words per slot
+    layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
     cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
-    row_words,  # 32-bit words per row (the row stride)
-    slots,  # slots per row
-    page_tokens,  # tokens per page (slots * tokens_per_slot)
-    tokens_per_slot,
+    flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
+    ROW_WORDS: tl.constexpr,  # 32-bit words per row (the row stride)
+    SLOTS: tl.constexpr,
+    TOKENS_PER_SLOT: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    S0_OFFSET: tl.constexpr,  # per segment: word offset in the row, words per slot,
+    S0_SLOT_WORDS: tl.constexpr,  # and the power of two at or above its words (its tile)
+    S0_TILE: tl.constexpr,
+    S1_OFFSET: tl.constexpr,
+    S1_SLOT_WORDS: tl.constexpr,
+    S1_TILE: tl.constexpr,
+    S2_OFFSET: tl.constexpr,
+    S2_SLOT_WORDS: tl.constexpr,
+    S2_TILE: tl.constexpr,
+    S3_OFFSET: tl.constexpr,
+    S3_SLOT_WORDS: tl.constexpr,
+    S3_TILE: tl.constexpr,
+    BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
-    BLOCK: tl.constexpr,  # words per row per step
 ):
+    PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     first_page = tl.program_id(2).to(tl.int64) * ROWS
@@ -76,9 +178,20 @@ def _digest_rooms_kernel(
     n_pages = tl.load(entry + 2)
     if first_page >= n_pages:
         return
+    page_table = tl.load(entry)
     id_bytes = tl.load(entry + 1)
     n_tokens = tl.load(entry + 3)
     first_cell = tl.load(entry + 4)
+    layer_entry = layer_table + layer * _LAYER_COLUMNS
+    # A buffer is found from the table's own address (a pointer argument, so the
+    # compiler knows it is 16-byte aligned) plus the buffer's distance from it,
+    # which the host checked is a multiple of BASE_ALIGN: written as such, the row
+    # loads can be 16 bytes wide. (An address loaded from memory, or a hint on the
+    # load, leaves the compiler assuming 4-byte alignment.)
+    distance = tl.load(layer_entry)
+    base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
+    layer_id = tl.load(layer_entry + 1).to(tl.uint64)
+    layer_pages = tl.load(layer_entry + 2)
 
     # Lanes past the room's last page re-read its last page, so the table loads
     # are in bounds and need no mask; only their stores are masked off.
@@ -86,106 +199,144 @@ def _digest_rooms_kernel(
     valid = logical < n_pages
     page = tl.minimum(logical, n_pages - 1)
     if id_bytes == 8:
-        physical = tl.load(tl.load(entry).to(tl.pointer_type(tl.int64)) + page)
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page)
     else:
-        physical = tl.load(tl.load(entry).to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
-    frozen = tl.minimum(tl.maximum((n_tokens - page * page_tokens) // tokens_per_slot, 0), slots)
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
+    readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
+    rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
+    n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
 
-    layer_entry = layer_table.to(tl.pointer_type(tl.int64)) + layer * 2
-    base = tl.load(layer_entry).to(tl.pointer_type(tl.uint32))
-    layer_id = tl.load(layer_entry + 1).to(tl.uint64)
-    rows = base + physical * row_words  # [ROWS] pointers
-    segments = segment_table.to(tl.pointer_type(tl.int32))
-    out = cells.to(tl.pointer_type(tl.uint64)) + (first_cell + layer * n_pages + page) * NUM_SEGMENTS
+    # Whole rows (every lane a page of the room, every slot frozen, every id in range)
+    # take the branch without masks: all a room's pages but its last.
+    whole = (first_page + ROWS <= n_pages) & (n_tokens >= (first_page + ROWS) * PAGE_TOKENS)
+    whole = whole & (tl.sum(readable.to(tl.int32), axis=0) == ROWS)
+    if whole:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      False)
+    else:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      True)
 
-    lanes = tl.arange(0, BLOCK)
-    for s in tl.static_range(NUM_SEGMENTS):
-        word_offset = tl.load(segments + s * 2 + 0)
-        slot_words = tl.load(segments + s * 2 + 1)
-        n_words = frozen * slot_words  # [ROWS]
-        acc_a = tl.zeros([ROWS, BLOCK], dtype=tl.uint32)
-        acc_b = tl.zeros([ROWS, BLOCK], dtype=tl.uint32)
-        for start in range(0, slots * slot_words, BLOCK):
-            idx = start + lanes
-            # Only frozen words are read: a block can run past its segment (64 scale
-            # words in a 128-word block), and past the last row of the buffer.
-            mask = idx[None, :] < n_words[:, None]
-            j = word_offset + idx  # word position in the row
-            w = tl.load(rows[:, None] + j[None, :], mask=mask, other=0)
-            x = w ^ (j.to(tl.uint32) * _SALT_MUL + _SALT_ADD)[None, :]
-            a = x * _MIX_A
-            a = a ^ (a >> 16)
-            b = (x ^ (x >> 15)) * _MIX_B
-            acc_a += tl.where(mask, a, 0)
-            acc_b += tl.where(mask, b, 0)
-        sum_a = tl.sum(acc_a, axis=1).to(tl.uint64) & 0xFFFFFFFF
-        sum_b = tl.sum(acc_b, axis=1).to(tl.uint64) & 0xFFFFFFFF
-        digest = (sum_b << 32) | sum_a
-        segment_no = tl.full([ROWS], s + 1, dtype=tl.uint64)
-        salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + segment_no * _CELL_SEGMENT
-        tl.store(out + s, _fmix64(digest ^ salt), mask=valid)
+    row_cell = first_cell + layer * n_pages + page
+    out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    _store_cell(out, d0, readable, valid, layer_id, page, 1)
+    if NUM_SEGMENTS > 1:
+        _store_cell(out, d1, readable, valid, layer_id, page, 2)
+    if NUM_SEGMENTS > 2:
+        _store_cell(out, d2, readable, valid, layer_id, page, 3)
+    if NUM_SEGMENTS > 3:
+        _store_cell(out, d3, readable, valid, layer_id, page, 4)
+    tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
 # %% launcher
 
 
 _ARG_NAMES = (
-    "room_table", "layer_table", "segment_table", "cells", "row_words", "slots", "page_tokens", "tokens_per_slot",
-    "NUM_SEGMENTS", "ROWS", "BLOCK",
+    "room_table", "layer_table", "cells", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
+    "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
+    "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
+
 )
 
 
+def layout_constants(layout, base_align: int) -> dict:
+    """The kernel's compile-time constants for `layout` (one compiled kernel per layout)."""
+    if len(layout.segments) > MAX_SEGMENTS:
+        raise ValueError(f"layout {layout.name!r} has {len(layout.segments)} segments; the digest kernel takes "
+                         f"at most {MAX_SEGMENTS}")
+    meta = {"ROW_WORDS": layout.row_bytes // 4, "SLOTS": layout.slots, "TOKENS_PER_SLOT": layout.tokens_per_slot,
+            "NUM_SEGMENTS": len(layout.segments)}
+    for s in range(MAX_SEGMENTS):
+        segment = layout.segments[s] if s < len(layout.segments) else None
+        meta[f"S{s}_OFFSET"] = segment.word_offset if segment else 0
+        meta[f"S{s}_SLOT_WORDS"] = segment.slot_words if segment else 1
+        meta[f"S{s}_TILE"] = triton.next_power_of_2(layout.slots * segment.slot_words) if segment else 1
+    meta["BASE_ALIGN"] = base_align
+    return meta
+
+
+def _alignment(values) -> int:
+    """The largest of 16, 8, 4 that every value is a multiple of."""
+    for align in (16, 8):
+        if all(int(v) % align == 0 for v in values):
+            return align
+    return 4
+
+
+def layer_table(buffers, layer_ids, device) -> tuple[torch.Tensor, int]:
+    """The kernel's layer table for `buffers` (layer `layer_ids[i]` in `buffers[i]`), on
+    `device`, and the alignment in bytes of every buffer's distance from it: the
+    kernel's row loads are as wide as that (and the layout's offsets) allow."""
+    table = torch.zeros((max(1, len(buffers)), LAYER_COLUMNS), dtype=torch.int64, device=device)
+    anchor = table.data_ptr()
+    distances = [(b.data_ptr() - anchor + (1 << 63)) % (1 << 64) - (1 << 63) for b in buffers]  # as int64
+    if buffers:
+        rows = [[d, int(lid), int(b.shape[0])] for d, lid, b in zip(distances, layer_ids, buffers)]
+        table.copy_(torch.tensor(rows, dtype=torch.int64))
+    return table, _alignment(distances + [anchor])
+
+
 class DigestKernel:
-    """The kernel bound to one pool: its layer and segment tables and its layout.
+    """The kernel bound to one pool: its layer table and its layout.
 
     `launch` is what a submit calls on the serving thread, so it does nothing
     but compute the grid and launch on the current stream; it never
-    synchronises. Cells are valid once the stream reaches the launch.
+    synchronises. Cells and flags are valid once the stream reaches the launch.
 
     The first launch goes through Triton's JIT entry point, which binds and
-    specialises the arguments on every call (tens of microseconds). Every
-    argument here is an integer the kernel does not specialise on, so the
-    compiled kernel it returns fits every later launch: once its signature is
-    checked to be exactly the arguments passed, later launches call it
-    directly and skip the binding. A caller that names the device and stream
-    (the engine does) gets the compiled kernel's own C launcher (`run`) with
-    them, as Triton's `CompiledKernel[grid]` calls it, but without a closure
-    and two more device and stream look-ups per launch; while a Triton launch
-    hook is set (a profiler), launches keep going through `CompiledKernel[grid]`,
-    which calls the hooks.
+    specialises the arguments on every call (tens of microseconds). The four
+    addresses are integers the kernel does not specialise on, and the rest
+    are this pool's constants, so the compiled kernel it returns fits every
+    later launch: once its signature is checked to be exactly the arguments
+    passed, later launches call it directly and skip the binding. A caller
+    that names the device and stream (the engine does) gets the compiled
+    kernel's own C launcher (`run`) with them, as Triton's
+    `CompiledKernel[grid]` calls it, but without a closure and two more
+    device and stream look-ups per launch; while a Triton launch hook is set
+    (a profiler), launches keep going through `CompiledKernel[grid]`, which
+    calls the hooks.
     """
 
-    def __init__(self, layer_table: int, n_layers: int, segment_table: int, layout, *, block: int, rows: int,
-                 num_warps: int = 4):
-        if block & (block - 1) or rows & (rows - 1):
-            raise ValueError(f"block ({block}) and rows ({rows}) must be powers of two")
-        self.layer_table, self.n_layers, self.segment_table = layer_table, n_layers, segment_table
-        self.constants = (layout.row_bytes // 4, layout.slots, layout.page_tokens, layout.tokens_per_slot)
-        self.meta = {"NUM_SEGMENTS": len(layout.segments), "ROWS": rows, "BLOCK": block}
+    def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
+                 base_align: int = 16):
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"rows ({rows}) must be a power of two")
+        self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
+        self.layer_table_address = layer_table.data_ptr()
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
         self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
-    def launch(self, room_table: int, cells: int, n_rooms: int, max_pages: int, *,
+    def launch_args(self, room_table: int, cells: int, flags: int) -> tuple:
+        """Every argument of one launch, in the kernel's order (constants last)."""
+        return (room_table, self.layer_table_address, cells, flags, *self.meta.values())
+
+    def launch(self, room_table: int, cells: int, flags: int, n_rooms: int, max_pages: int, *,
                device: int | None = None, stream: int | None = None) -> None:
         """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers),
         on `stream` (a raw CUDA stream handle of `device`; None: the current stream)."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
-        args = (room_table, self.layer_table, self.segment_table, cells, *self.constants)
         if device is None or stream is None:
             device, stream = _current_device(), None
         compiled = self.compiled
         if compiled is not None and device == self.compiled_on:
             if stream is not None and not _launch_hooks_set():
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                             *args, *self.meta.values())
+                             room_table, self.layer_table_address, cells, flags, *self.meta.values())
             else:
-                compiled[grid](*args, *self.meta.values())
+                compiled[grid](room_table, self.layer_table_address, cells, flags, *self.meta.values())
             return
-        compiled = _digest_rooms_kernel[grid](*args, **self.meta, num_warps=self.num_warps)
+        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, flags, **self.meta,
+                                              num_warps=self.num_warps)
         if _fits(compiled):
             self.compiled, self.compiled_on = compiled, device
 

@@ -171,3 +171,34 @@ def test_a_batch_launched_while_another_thread_fills_the_queue_is_still_delivere
     assert delivered.wait(30)
     engine.close()
     assert pending.staging is None  # given back once done
+
+
+def test_a_room_with_out_of_range_page_ids_is_counted_and_matches_nothing(engine):
+    """Engine buffers have 4 pages. Rows at ids -1 and 4 are not read: the batch result
+    counts them per room, the bytes digested leave them out, the error is counted, and
+    the room's digest compares equal to no digest, not even another such digest of the
+    same bytes; the in-band room digest does not give it away either. A clean room in
+    the same batch is untouched."""
+    from dsv4_idxk_probe.digest import compare
+    from dsv4_idxk_probe.safety import error_counts
+
+    errors_before = error_counts().get("digest.page_out_of_range", 0)
+    pages = [1, -1, 2, 4]
+    if engine.backend == "triton":
+        pages = torch.tensor(pages, dtype=torch.int32, device=DEVICE)
+    rooms = [RoomRequest("bad", pages, 3 * 256 + 40), RoomRequest("good", [1, 2], 300)]
+    got = []
+    first = engine.submit(rooms, got.append)
+    second = engine.submit(rooms, got.append)
+    engine.close()
+    assert [b.out_of_range for b in got] == [(2 * 2, 0), (2 * 2, 0)]  # 2 layers x 2 bad pages, then none
+    batch = got[0]
+    bad, good = batch.digests
+    assert bad.signature != engine.signature and good.signature == engine.signature
+    assert compare(bad, got[1].digests[0]).verdict == "not_comparable"
+    assert compare(good, got[1].digests[1]).verdict == "match"
+    assert first.room_digests[0] != second.room_digests[0] and first.room_digests[1] == second.room_digests[1]
+    # frozen slots per layer: pages 0 and 2 (64 each) read, page 1 (64) and 3 (10) not
+    assert batch.room_bytes == ((64 + 64) * 2 * 132, (64 + 11) * 2 * 132)
+    assert engine.stats.out_of_range_rooms == 2 and engine.stats.out_of_range_rows == 8
+    assert error_counts().get("digest.page_out_of_range", 0) == errors_before + 2

@@ -16,12 +16,43 @@ from dsv4_idxk_probe.digest import reference as ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _engines(layout, layer_ids, buffers, block=256, rows=4):
+def _engines(layout, layer_ids, buffers, rows=4):
     buffers = [b.to(DEVICE) for b in buffers]
     return (
-        DigestEngine(layout, layer_ids, buffers, backend="triton", block=block, rows=rows),
+        DigestEngine(layout, layer_ids, buffers, backend="triton", rows=rows),
         DigestEngine(layout, layer_ids, [b.cpu() for b in buffers], backend="reference"),
     )
+
+
+def _kernel_cells(layout, buffers, layer_ids, rooms, **shape):
+    """Launch the kernel directly on `rooms`: (cells uint64 [n_cells, segments], flags
+    uint8 [n_cells], plan). Both outputs start as a sentinel, so an unwritten entry shows."""
+    from dsv4_idxk_probe.digest.kernel import DigestKernel, layer_table
+    from dsv4_idxk_probe.digest.room_table import plan_cells
+
+    plan = plan_cells(rooms, len(buffers))
+    room_table = torch.tensor(
+        [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
+         for r, first in zip(rooms, plan.first_cells)], dtype=torch.int64, device=DEVICE)
+    table, base_align = layer_table(buffers, layer_ids, DEVICE)
+    cells = torch.full((plan.n_cells, len(layout.segments)), 0x5A5A5A5A, dtype=torch.int64, device=DEVICE)
+    flags = torch.full((plan.n_cells,), 0x5A, dtype=torch.uint8, device=DEVICE)
+    kernel = DigestKernel(table, len(buffers), layout, base_align=base_align, **shape)
+    kernel.launch(room_table.data_ptr(), cells.data_ptr(), flags.data_ptr(), len(rooms), plan.max_pages)
+    return cells.cpu().numpy().view(np.uint64), flags.cpu().numpy(), plan
+
+
+def _reference_cells(layout, buffers, layer_ids, rooms, plan):
+    """What the kernel must store: cells and flags by the engine's checked reference."""
+    from dsv4_idxk_probe.digest.engine import checked_room_cells, flag_block
+
+    cells = np.zeros((plan.n_cells, len(layout.segments)), dtype=np.uint64)
+    flags = np.zeros(plan.n_cells, dtype=np.uint8)
+    host = [b.cpu() for b in buffers]
+    for slot, room in enumerate(rooms):
+        checked_room_cells(host, room.pages.cpu().numpy(), room.n_tokens, layout, layer_ids,
+                           plan.block(cells, slot), flag_block(plan, flags, slot))
+    return cells, flags
 
 
 def _assert_same(kernel_digests, reference_digests):
@@ -50,13 +81,17 @@ def test_every_layout_matches_reference_on_ragged_rooms(layout, random_buffers):
     _assert_same(kernel.digest_now(rooms), reference.digest_now(rooms))
 
 
-@pytest.mark.parametrize("block, rows", [(64, 1), (256, 2), (2048, 8), (1024, 16)])
-def test_tiling_does_not_change_the_result(block, rows, random_buffers):
-    layout = get_layout("fp8")
-    buffers = random_buffers(layout, 2, 5, seed=5)
-    rooms = [RoomRequest("a", torch.tensor([4, 0, 2], device=DEVICE), 2 * 256 + 9), RoomRequest("b", [1], 7)]
-    kernel, reference = _engines(layout, [0, 7], buffers, block=block, rows=rows)
-    _assert_same(kernel.digest_now(rooms), reference.digest_now(rooms))
+@pytest.mark.parametrize("rows, num_warps", [(1, 1), (2, 8), (4, 2), (8, 1)])
+def test_tiling_does_not_change_the_cells(rows, num_warps, layout, random_buffers):
+    """Every (rows per program, warps) the benchmark sweeps stores the reference's
+    cells, for whole and tail pages."""
+    buffers = [b.to(DEVICE) for b in random_buffers(layout, 2, 5, seed=rows)]
+    rooms = [RoomRequest("a", torch.tensor([4, 0, 2], device=DEVICE), 2 * 256 + 9),
+             RoomRequest("b", torch.tensor([1, 3, 2, 0, 4], device=DEVICE), 5 * 256),
+             RoomRequest("c", torch.tensor([3], dtype=torch.int32, device=DEVICE), 7)]
+    cells, flags, plan = _kernel_cells(layout, buffers, [0, 7], rooms, rows=rows, num_warps=num_warps)
+    want_cells, want_flags = _reference_cells(layout, buffers, [0, 7], rooms, plan)
+    assert np.array_equal(cells, want_cells) and np.array_equal(flags, want_flags) and not flags.any()
 
 
 def test_split_across_launches_gives_the_same_digests(random_buffers):
@@ -97,15 +132,14 @@ def test_host_page_tables_of_any_integer_sequence_are_copied_in_place(random_buf
     flip_layer=st.integers(0, 1),
     flip_page=st.integers(0, 1),
     flip_byte=st.integers(0, 8447),
-    block=st.sampled_from([128, 1024]),
     rows=st.sampled_from([1, 4]),
 )
-def test_kernel_localises_a_flipped_bit_like_the_reference(seed, flip_layer, flip_page, flip_byte, block, rows):
+def test_kernel_localises_a_flipped_bit_like_the_reference(seed, flip_layer, flip_page, flip_byte, rows):
     layout = get_layout("fp8")
     g = torch.Generator().manual_seed(seed)
     buffers = [torch.randint(0, 256, (3, layout.row_bytes), dtype=torch.uint8, generator=g) for _ in range(2)]
     room = [RoomRequest("x", torch.tensor([2, 0], device=DEVICE), 2 * 256)]
-    kernel, _ = _engines(layout, [10, 20], buffers, block=block, rows=rows)
+    kernel, _ = _engines(layout, [10, 20], buffers, rows=rows)
     before = kernel.digest_now(room)[0]
     page = [2, 0][flip_page]
     kernel.buffers[flip_layer][page, flip_byte] ^= 0x80
@@ -118,32 +152,43 @@ def test_kernel_localises_a_flipped_bit_like_the_reference(seed, flip_layer, fli
 def test_kernel_stores_every_cell_of_every_room_once(random_buffers):
     """Called directly: each (layer, page, segment) cell the kernel stores equals
     reference.room_cells, for int32 and int64 page tables in one launch, and no cell
-    of the output is left unwritten (it starts as a sentinel)."""
-    from dsv4_idxk_probe.digest.kernel import DigestKernel
-    from dsv4_idxk_probe.digest.room_table import plan_cells
-
+    or flag of the output is left unwritten (both start as a sentinel)."""
     layout = get_layout("fp8")
     buffers = [b.to(DEVICE) for b in random_buffers(layout, 2, 5, seed=4)]
     rooms = [
         RoomRequest("a", torch.tensor([1, 2], dtype=torch.int64, device=DEVICE), 256 + 20),
         RoomRequest("b", torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE), 2 * 256 + 3),
     ]
-    plan = plan_cells(rooms, 2)
-    table = torch.tensor(
-        [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
-         for r, first in zip(rooms, plan.first_cells)], dtype=torch.int64, device=DEVICE)
-    layers = torch.tensor([[b.data_ptr(), lid] for b, lid in zip(buffers, [10, 20])], dtype=torch.int64, device=DEVICE)
-    segments = torch.tensor([[s.word_offset, s.slot_words] for s in layout.segments], dtype=torch.int32, device=DEVICE)
-    cells = torch.full((plan.n_cells, 2), 0x5A5A5A5A, dtype=torch.int64, device=DEVICE)
-    kernel = DigestKernel(layers.data_ptr(), 2, segments.data_ptr(), layout, block=256, rows=2)
-    kernel.launch(table.data_ptr(), cells.data_ptr(), len(rooms), plan.max_pages)
-    got = cells.cpu().numpy().view(np.uint64)
+    cells, flags, plan = _kernel_cells(layout, buffers, [10, 20], rooms, rows=2)
     host = [b.cpu() for b in buffers]
     for slot, room in enumerate(rooms):
         expected = ref.room_cells(host, room.pages.cpu().numpy(), room.n_tokens, layout, [10, 20])
-        assert np.array_equal(plan.block(got, slot), expected), room.key
+        assert np.array_equal(plan.block(cells, slot), expected), room.key
+    assert np.array_equal(flags, np.zeros(plan.n_cells, dtype=np.uint8))
 
 
+def test_out_of_range_page_ids_are_flagged_not_read_and_stored_as_zero(layout, random_buffers):
+    """Ids below 0, at and past the buffer's end, huge, in int64 and int32 tables, and an
+    id in range for one layer's buffer but not the other's: exactly those (layer, page)
+    rows are flagged, their cells are 0, and every other cell is the reference's."""
+    big, small = random_buffers(layout, 1, 6, seed=1)[0], random_buffers(layout, 1, 4, seed=2)[0]
+    buffers = [big.to(DEVICE), small.to(DEVICE)]
+    rooms = [
+        RoomRequest("mixed", torch.tensor([0, -1, 5, 4, 6, 1 << 40], dtype=torch.int64, device=DEVICE), 6 * 256 - 3),
+        RoomRequest("i32", torch.tensor([3, -(1 << 31), 2], dtype=torch.int32, device=DEVICE), 2 * 256 + 8),
+        RoomRequest("clean", torch.tensor([2, 1], device=DEVICE), 2 * 256),
+    ]
+    for rows in (1, 4):
+        cells, flags, plan = _kernel_cells(layout, buffers, [3, 8], rooms, rows=rows)
+        want_cells, want_flags = _reference_cells(layout, buffers, [3, 8], rooms, plan)
+        assert np.array_equal(flags, want_flags) and np.array_equal(cells, want_cells), rows
+    from dsv4_idxk_probe.digest.engine import flag_block
+
+    # layer 0 has 6 pages, layer 1 has 4: page 5 and 4 are in range for layer 0 only
+    assert flag_block(plan, flags, 0).tolist() == [[0, 1, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]]
+    assert flag_block(plan, flags, 1).tolist() == [[0, 1, 0], [0, 1, 0]]
+    assert not flag_block(plan, flags, 2).any()
+    assert (plan.block(cells, 0)[flag_block(plan, flags, 0) == 1] == 0).all()
 
 
 _GUARD_SCRIPT = r"""
@@ -153,30 +198,40 @@ from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
 layout = get_layout(sys.argv[1])
 n_pages, page = 4, 4096
 nbytes = n_pages * layout.row_bytes
-total = -(-nbytes // page) * page + page
+total = page + -(-nbytes // page) * page + page
 region = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 base = ctypes.addressof(ctypes.c_char.from_buffer(region))
 libc = ctypes.CDLL(None)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 guard = base + total - page
 assert libc.mprotect(guard, page, 0) == 0  # the page after the buffer cannot be read
+assert libc.mprotect(base, page, 0) == 0  # nor the page before it (row -1 reaches into it)
 rows = np.frombuffer(region, dtype=np.uint8, count=nbytes, offset=guard - nbytes - base).reshape(n_pages, -1)
 rows[:] = 7
-engine = DigestEngine(layout, [1], [torch.from_numpy(rows)], backend="triton")
-kernel = engine.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
-reference = DigestEngine(layout, [1], [torch.from_numpy(rows.copy())], backend="reference")
-expected = reference.digest_now([RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens)])[0]
-assert np.array_equal(kernel.layer_segment, expected.layer_segment)
+rooms = [RoomRequest("last", [n_pages - 1], 2 * layout.page_tokens),
+         RoomRequest("outside", [-1, n_pages, 0, n_pages + 1, 1 << 40], 5 * layout.page_tokens)]
+results = {}
+for backend, buffer in (("triton", rows), ("reference", rows.copy())):
+    engine = DigestEngine(layout, [1], [torch.from_numpy(buffer)], backend=backend)
+    got = []
+    engine.submit(rooms, got.append)
+    engine.close()
+    results[backend] = got[0]
+kernel, reference = results["triton"], results["reference"]
+assert kernel.out_of_range == reference.out_of_range == (0, 4), (kernel.out_of_range, reference.out_of_range)
+for k, r in zip(kernel.digests, reference.digests):
+    assert np.array_equal(k.layer_segment, r.layer_segment) and np.array_equal(k.pages, r.pages), k.key
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="host memory behind a guard page is read by the CPU interpreter")
 @pytest.mark.parametrize("layout_name", ["fp8", "fp4", "bf16"])
-def test_the_last_row_of_a_buffer_is_digested_without_reading_past_it(layout_name):
-    """The buffer ends right before an unreadable page; a load past the row's frozen
-    words (a 128-word block over 64 scale words) would kill the process. In a child
-    process, so a regression fails this test instead of the suite."""
+def test_no_row_is_read_outside_its_buffer(layout_name):
+    """The buffer lies between two unreadable pages. Its last row is digested without
+    reading past it (a load past the row's frozen words would kill the process), and
+    page ids -1, n_pages, n_pages + 1 and 2^40 are flagged and never read, where a read
+    would fault. In a child process, so a regression fails this test, not the suite."""
     import subprocess
     import sys
 
