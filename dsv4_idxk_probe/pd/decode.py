@@ -179,6 +179,13 @@ class DecodeMonitor:
             if i:
                 yield_to_serving()  # a batch's rooms one at a time, never holding the GIL for all of them
             room_bytes = batch.room_bytes[i] if i < len(batch.room_bytes) else None
+            outside = batch.out_of_range[i] if i < len(getattr(batch, "out_of_range", ())) else 0
+            if outside:  # the probe's page list named rows past a buffer: nothing to judge
+                self._count_in_flight([(state, stage, step)], -1)
+                self._publish(state.room, stage, step, "not_comparable",
+                              f"{outside} page rows outside the index-K buffers (not read)", None, None, state)
+                self._forget_if_done(state)
+                continue
             if batch_id is not None and batch_id in state.unsafe:
                 # the room was retired before this digest ran: its pages may hold another room's bytes
                 self._count_in_flight([(state, stage, step)], -1)

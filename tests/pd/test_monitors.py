@@ -189,3 +189,16 @@ def test_a_batch_is_judged_room_by_room_with_the_gil_offered_in_between(pair, mo
     decode.batch_done(rooms, [])
     dec_sink.wait_for(8)
     assert yields == [5, 6, 7]  # after the batch's first, second and third room, not after its last
+
+
+def test_page_ids_past_the_buffers_are_not_read_and_not_judged(pair):
+    """Issue 16 item 5: a page list naming rows past a buffer (a host page id, a bug)
+    gets neither a match nor a mismatch: the kernel reads nothing there."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(78)
+    src = [5, 1, 9]
+    inband = _send(prefill, pre_sink, room, src, 600)
+    decode.room_received(room, [0, 7, 40], 600, inband)  # 12 pages per buffer: page 40 does not exist
+    record = dec_sink.wait_for(1)[0]
+    assert (record["stage"], record["verdict"]) == ("decode_recv", "not_comparable")
+    assert "outside the index-K buffers" in record["reason"]
