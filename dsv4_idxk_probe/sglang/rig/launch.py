@@ -45,6 +45,10 @@ class LaunchError(RuntimeError):
     """A server did not come up; the message names it and the end of its log."""
 
 
+class PortTaken(LaunchError):
+    """A port the rig picked was taken before the server bound it (started again on others)."""
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """What differs between the rig's server pairs (each maps to SGLang flags)."""
@@ -133,17 +137,27 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+#: Ports the rig picks from: below Linux's ephemeral range (32768-60999), where SGLang's own
+#: processes take the ports they bind to port 0, so a picked port is not taken in the meantime.
+PORT_RANGE = (20000, 32000)
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct loopback ports that are free now, drawn from PORT_RANGE."""
+    import random
+
+    picked: list[int] = []
+    while len(picked) < n:
+        port = random.randrange(*PORT_RANGE)
+        if port in picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+    return picked
 
 
 def write_model_dir(path: Path) -> Path:
@@ -218,8 +232,19 @@ def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role:
 
 
 def start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s: float = 240.0,
-          ports: Ports | None = None) -> Cluster:
-    """Both servers and the router, healthy; LaunchError (everything stopped) otherwise."""
+          ports: Ports | None = None, attempts: int = 3) -> Cluster:
+    """Both servers and the router, healthy; LaunchError (everything stopped) otherwise.
+    A port taken meanwhile costs a start on other ports, `attempts` times at most."""
+    for attempt in range(attempts):
+        try:
+            return _start(run_dir, opts, env, timeout_s=timeout_s, ports=ports if attempt == 0 else None)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s: float, ports: Ports | None) -> Cluster:
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = ports or Ports.free()
     model_dir = write_model_dir(run_dir / "model")
@@ -245,7 +270,7 @@ def start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s:
 def _spawn(cluster: Cluster, name: str, args: list[str], env: dict[str, str]) -> None:
     log = cluster.run_dir / f"{name}.log"
     cluster.logs[name] = log
-    with open(log, "ab") as out:
+    with open(log, "wb") as out:  # a start on other ports begins the log afresh
         cluster.procs[name] = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             cwd=str(cluster.run_dir), start_new_session=True,
@@ -265,6 +290,8 @@ def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
         proc = cluster.procs[name]
         if proc.poll() is not None:
             raise LaunchError(f"{name} server exited ({proc.returncode}) before it was healthy:\n{cluster.log_tail(name)}")
+        if "error while attempting to bind on address" in cluster.log_tail(name, 5):
+            raise PortTaken(f"{name} server could not bind its port:\n{cluster.log_tail(name, 5)}")
         try:
             if http_get(url, timeout=2.0)[0] == 200:
                 return
