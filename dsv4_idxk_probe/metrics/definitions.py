@@ -48,7 +48,7 @@ EXCHANGE_ERROR_KINDS = ("fetch",)
 HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
 # The part of the probe a caught exception came from: the first word of its
 # site ("decode.on_result" -> decode). The full site is in the log line.
-ERROR_COMPONENTS = ("prefill", "decode", "digest", "hicache", "patch", "other")
+ERROR_COMPONENTS = ("prefill", "decode", "digest", "hicache", "hook", "patch", "other")
 _COMPONENT_OF_PREFIX = {"factory": "patch"}
 # The probe's own state (dsv4_idxk_probe_info): state -> the reasons it can have.
 STATES = {
