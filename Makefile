@@ -13,7 +13,10 @@ PYTEST_ARGS ?=
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first and alone: pinned to the build the machine's wheel cache holds.
+# torch first and alone, at the version requirements/constraints.txt pins
+# (2.14.1, the one SGLang 0.5.23 is tested with), so the next install resolves
+# against it instead of pulling another build. It comes from the package index
+# pip is configured with; a local wheel cache is used only if it holds that exact version.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
