@@ -14,7 +14,7 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch first and alone, at the version requirements/constraints.txt pins
-# (2.14.1, the one SGLang 0.5.23 is tested with), so the next install resolves
+# (2.14.1), so the installs after it resolve
 # against it instead of pulling another build. It comes from the package index
 # pip is configured with; a local wheel cache is used only if it holds that exact version.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
