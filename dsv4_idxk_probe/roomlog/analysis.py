@@ -117,14 +117,25 @@ class StageResult:
         return out
 
 
+def room_sort_key(room: str) -> tuple:
+    """Bootstrap rooms are numbers written as text: order them as numbers (9 < 10 < 113)."""
+    return (0, int(room), "") if room.isdigit() else (1, 0, room)
+
+
 @dataclass(slots=True)
 class RoomResult:
-    room: str
+    room: str  # SGLang's bootstrap room
     attempt: int
     stages: list[StageResult]
     has_prefill: bool = False
     n_pages: int = 0
     layer_ids: tuple = ()
+    prefill_rid: str | None = None  # SGLang's request id on each side (they may differ)
+    decode_rid: str | None = None
+
+    @property
+    def rids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r for r in (self.decode_rid, self.prefill_rid) if r))
 
     @property
     def ordered(self) -> list[StageResult]:
@@ -166,6 +177,7 @@ class RoomResult:
         return {
             "room": self.room,
             "attempt": self.attempt,
+            "rid": {"prefill": self.prefill_rid, "decode": self.decode_rid},
             "verdict": self.verdict,
             "first_divergence": {"stage": first.stage, "step": first.step} if first else None,
             "last_match_before": {"stage": intact.stage, "step": intact.step} if first and intact else None,
@@ -193,6 +205,7 @@ class Analysis:
     rooms: dict[Key, RoomResult] = field(default_factory=dict)
     prefill_only: int = 0
     prefill_only_keys: list = field(default_factory=list)  # (room, attempt): sent, never seen on decode
+    prefill_only_rids: dict = field(default_factory=dict)  # (room, attempt) -> prefill's rid, where logged
     errors: list[str] = field(default_factory=list)
     n_errors: int = 0
     record_kinds: Counter = field(default_factory=Counter)
@@ -225,7 +238,7 @@ class Analysis:
                 first[room.first_divergence.stage] += 1
             if worst != "match" and worst != "skipped":
                 bad.append(room)
-        bad.sort(key=lambda r: (-SEVERITY[r.verdict], r.room, r.attempt))
+        bad.sort(key=lambda r: (-SEVERITY[r.verdict], room_sort_key(r.room), r.attempt))
         return Tally(stages, rooms, first, bad, open_rooms)
 
     def room_verdicts(self) -> Counter:
@@ -234,6 +247,14 @@ class Analysis:
     def bad_rooms(self) -> list[RoomResult]:
         """Rooms that are not all-match, worst first."""
         return self.tally.bad_rooms
+
+    def select_rids(self, rids: Iterable[str]) -> None:
+        """Keep only the rooms whose SGLang request id (either side's) is in `rids`."""
+        wanted = set(rids)
+        self.rooms = {k: r for k, r in self.rooms.items() if wanted.intersection(r.rids)}
+        self.prefill_only_keys = [k for k in self.prefill_only_keys if self.prefill_only_rids.get(k) in wanted]
+        self.prefill_only = len(self.prefill_only_keys)
+        self.__dict__.pop("tally", None)
 
     def summary(self) -> dict[str, Any]:
         t = self.tally
@@ -344,6 +365,7 @@ class _Joiner:
         self.a = analysis
         self.prefill: dict[Key, Packed | None] = {}
         self.prefill_skipped: set[Key] = set()
+        self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
 
     def add_record(self, rec: dict, file: str, line: int) -> None:
@@ -377,18 +399,25 @@ class _Joiner:
             raise RecordError("step must be an integer or null")
         if verdict is not None and verdict not in VERDICT_SET:
             raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
+        rid = rec.get("rid")
+        if rid is not None and (type(rid) is not str or not rid):
+            raise RecordError("rid must be a non-empty string or null")
         digest = rec.get("digest")
         packed = pack_digest(digest) if digest is not None else None
         key = (room, attempt)
         if stage == "prefill_send":
             self._add_prefill(key, packed, verdict)
+            if rid is not None and key not in self.prefill_rids:
+                self.prefill_rids[key] = rid
             return
         ts = rec.get("ts")
         result = StageResult(stage, step, "", "", verdict, ts if type(ts) is float or type(ts) is int else None, file, line)
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])
-        else:
+        if rid is not None and found.decode_rid is None:
+            found.decode_rid = rid
+        if found.stages:
             for s in found.stages:
                 if s.stage == stage and s.step == step:
                     self.a.duplicates += 1
@@ -413,6 +442,8 @@ class _Joiner:
     def _judge(self, key: Key, room: RoomResult, result: StageResult, observed: Packed | None) -> None:
         expected = self.prefill.get(key)
         room.has_prefill = key in self.prefill
+        if room.prefill_rid is None:
+            room.prefill_rid = self.prefill_rids.get(key)
         if expected is not None and not room.layer_ids:
             room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8
         if observed is not None and observed == expected:
@@ -439,6 +470,7 @@ class _Joiner:
         self.deferred.clear()
         self.a.prefill_only_keys = [key for key in self.prefill if key not in self.a.rooms]
         self.a.prefill_only = len(self.a.prefill_only_keys)
+        self.a.prefill_only_rids = {k: self.prefill_rids[k] for k in self.a.prefill_only_keys if k in self.prefill_rids}
 
 
 def _first_role(path: Path) -> int:
