@@ -318,16 +318,16 @@ class ProbeInfo:
         with _info_lock:
             entry = _info_by_registry.get(key)
             if entry is None or entry[0] is not registry:
+                names = tuple(labels)  # the first publisher's process labels name the series
                 gauge = Gauge(
                     "info", "The probe's state in this process: 1 on its current state and reason",
-                    (*labels, "state", "reason", "mode", "version"), namespace=NAMESPACE, registry=registry,
+                    (*names, "state", "reason", "mode", "version"), namespace=NAMESPACE, registry=registry,
                     multiprocess_mode="max",
                 )
-                entry = (registry, gauge, {})
+                entry = (registry, gauge, {}, names)
                 _info_by_registry[key] = entry  # the registry stays alive: ids are not reused
-        self._gauge, self._current = entry[1], entry[2]
+        _, self._gauge, self._current, self._names = entry
         self._labels = dict(labels)
-        self._names = tuple(self._gauge._labelnames[: -4])
 
     def set(self, state: str, reason: str, mode: str = "observe") -> None:
         if reason not in STATES.get(state, ()):

@@ -37,18 +37,21 @@ def sh(*cmd, cwd, env=None, timeout=300, expect=0):
 def installed(tmp_path_factory):
     """(venv python, console script, clean env, a working dir outside the repo)."""
     root = tmp_path_factory.mktemp("wheel")
+    # No PYTHONPATH: a checkout on it (with the egg-info an in-tree build leaves) would
+    # look to pip like dsv4-idxk-probe is installed already.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_IDXK_PROBE", "PYTHONPATH", "PROMETHEUS"))}
     sh(sys.executable, "-m", "pip", "--disable-pip-version-check", "wheel", "-q", "--no-deps", "--no-build-isolation",
-       "-w", root / "dist", REPO, cwd=root)
+       "-w", root / "dist", REPO, cwd=root, env=env)
     (wheel,) = (root / "dist").glob("dsv4_idxk_probe-*.whl")
     venv = root / "venv"
-    sh(sys.executable, "-m", "venv", "--without-pip", venv, cwd=root)
+    sh(sys.executable, "-m", "venv", "--without-pip", venv, cwd=root, env=env)
     python = venv / "bin" / "python"
     sh(sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", python, "install", "-q", "--no-deps",
-       "--no-index", wheel, cwd=root)
-    site = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root).stdout.strip())
+       "--no-index", wheel, cwd=root, env=env)
+    site = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root, env=env).stdout.strip())
+    assert (venv / "bin" / "dsv4-idxk-probe").is_file(), "pip did not install the wheel's console script"
     # The dependencies, as a plain path (its .pth files, such as an editable install of this checkout, stay unread).
     (site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_IDXK_PROBE", "PYTHONPATH", "PROMETHEUS"))}
     work = root / "work"
     work.mkdir()
     return python, venv / "bin" / "dsv4-idxk-probe", env, work, wheel, site
