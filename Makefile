@@ -13,8 +13,10 @@ PYTEST_ARGS ?=
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first and alone, pinned (from the package index, or a local wheel
-# cache where pip is configured with one).
+# torch first and alone, at the version requirements/constraints.txt pins (2.14.1),
+# so the installs after it resolve against it instead of pulling another build.
+# pip downloads it from the package index it is configured with (a local wheel
+# directory holding other torch builds, e.g. 2.13.0+cpu, does not satisfy the pin).
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -c $(CONSTRAINTS) -e .

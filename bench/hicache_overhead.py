@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe.hicache import forget, probe_for  # noqa: E402
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics  # noqa: E402
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels  # noqa: E402
 from dsv4_idxk_probe.sglang import hicache as adapter  # noqa: E402
 
 LAYERS, PAGE, PAGES, HOST_PAGES, DEVICE_PAGES, ITEM = 4, 256, 4, 64, 64, 8448
@@ -221,7 +221,7 @@ def main() -> int:
             inst.flush()
         got = inst.registry.get_sample_value(
             "dsv4_idxk_probe_hicache_index_violations_total",
-            {"role": "", "model": "", "rank": "", "pool": pool.pool_name, "direction": "d2h", "check": "device_unaligned"},
+            {**process_labels({}), "pool": pool.pool_name, "direction": "d2h", "check": "device_unaligned"},
         )
         if got != PAGES:
             print(f"FAIL: expected {PAGES} device_unaligned violations from the device checks, got {got}")

@@ -23,7 +23,7 @@ TOKEN_PATH_ON_INDEXER = "/.*indexer.* token.*/"  # legend "<pool> <direction> <b
 
 def sel(*extra: str) -> str:
     """Label matchers every query carries: the template variables, plus `extra`."""
-    return "{" + ",".join(['instance=~"$instance"', 'role=~"$role"', 'model=~"$model"', *extra]) + "}"
+    return "{" + ",".join(['instance=~"$instance"', 'engine_type=~"$engine_type"', 'model_name=~"$model_name"', *extra]) + "}"
 
 
 def rate(metric: str, by: str, *extra: str) -> str:
@@ -187,11 +187,21 @@ def panels() -> list[dict]:
           [target(rate("exchange_errors_total", "kind"), "{{kind}}")], 8, **series("ops", [colour_override(by_regexp("/.*/"), RED)]))
     panel("timeseries", "Dropped records", "Records dropped because a bounded queue was full (room log, digest queue).",
           [target(rate("records_dropped_total", "sink"), "{{sink}}")], 8, **series("ops", [colour_override(by_regexp("/.*/"), ORANGE)]))
-    panel("timeseries", "Probe errors", "Exceptions caught inside the probe (serving continued).",
-          [target(rate("probe_errors_total", "site"), "{{site}}")], 8, **series("ops"))
+    panel("timeseries", "Probe errors", "Exceptions caught inside the probe, by the part that raised (serving continued); "
+          "the log names the exact site.",
+          [target(rate("errors_total", "component"), "{{component}}")], 8, **series("ops"))
+    panel("table", "Probe state", "dsv4_idxk_probe_info per process: on, off (uninstalled) or broken (stays off by error: "
+          "the log says which file and field), with its mode and version.",
+          [target(f"max by (instance, engine_type, model_name, tp_rank, state, reason, mode, version) ({P}info{sel()} == 1)", "",
+                  instant=True, format="table")], 8,
+          transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}],
+          fieldConfig={"defaults": {}, "overrides": [{"matcher": by_name("state"), "properties": [
+              {"id": "custom.cellOptions", "value": {"type": "color-background"}},
+              {"id": "mappings", "value": [{"type": "value", "options": {"on": {"color": GREEN, "index": 0}, "off": {"color": ORANGE, "index": 1},
+                                                                        "broken": {"color": RED, "index": 2}}}]}]}]})
     panel("table", "Patch targets", "Status of each patch target per process (1 = current status); required targets that are not patched are alerted on.",
-          [target(f"max by (instance, role, rank, target, status) ({P}patch_target_status{sel()} == 1)", "", instant=True, format="table"),
-           target(f"max by (instance, role, rank, target) ({P}patch_target_required{sel()})", "", "B", instant=True, format="table")], 8,
+          [target(f"max by (instance, engine_type, tp_rank, target, status) ({P}patch_target_status{sel()} == 1)", "", instant=True, format="table"),
+           target(f"max by (instance, engine_type, tp_rank, target) ({P}patch_target_required{sel()})", "", "B", instant=True, format="table")], 8,
           transformations=[{"id": "merge", "options": {}},
                            {"id": "organize", "options": {"excludeByName": {"Time": True, "Value #A": True}, "renameByName": {"Value #B": "required"}}}],
           fieldConfig={"defaults": {}, "overrides": [{"matcher": by_name("status"), "properties": [
@@ -219,7 +229,7 @@ def variable(name: str, label: str, query: str) -> dict:
 
 
 def dashboard() -> dict:
-    any_probe = f"{P}patch_target_status"
+    any_probe = f"{P}info"  # every probe process publishes it (state on, off or broken)
     return {
         "uid": UID,
         "title": "DeepSeek-V4 index-K probe",
@@ -239,8 +249,8 @@ def dashboard() -> dict:
                 {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
                  "current": {}, "hide": 0, "refresh": 1, "regex": ""},
                 variable("instance", "instance", f"label_values({any_probe}, instance)"),
-                variable("role", "role", f'label_values({any_probe}{{instance=~"$instance"}}, role)'),
-                variable("model", "model", f'label_values({any_probe}{{instance=~"$instance",role=~"$role"}}, model)'),
+                variable("engine_type", "engine type", f'label_values({any_probe}{{instance=~"$instance"}}, engine_type)'),
+                variable("model_name", "model", f'label_values({any_probe}{{instance=~"$instance",engine_type=~"$engine_type"}}, model_name)'),
             ]
         },
         "panels": panels(),

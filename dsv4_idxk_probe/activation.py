@@ -113,6 +113,7 @@ def install(env: Mapping[str, str] | None = None, *, route: str = "auto", regist
                 targets = load_targets(config.targets)
             except (ConfigError, TargetFileError) as exc:
                 log.error("dsv4-idxk-probe stays off (serving continues): %s", exc)
+                _report_broken("config_error" if isinstance(exc, ConfigError) else "target_table_error", registry)
                 return False
             from .runtime import Runtime
             from .sglang.accessors import identity
@@ -129,6 +130,7 @@ def install(env: Mapping[str, str] | None = None, *, route: str = "auto", regist
         except Exception:
             log.exception("dsv4-idxk-probe failed to start; serving continues without it")
             _teardown(runtime, patcher)
+            _report_broken("start_error", registry)
     return loaded
 
 
@@ -156,6 +158,16 @@ def _teardown(runtime: Any, patcher: Any) -> None:
             runtime.close()
     except Exception:
         log.exception("dsv4-idxk-probe: error while switching off")
+
+
+def _report_broken(reason: str, registry: Any) -> None:
+    """dsv4_idxk_probe_info{state="broken"} once SGLang has published this process's labels."""
+    try:
+        from .runtime import report_broken
+
+        report_broken(reason, registry=registry)
+    except Exception:
+        log.debug("dsv4-idxk-probe: broken state not published", exc_info=True)
 
 
 def _start_exporter(runtime: Any) -> None:

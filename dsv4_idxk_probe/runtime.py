@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 from .config import ProbeConfig
@@ -25,10 +26,10 @@ _metrics_lock = threading.Lock()
 _metrics_by_registry: dict[int, Any] = {}
 
 
-def shared_metrics(registry: Any, identity: Mapping[str, str]):
+def shared_metrics(registry: Any, identity: Mapping[str, str], mode: str = "observe"):
     """One ProbeMetrics per registry and process: a registry rejects a second
     registration of the same names, and an uninstall/install cycle must not
-    trip over that."""
+    trip over that (the second install publishes state "on" again)."""
     from .metrics.definitions import REGISTRY, ProbeMetrics
 
     registry = REGISTRY if registry is None else registry
@@ -36,16 +37,59 @@ def shared_metrics(registry: Any, identity: Mapping[str, str]):
         entry = _metrics_by_registry.get(id(registry))
         metrics = entry[1] if entry is not None and entry[0] is registry else None
         if metrics is None:
-            metrics = ProbeMetrics(
-                registry,
-                role=str(identity.get("role", "")),
-                model=str(identity.get("model", "")),
-                rank=str(identity.get("rank", "")),
-            )
+            metrics = ProbeMetrics(registry, labels=identity, mode=mode)
             metrics.zero_pd_series()
-            metrics.zero_health_series()
             _metrics_by_registry[id(registry)] = (registry, metrics)  # the registry stays alive: ids are not reused
+        else:
+            metrics.info.set("on", "running", mode)
         return metrics
+
+
+# How long a probe that failed to start waits for SGLang to publish the labels
+# its "broken" state is reported under (SGLang publishes them right after
+# loading plugins; processes that never do, such as the tokenizer, report nothing).
+BROKEN_REPORT_WAIT_S = 300.0
+BROKEN_REPORT_POLL_S = 0.2
+
+
+def report_broken(reason: str, *, registry: Any = None, identity: Identity | None = None,
+                  wait_s: float = BROKEN_REPORT_WAIT_S) -> threading.Thread:
+    """Publish ``dsv4_idxk_probe_info{state="broken", reason=...}`` for a probe
+    that stays off by error, once this process's labels are known.
+
+    A daemon thread polls `identity` (cheap: a dict read) until it names the
+    engine type and TP rank, then writes the one series and exits; it gives up
+    after `wait_s`. Never raises.
+    """
+    if identity is None:
+        from .sglang.accessors import identity
+
+    def publish() -> None:
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                labels = _safe_identity(identity)
+                if labels.get("engine_type") and labels.get("tp_rank") is not None:
+                    break
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(BROKEN_REPORT_POLL_S)
+            from .metrics.definitions import REGISTRY, ProbeInfo, process_labels
+
+            ProbeInfo(REGISTRY if registry is None else registry, process_labels(labels)).set("broken", reason)
+        except Exception:
+            log.debug("dsv4-idxk-probe: could not publish the broken state", exc_info=True)
+
+    thread = threading.Thread(target=publish, name="dsv4-idxk-probe-state", daemon=True)
+    thread.start()
+    return thread
+
+
+def _safe_identity(identity: Identity) -> dict[str, str]:
+    try:
+        return {k: str(v) for k, v in dict(identity()).items()}
+    except Exception:
+        return {}
 
 
 class Runtime:
@@ -53,7 +97,8 @@ class Runtime:
 
     `emit` is the room-log sink: a callable taking one record dict (tests pass
     a list's ``append``); by default a RoomLogWriter created on first use.
-    `identity` returns {"role", "model", "rank"} as far as they are known.
+    `identity` returns SGLang's metric labels of this process ({"model_name",
+    "engine_type", "tp_rank", ...}) as far as they are known.
     """
 
     def __init__(
@@ -90,10 +135,7 @@ class Runtime:
         return self.config.mode
 
     def identity(self) -> dict[str, str]:
-        try:
-            return {k: str(v) for k, v in dict(self._identity()).items()}
-        except Exception:
-            return {}
+        return _safe_identity(self._identity)
 
     @property
     def metrics(self):
@@ -101,10 +143,12 @@ class Runtime:
         if self._metrics is None:
             with self._lock:
                 if self._metrics is None:
-                    self._metrics = shared_metrics(self._registry, self.identity())
+                    self._metrics = shared_metrics(self._registry, self.identity(), self.config.mode)
                     self._publish_target_status()
+                    from .metrics.definitions import error_component
+
                     for site, n in self._early_errors.items():
-                        self._metrics.probe_errors.labels(site=site).inc(n)
+                        self._metrics.errors.labels(component=error_component(site)).inc(n)
                     self._early_errors.clear()
         return self._metrics
 
@@ -121,7 +165,7 @@ class Runtime:
                 from .roomlog import RoomLogWriter
 
                 cfg = self.config.roomlog
-                role = self.identity().get("role") or "probe"
+                role = self.identity().get("engine_type") or "probe"
                 self._writer = RoomLogWriter(
                     cfg.dir, role if role.replace("_", "").replace("-", "").isalnum() else "probe",
                     max_bytes=cfg.max_bytes, max_files=cfg.max_files, gzip_rotated=cfg.gzip,
@@ -156,7 +200,7 @@ class Runtime:
     def _count_error(self, site: str) -> None:
         """Count a caught failure; kept until the metrics exist, then replayed."""
         if self._metrics is not None:
-            self._metrics.probe_errors.labels(site=site).inc()
+            self._metrics.count_error(site)
         else:
             with self._lock:
                 self._early_errors[site] = self._early_errors.get(site, 0) + 1
@@ -187,6 +231,11 @@ class Runtime:
         """Stop threads and sockets the runtime owns (uninstall, tests)."""
         self.enabled = False
         remove_error_listener(self._error_listener)
+        if self._metrics is not None:
+            try:
+                self._metrics.info.set("off", "uninstalled", self.config.mode)
+            except Exception:
+                self.log.debug("probe state metric failed", exc_info=True)
         while self._closers:
             fn = self._closers.pop()
             try:

@@ -3,7 +3,7 @@
 Every call from a hook into probe logic goes through `safe_invoke`, which
 returns the fallback on any exception, logs the first failure of each call
 site with its traceback (later ones only counted), and increments
-``dsv4_idxk_probe_probe_errors_total{site}`` when metrics are attached.
+``dsv4_idxk_probe_errors_total{component}`` when metrics are attached.
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
-"""`dsv4-idxk-probe check`: which patch targets the installed SGLang has.
+"""`dsv4-idxk-probe check`: whether the probe would start here, and which patch
+targets the installed SGLang has.
 
-Resolves every target of the table(s) against the installed SGLang (importing
+First loads the probe config exactly as a pod with this environment would
+(``DSV4_IDXK_PROBE``, ``DSV4_IDXK_PROBE_CONFIG``, ``DSV4_IDXK_PROBE_TARGETS``)
+and fails (exit 2, naming the file and field) when it is invalid, since the
+probe would then stay off. Then resolves every target of the table(s) against
+the installed SGLang (importing
 the target modules, patching nothing) and prints one line per target: status,
 kind, role, required, where, and why a target is missing or changed. Exit 0
-when every required target resolves, 1 when one does not, 2 when a target
-file is invalid (the message names file, line and field), 3 on an internal
-error (`dsv4-idxk-probe --help` has the table for every command).
+when every required target resolves, 1 when one does not (or SGLANG_PLUGINS leaves the
+probe out), 2 when the config or a target file is invalid (the message names file, line and
+field), 3 on an internal error (`dsv4-idxk-probe --help` has the table for every command).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import os
 import sys
 
-HELP = "List the patch targets the installed SGLang has (exit 1 if a required one is missing)"
+HELP = "Validate the probe config a pod would load (exit 2 if invalid) and list the patch targets the installed SGLang has (exit 1 if a required one is missing)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,23 +40,37 @@ def _installed_sglang() -> str:
         return "not installed"
 
 
-def _default_targets() -> list[str]:
+def _pod_config():
+    """The config a pod with this environment would load (DSV4_IDXK_PROBE,
+    DSV4_IDXK_PROBE_CONFIG, DSV4_IDXK_PROBE_TARGETS), validated as the probe
+    validates it at start; (config, None) or (None, the error)."""
+    from ..config import ConfigError, load_config
+
     try:
-        from ..config import ConfigError, load_config
-
-        return list(load_config().targets)
+        return load_config(), None
     except ConfigError as exc:
-        print(f"dsv4-idxk-probe check: note: config not used ({exc})", file=sys.stderr)
-    from ..config import DEFAULT_TARGETS
+        return None, exc
 
-    return list(DEFAULT_TARGETS)
+
+def _config_line(config) -> str:
+    from .. import environment_variables as ev
+
+    requested = ev.requested_mode(os.environ.get(ev.DSV4_IDXK_PROBE))
+    state = "off here (DSV4_IDXK_PROBE unset or 0)" if requested is None else f"on, mode {config.mode}"
+    return f"config: {config.source} is valid; probe {state}; targets {', '.join(config.targets)}"
 
 
 def main(args: argparse.Namespace) -> int:
     from ..sglang.package import _instruments
     from ..sglang.targets import TargetFileError, load_targets, resolve
 
-    names = args.targets or _default_targets()
+    config, config_error = _pod_config()
+    if config_error is not None:
+        # What the pod would log before staying off; a probe that is off by
+        # mistake must not pass `check`.
+        print(f"dsv4-idxk-probe check: invalid probe config, the probe would stay off: {config_error}", file=sys.stderr)
+        return 2
+    names = args.targets or list(config.targets)
     try:
         targets = load_targets(names)
     except TargetFileError as exc:
@@ -74,8 +93,10 @@ def main(args: argparse.Namespace) -> int:
         })
     failed = [r for r in rows if r["required"] and r["status"] != "ok"]
     if args.json:
-        print(json.dumps({"sglang": _installed_sglang(), "tested": list(_instruments), "targets": rows}, indent=2))
+        print(json.dumps({"sglang": _installed_sglang(), "tested": list(_instruments), "config": config.source,
+                          "mode": config.mode, "targets": rows}, indent=2))
     else:
+        print(_config_line(config))
         print(f"SGLang {_installed_sglang()} (tables tested with {', '.join(_instruments)}); tables: {', '.join(names)}")
         width = max((len(r["name"]) for r in rows), default=4)
         for r in rows:

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 for not-comparable or unverified rooms too, not only mismatches"
     )
+    parser.add_argument(
+        "--rid", action="append", metavar="RID",
+        help="only the room(s) of this SGLang request id (prefill's or decode's), listed whatever their verdict; repeatable",
+    )
 
 
 PREFIX = "dsv4-idxk-probe diff:"
@@ -48,8 +52,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     analysis = analyse(paths)
     to_stdout = args.json == "-"
+    if args.rid:
+        analysis.select_rids(args.rid)
+        if not analysis.rooms and not analysis.prefill_only:
+            print(f"dsv4-idxk-probe diff: no room in these logs has rid {', '.join(args.rid)}", file=sys.stderr)
+            return 2
     print_errors(analysis, args.max_errors, sys.stderr)
-    print_summary(analysis, args.max_rooms, sys.stderr if to_stdout else sys.stdout)
+    print_summary(analysis, args.max_rooms, sys.stderr if to_stdout else sys.stdout, selected=bool(args.rid))
     status = exit_status(analysis, strict=args.strict)
     if args.json:
         try:
@@ -107,7 +116,7 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))), file=out)
 
 
-def print_summary(analysis: Analysis, max_rooms: int, out: TextIO) -> None:
+def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: bool = False) -> None:
     s = analysis.summary()
     kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(s["records"].items())) or "none"
     print(f"{s['files']} files, records: {kinds}; {s['rooms']:,} rooms seen on decode", file=out)
@@ -127,11 +136,14 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO) -> None:
         file=out,
     )
     bad = analysis.bad_rooms()
+    if selected:  # --rid: every selected room, matching ones too
+        bad = bad + [r for r in analysis.rooms.values() if r not in bad]
     if not bad:
         return
     shown = bad[: max(0, max_rooms)]
-    print(f"\nrooms that did not match ({len(shown)} of {len(bad):,}, worst first):", file=out)
-    rows = [["room/attempt", "verdict", "first divergence", "intact at", "layers", "pages", "segments", "reason"]]
+    what = "selected rooms" if selected else "rooms that did not match"
+    print(f"\n{what} ({len(shown)} of {len(bad):,}, worst first):", file=out)
+    rows = [["room/attempt", "rid", "verdict", "first divergence", "intact at", "layers", "pages", "segments", "reason"]]
     rows += [_room_row(room) for room in shown]
     _table(rows, out)
 
@@ -143,6 +155,7 @@ def _room_row(room: RoomResult) -> list[str]:
     c = first.comparison if first else None
     return [
         f"{room.room}/{room.attempt}",
+        ",".join(room.rids) or "-",
         room.verdict,
         first.label if first else "-",
         intact.label if intact else "-",
@@ -204,7 +217,11 @@ def _write_json_to(f: BinaryIO, analysis: Analysis, head: dict[str, Any]) -> Non
     separator = b""
     for room, attempt in analysis.prefill_only_keys:
         f.write(separator)
-        f.write(_json_bytes({"room": room, "attempt": attempt, "verdict": "unverified",
-                             "reason": "prefill sent it; no decode record in these logs"}))
+        entry = {"room": room, "attempt": attempt, "verdict": "unverified",
+                 "reason": "prefill sent it; no decode record in these logs"}
+        rid = analysis.prefill_only_rids.get((room, attempt))
+        if rid is not None:
+            entry["rid"] = {"prefill": rid, "decode": None}
+        f.write(_json_bytes(entry))
         separator = b",\n"
     f.write(b"\n]}\n")

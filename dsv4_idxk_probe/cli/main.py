@@ -20,6 +20,8 @@ COMMANDS = {
     "report": "dsv4_idxk_probe.cli.report",
     "check": "dsv4_idxk_probe.cli.check",
     "demo": "dsv4_idxk_probe.cli.demo",
+    "install-hook": "dsv4_idxk_probe.cli.install_hook",
+    "assets": "dsv4_idxk_probe.cli.assets",
 }
 
 OK, FINDING, BAD_INPUT, INTERNAL = 0, 1, 2, 3

@@ -2,23 +2,39 @@
 
 Names are built under the ``dsv4_idxk_probe`` namespace; counters get
 ``_total`` from the client library; units are suffixes. Labels come only from
-a small fixed set (never room or page). Each metric also carries the
-process-wide base labels (role, model, rank) so one dashboard serves every
-pod. The registry is injected: tests pass a fresh one, activation passes the
-default (which SGLang's multiprocess collector reads).
+a small fixed set (never room or page). Each metric also carries the process
+labels SGLang puts on its own scheduler metrics (``model_name``,
+``engine_type``, ``tp_rank``, ...; same names, same values), so a probe series
+joins SGLang's with ``on(model_name, tp_rank)``. The registry is injected:
+tests pass a fresh one, activation passes the default (which SGLang's
+multiprocess collector reads).
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from collections import Counter as Tally
 from typing import Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from ..version import __version__
+
 NAMESPACE = "dsv4_idxk_probe"
-BASE_LABELS = ("role", "model", "rank")
+# SGLang 0.5.23's scheduler metric labels, in its order
+# (srt/observability/metrics_collector.py, SchedulerMetricsCollector.init_new);
+# it adds dp_rank only when the process has a DP rank, and so do we. A test
+# holds these equal to what the installed SGLang builds.
+PROCESS_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+OPTIONAL_PROCESS_LABELS = ("dp_rank",)
+# SGLang's engine_type values (DisaggregationMode.to_engine_type, plus "dynamic"
+# under --enable-pd-role-switch).
+ENGINE_TYPES = ("prefill", "decode", "unified", "dynamic")
+UNKNOWN = "unknown"  # a label value SGLang has not published (never an empty value)
 
 STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
+DECODE_STAGES = STAGES[1:]
 VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
 # Patch-target statuses (the values sglang/targets.py reports; a test keeps them equal):
 # patched: wrapped and verified; pending: waiting for its module's import or for
@@ -30,6 +46,60 @@ PATCH_STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_er
 DROP_SINKS = ("roomlog", "digest_queue", "hicache_index_checks", "hicache_roundtrip")
 EXCHANGE_ERROR_KINDS = ("fetch",)
 HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
+# The part of the probe a caught exception came from: the first word of its
+# site ("decode.on_result" -> decode). The full site is in the log line.
+ERROR_COMPONENTS = ("prefill", "decode", "digest", "hicache", "hook", "patch", "other")
+_COMPONENT_OF_PREFIX = {"factory": "patch"}
+# The probe's own state (dsv4_idxk_probe_info): state -> the reasons it can have.
+STATES = {
+    "on": ("running",),
+    "off": ("uninstalled",),
+    "broken": ("config_error", "target_table_error", "start_error"),
+}
+
+
+def error_component(site: str) -> str:
+    prefix = str(site).split(".", 1)[0]
+    prefix = _COMPONENT_OF_PREFIX.get(prefix, prefix)
+    return prefix if prefix in ERROR_COMPONENTS else "other"
+
+
+def process_labels(identity: Mapping[str, object] | None = None, *, role: str | None = None) -> dict[str, str]:
+    """This process's label values: SGLang's where it published them, never empty.
+
+    `identity` is what `sglang.accessors.identity()` returns (SGLang's own label
+    dict); `role` fills ``engine_type`` outside SGLang (the rig, tools, tests).
+    Extra labels SGLang carries (``--extra-metric-labels``) are kept when they
+    are valid names that do not collide with the probe's own labels.
+    """
+    identity = dict(identity or {})
+    out = {name: _value(identity.get(name)) for name in PROCESS_LABELS}
+    if role and out["engine_type"] == UNKNOWN:
+        out["engine_type"] = str(role)
+        for name in ("tp_rank", "pp_rank", "moe_ep_rank"):  # outside SGLang a process is one rank
+            if out[name] == UNKNOWN:
+                out[name] = "0"
+    for name in OPTIONAL_PROCESS_LABELS:
+        if identity.get(name) not in (None, ""):
+            out[name] = _value(identity[name])
+    for name, value in identity.items():
+        if name not in out and name not in PROCESS_LABELS and name not in OPTIONAL_PROCESS_LABELS \
+                and name not in _OWN_LABELS and _LABEL_NAME.fullmatch(str(name)):
+            out[str(name)] = _value(value)
+    return out
+
+
+def _value(value: object) -> str:
+    text = "" if value is None else str(value)
+    return text if text else UNKNOWN
+
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_OWN_LABELS = frozenset({
+    "stage", "verdict", "segment", "layer", "page_bucket", "kind", "sink", "component", "target", "status",
+    "pool", "direction", "io_backend", "layout", "branch", "check", "action", "leg", "invariant",
+    "page_aligned_only", "token_path_eligible", "state", "reason", "mode", "version", "le",
+})
 
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
@@ -76,26 +146,38 @@ class _Bound:
 
 
 class ProbeMetrics:
-    """The probe's instruments, registered once into `registry`."""
+    """The probe's instruments, registered once into `registry`.
 
-    def __init__(self, registry: CollectorRegistry | None = REGISTRY, *, role: str = "", model: str = "", rank: str = ""):
-        base = {"role": role, "model": model, "rank": str(rank)}
+    `labels` are the process labels (see `process_labels`); outside SGLang,
+    `role` alone names the engine type. Building it publishes
+    ``dsv4_idxk_probe_info{state="on"}``: every probe process has that series,
+    which is what the dashboard's variables and the "absent" alert read.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY, *, labels: Mapping[str, object] | None = None,
+                 role: str | None = None, mode: str = "observe"):
+        base = process_labels(labels, role=role)
+        self.process_labels = dict(base)
+        self.engine_type = base["engine_type"]
+        names = tuple(base)
 
         def counter(name, doc, labels=()):
-            return _Bound(Counter(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry), base)
+            return _Bound(Counter(name, doc, (*names, *labels), namespace=NAMESPACE, registry=registry), base)
 
         def histogram(name, doc, labels=(), buckets=_SECONDS_BUCKETS):
             return _Bound(
-                Histogram(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry, buckets=buckets),
+                Histogram(name, doc, (*names, *labels), namespace=NAMESPACE, registry=registry, buckets=buckets),
                 base,
             )
 
         def gauge(name, doc, labels=(), mode="max"):
             return _Bound(
-                Gauge(name, doc, (*BASE_LABELS, *labels), namespace=NAMESPACE, registry=registry, multiprocess_mode=mode),
+                Gauge(name, doc, (*names, *labels), namespace=NAMESPACE, registry=registry, multiprocess_mode=mode),
                 base,
             )
 
+        self.info = ProbeInfo(registry, base)
+        self.info.set("on", "running", mode)
         # PD verification
         self.rooms_digested = counter("rooms_digested", "Rooms whose index-K was digested", ("stage",))
         self.rooms_verified = counter("rooms_verified", "Room verdicts at each decode stage", ("stage", "verdict"))
@@ -122,7 +204,10 @@ class ProbeMetrics:
         )
         self.exchange_errors = counter("exchange_errors", "Failed side-channel requests for digest vectors", ("kind",))
         self.records_dropped = counter("records_dropped", "Records dropped because a bounded queue was full", ("sink",))
-        self.probe_errors = counter("probe_errors", "Exceptions inside the probe, caught and logged", ("site",))
+        self.errors = counter(
+            "errors", "Exceptions caught inside the probe (serving continued), by the part of the probe that raised",
+            ("component",),
+        )
         self.patch_target_status = gauge(
             "patch_target_status", "1 on each patch target's current status, 0 on the others (PATCH_STATUSES)", ("target", "status")
         )
@@ -166,23 +251,93 @@ class ProbeMetrics:
         for bucket, n in Tally(page_bucket(p) for p in pages).items():
             self.mismatch_page_bucket_hits.labels(stage=stage, page_bucket=bucket).inc(n)
 
+    def count_error(self, site: str) -> None:
+        """One caught exception at `site` ("decode.on_result"): counted by component."""
+        self.errors.labels(component=error_component(site)).inc()
+
     def zero_pd_series(self) -> None:
-        """Create every (stage, verdict) series so a zero is visible from the start."""
-        for stage in STAGES:
+        """Create, at zero, every series this process's engine type can produce.
+
+        Alerts use increase(), which cannot see a counter's first value, and a
+        panel with no series shows "No data" rather than 0. Only label sets
+        that can occur: prefill digests at prefill_send and never judges;
+        decode judges at the decode stages; a unified or unknown engine does
+        no PD verification.
+        """
+        prefill, decode = self._sides()
+        stages = (("prefill_send",) if prefill else ()) + (DECODE_STAGES if decode else ())
+        for stage in stages:
             self.rooms_digested.labels(stage=stage)
             self.digest_bytes.labels(stage=stage)
-            self.first_divergence.labels(stage=stage)
-            if stage != "prefill_send":
+        if decode:
+            for stage in DECODE_STAGES:
+                self.first_divergence.labels(stage=stage)
                 for verdict in VERDICTS:
                     self.rooms_verified.labels(stage=stage, verdict=verdict)
+        self.zero_health_series()
 
     def zero_health_series(self) -> None:
-        """Create the drop and exchange-error series at start.
-
-        Alerts use increase(), which cannot see a counter's first value: a
-        series born at 1 would hide the first burst of drops.
-        """
+        """Create the drop, exchange-error and error series at start (see zero_pd_series)."""
+        prefill, decode = self._sides()
         for sink in DROP_SINKS:
+            if sink == "digest_queue" and not (prefill or decode):
+                continue
             self.records_dropped.labels(sink=sink)
-        for kind in EXCHANGE_ERROR_KINDS:
-            self.exchange_errors.labels(kind=kind)
+        if decode:
+            for kind in EXCHANGE_ERROR_KINDS:
+                self.exchange_errors.labels(kind=kind)
+        for component in ERROR_COMPONENTS:
+            if (component == "prefill" and not prefill) or (component == "decode" and not decode):
+                continue
+            self.errors.labels(component=component)
+
+    def _sides(self) -> tuple[bool, bool]:
+        """(does prefill work, does decode work) for this engine type."""
+        kind = self.engine_type
+        return kind in ("prefill", "dynamic"), kind in ("decode", "dynamic")
+
+
+# %% the probe's own state
+
+
+_info_lock = threading.Lock()
+_info_by_registry: dict[int, tuple] = {}
+
+
+class ProbeInfo:
+    """``dsv4_idxk_probe_info``: 1 on the probe's current (state, reason), 0 on the
+    ones it had before; labels also say the mode and the package version.
+
+    A probe whose config is invalid publishes only this series (state
+    "broken"), so an alert can tell "off by error" from "not installed".
+    One gauge per registry: a process publishes its state more than once.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None, labels: Mapping[str, str]):
+        key = id(registry)
+        with _info_lock:
+            entry = _info_by_registry.get(key)
+            if entry is None or entry[0] is not registry:
+                names = tuple(labels)  # the first publisher's process labels name the series
+                gauge = Gauge(
+                    "info", "The probe's state in this process: 1 on its current state and reason",
+                    (*names, "state", "reason", "mode", "version"), namespace=NAMESPACE, registry=registry,
+                    multiprocess_mode="max",
+                )
+                entry = (registry, gauge, {}, names)
+                _info_by_registry[key] = entry  # the registry stays alive: ids are not reused
+        _, self._gauge, self._current, self._names = entry
+        self._labels = dict(labels)
+
+    def set(self, state: str, reason: str, mode: str = "observe") -> None:
+        if reason not in STATES.get(state, ()):
+            raise ValueError(f"unknown probe state {state!r}/{reason!r}; known: {STATES}")
+        values = {name: self._labels.get(name, UNKNOWN) for name in self._names}
+        key = tuple(values.values())
+        with _info_lock:
+            previous = self._current.get(key)
+            if previous is not None:
+                self._gauge.labels(**values, **previous).set(0)
+            now = {"state": state, "reason": reason, "mode": str(mode), "version": __version__}
+            self._gauge.labels(**values, **now).set(1)
+            self._current[key] = now

@@ -78,16 +78,20 @@ class DecodeMonitor:
     def room_received(
         self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None,
     ) -> PendingDigest | None:
-        """Transfer complete: start tracking and digest at `decode_recv`."""
+        """Transfer complete: start tracking and digest at `decode_recv`.
+
+        `extra` goes into every record of the room; a ``rid`` key (SGLang's
+        request id) becomes the records' ``rid``.
+        """
         state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
         evicted = []
         with self._lock:
             self._rooms.pop(room.key, None)
             self._rooms[room.key] = state
             while self.max_rooms is not None and len(self._rooms) > self.max_rooms:
-                evicted.append(self._rooms.pop(next(iter(self._rooms))).room)
+                evicted.append(self._rooms.pop(next(iter(self._rooms))))
         for old in evicted:
-            self._publish(old, "decode_step", None, "skipped", "evicted: tracking table full", None, None, None)
+            self._publish(old.room, "decode_step", None, "skipped", "evicted: tracking table full", None, None, old)
         return self._submit_jobs([(state, "decode_recv", None)])
 
     def room_finished(self, room: RoomId) -> PendingDigest | None:
@@ -116,18 +120,21 @@ class DecodeMonitor:
                 jobs.append((state, "decode_step", step))
         return self._submit_jobs(jobs) if jobs else None
 
-    def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv") -> None:
+    def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None) -> None:
         """Aborted, retracted or health-check rooms: record `skipped` and forget them.
 
-        A digest of the room still in flight read pages that are freed now and
-        may be reused before it ran: its result is recorded as skipped too.
+        The record keeps the room's extras (its rid) if it was tracked; `extra`
+        names them for a room that never was. A digest of the room still in
+        flight read pages that are freed now and may be reused before it ran:
+        its result is recorded as skipped too.
         """
         with self._lock:
             state = self._rooms.pop(room.key, None)
             if state is not None:
                 state.retired = reason
                 state.unsafe = {key for key, p in state.pending.items() if not p.ready()}
-        self._publish(room, stage, None, "skipped", reason, None, None, state)
+        extras = {**(state.extra if state is not None else {}), **(extra or {})}
+        self._publish(room, stage, None, "skipped", reason, None, None, state, extra=extras or None)
 
     def tracked(self) -> int:
         with self._lock:
@@ -247,14 +254,15 @@ class DecodeMonitor:
                 self.metrics.exchange_errors.labels(kind="fetch").inc()
             return None
 
-    def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None):
+    def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None,
+                 extra=None):
         record = room_record(
             role="decode", stage=stage, room=room.room, attempt=room.attempt, digest=digest,
             layout=self.engine.layout.name, step=step, verdict=verdict, reason=reason,
             expected_room=state.inband.room_digest if state is not None and state.inband is not None else None,
             comparison=comparison,
             first_divergence=state.first_divergence if state is not None else None,
-            extra=state.extra if state is not None and state.extra else None,
+            extra=extra if extra is not None else (state.extra if state is not None and state.extra else None),
             tokens=state.n_tokens if state is not None else None,
         )
         safe_invoke("decode.emit", self.emit, record)

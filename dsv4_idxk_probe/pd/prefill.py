@@ -63,27 +63,55 @@ class PrefillMonitor:
         self.emit = emit
         self.metrics = metrics
         self.recent = RecentRooms(table_size)
+        # Room-log extras (SGLang's rid, ...) of rooms whose digest is in flight;
+        # bounded like the table, in case a result never comes back.
+        self._extras: OrderedDict[str, dict] = OrderedDict()
+        self._extras_cap = max(1, int(table_size))
+        self._extras_lock = threading.Lock()
 
-    def rooms_sent(self, rooms: Sequence[tuple[RoomId, Any, int]]) -> PendingDigest | None:
+    def rooms_sent(self, rooms: Sequence[tuple[RoomId, Any, int]],
+                   extras: Sequence[dict | None] | None = None) -> PendingDigest | None:
         """Digest rooms whose last chunk is being sent: (room id, pages, tokens) each.
 
         `pages` are the room's physical pages from the first transferred page
         (after any decode-side prefix), `tokens` the tokens they hold.
+        `extras` (one per room, or None) go into the room's record; a ``rid``
+        key becomes the record's ``rid``.
         """
         requests = [RoomRequest(rid.key, pages, n_tokens) for rid, pages, n_tokens in rooms]
+        keys = [r.key for r in requests]
+        if extras:
+            self._remember_extras(keys, extras)
         # The send path asks ready() right after NIXL's sync, to fill the in-band slot:
         # the batch's event is recorded right behind the kernel, so that works.
-        return self.engine.submit(requests, self._on_result)
+        pending = self.engine.submit(requests, self._on_result)
+        if pending is None and extras:
+            self._take_extras(keys)
+        return pending
 
-    def room_sent(self, room: RoomId, pages: Any, n_tokens: int) -> PendingDigest | None:
-        return self.rooms_sent([(room, pages, n_tokens)])
+    def room_sent(self, room: RoomId, pages: Any, n_tokens: int, extra: dict | None = None) -> PendingDigest | None:
+        return self.rooms_sent([(room, pages, n_tokens)], [extra] if extra else None)
+
+    def _remember_extras(self, keys: Sequence[str], extras: Sequence[dict | None]) -> None:
+        with self._extras_lock:
+            for key, extra in zip(keys, extras):
+                if extra:
+                    self._extras[key] = dict(extra)
+                    self._extras.move_to_end(key)
+            while len(self._extras) > self._extras_cap:
+                self._extras.popitem(last=False)
+
+    def _take_extras(self, keys: Sequence[str]) -> list[dict | None]:
+        with self._extras_lock:
+            return [self._extras.pop(key, None) for key in keys]
 
     def lookup(self, key: str) -> RoomDigest | None:
         """The full digest of a recent room, for the exchange; None once evicted."""
         return self.recent.get(key)
 
     def _on_result(self, batch: BatchResult) -> None:
-        for digest in batch.digests:
+        extras = self._take_extras([d.key for d in batch.digests]) if self._extras else [None] * len(batch.digests)
+        for digest, extra in zip(batch.digests, extras):
             self.recent.put(digest)
             room = RoomId.from_key(digest.key)
             safe_invoke(
@@ -91,7 +119,7 @@ class PrefillMonitor:
                 self.emit,
                 room_record(
                     role="prefill", stage="prefill_send", room=room.room, attempt=room.attempt,
-                    digest=digest, layout=self.engine.layout.name,
+                    digest=digest, layout=self.engine.layout.name, extra=extra,
                 ),
             )
         if self.metrics is not None:

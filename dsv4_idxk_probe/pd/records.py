@@ -2,7 +2,9 @@
 
 One record per (room, attempt, stage[, step]). The schema is versioned
 (``v``) and documented in docs/roomlog.md; the room log writer adds a
-per-line checksum. Prefill records carry the full digest (room value, the
+per-line checksum. ``room`` is SGLang's bootstrap room (what both sides
+share); ``rid`` is SGLang's request id on the side that wrote the record
+(what that server's request logs show), null when the hook did not know it. Prefill records carry the full digest (room value, the
 (layer, segment) matrix and the page vector) so `diff` can localise from the
 logs alone; decode records carry their own digest plus the verdict they
 reached live.
@@ -53,8 +55,13 @@ def room_record(
     first_divergence: str | None = None,
     extra: dict[str, Any] | None = None,
     tokens: int | None = None,
+    rid: str | None = None,
 ) -> dict[str, Any]:
-    """Build one ``kind: room`` record (plain JSON types only)."""
+    """Build one ``kind: room`` record (plain JSON types only).
+
+    `rid` may also come in `extra` (``{"rid": ...}``, as the hooks pass it):
+    it is written as the record's own ``rid`` field either way.
+    """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
     if verdict is not None and verdict not in VERDICTS:
@@ -79,6 +86,11 @@ def room_record(
     }
     if tokens is not None and digest is None:  # which transfer a record without a digest belongs to
         record["tokens"] = int(tokens)
+    if extra and "rid" in extra:
+        extra = dict(extra)
+        extra_rid = extra.pop("rid")
+        rid = extra_rid if rid is None else rid
+    record["rid"] = str(rid) if rid is not None else None
     if extra:
         record["extra"] = extra
     return record

@@ -142,9 +142,14 @@ class StageResult:
         return out
 
 
+def room_sort_key(room: str) -> tuple:
+    """Bootstrap rooms are numbers written as text: order them as numbers (9 < 10 < 113)."""
+    return (0, int(room), "") if room.isdigit() else (1, 0, room)
+
+
 @dataclass(slots=True)
 class RoomResult:
-    room: str
+    room: str  # SGLang's bootstrap room
     attempt: int
     stages: list[StageResult]
     has_prefill: bool = False
@@ -159,6 +164,12 @@ class RoomResult:
         if tokens not in self.transfers:
             self.transfers.append(tokens)
         return self.transfers.index(tokens)
+    prefill_rid: str | None = None  # SGLang's request id on each side (they may differ)
+    decode_rid: str | None = None
+
+    @property
+    def rids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r for r in (self.decode_rid, self.prefill_rid) if r))
 
     @property
     def ordered(self) -> list[StageResult]:
@@ -200,6 +211,7 @@ class RoomResult:
         return {
             "room": self.room,
             "attempt": self.attempt,
+            "rid": {"prefill": self.prefill_rid, "decode": self.decode_rid},
             "verdict": self.verdict,
             "first_divergence": {"stage": first.stage, "step": first.step} if first else None,
             "last_match_before": {"stage": intact.stage, "step": intact.step} if first and intact else None,
@@ -228,6 +240,7 @@ class Analysis:
     rooms: dict[Key, RoomResult] = field(default_factory=dict)
     prefill_only: int = 0
     prefill_only_keys: list = field(default_factory=list)  # (room, attempt): sent, never seen on decode
+    prefill_only_rids: dict = field(default_factory=dict)  # (room, attempt) -> prefill's rid, where logged
     errors: list[str] = field(default_factory=list)
     n_errors: int = 0
     record_kinds: Counter = field(default_factory=Counter)
@@ -260,7 +273,7 @@ class Analysis:
                 first[room.first_divergence.stage] += 1
             if worst != "match" and worst != "skipped":
                 bad.append(room)
-        bad.sort(key=lambda r: (-SEVERITY[r.verdict], r.room, r.attempt))
+        bad.sort(key=lambda r: (-SEVERITY[r.verdict], room_sort_key(r.room), r.attempt))
         return Tally(stages, rooms, first, bad, open_rooms)
 
     def room_verdicts(self) -> Counter:
@@ -269,6 +282,14 @@ class Analysis:
     def bad_rooms(self) -> list[RoomResult]:
         """Rooms that are not all-match, worst first."""
         return self.tally.bad_rooms
+
+    def select_rids(self, rids: Iterable[str]) -> None:
+        """Keep only the rooms whose SGLang request id (either side's) is in `rids`."""
+        wanted = set(rids)
+        self.rooms = {k: r for k, r in self.rooms.items() if wanted.intersection(r.rids)}
+        self.prefill_only_keys = [k for k in self.prefill_only_keys if self.prefill_only_rids.get(k) in wanted]
+        self.prefill_only = len(self.prefill_only_keys)
+        self.__dict__.pop("tally", None)
 
     def summary(self) -> dict[str, Any]:
         t = self.tally
@@ -379,6 +400,7 @@ class _Joiner:
         self.a = analysis
         self.prefill: dict[Key, dict[int | None, Packed | None]] = {}  # (room, attempt) -> tokens -> digest
         self.prefill_skipped: set[Key] = set()
+        self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
 
     def add_record(self, rec: dict, file: str, line: int) -> None:
@@ -424,6 +446,9 @@ class _Joiner:
             raise RecordError("step must be an integer or null")
         if verdict is not None and (type(verdict) is not str or verdict not in VERDICT_SET):
             raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
+        rid = rec.get("rid")
+        if rid is not None and (type(rid) is not str or not rid):
+            raise RecordError("rid must be a non-empty string or null")
         digest = rec.get("digest")
         packed = pack_digest(digest) if digest is not None else None
         tokens = packed.n_tokens if packed is not None else rec.get("tokens")
@@ -431,6 +456,8 @@ class _Joiner:
         key = (room, attempt)
         if stage == "prefill_send":
             self._add_prefill(key, tokens, packed, verdict)
+            if rid is not None and key not in self.prefill_rids:
+                self.prefill_rids[key] = rid
             return
         ts = rec.get("ts")
         if ts is not None and (type(ts) not in (int, float) or not 0 <= ts <= MAX_TS):
@@ -439,6 +466,8 @@ class _Joiner:
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])
+        if rid is not None and found.decode_rid is None:
+            found.decode_rid = rid
         result.transfer = found.transfer_of(tokens)
         for s in found.stages:
             if s.stage == stage and s.step == step and s.transfer == result.transfer:
@@ -468,6 +497,8 @@ class _Joiner:
         # the transfer of the same length; else the latest one (a length that differs is not comparable)
         expected = sent.get(result.tokens) if result.tokens in sent else (list(sent.values())[-1] if sent else None)
         room.has_prefill = key in self.prefill
+        if room.prefill_rid is None:
+            room.prefill_rid = self.prefill_rids.get(key)
         if expected is not None and not room.layer_ids:
             room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8
         if observed is not None and observed == expected:
@@ -494,6 +525,7 @@ class _Joiner:
         self.deferred.clear()
         self.a.prefill_only_keys = [key for key in self.prefill if key not in self.a.rooms]
         self.a.prefill_only = len(self.a.prefill_only_keys)
+        self.a.prefill_only_rids = {k: self.prefill_rids[k] for k in self.a.prefill_only_keys if k in self.prefill_rids}
 
 
 def _first_role(path: Path) -> int:

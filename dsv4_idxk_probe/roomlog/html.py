@@ -1,9 +1,11 @@
 """The `report` page: one self-contained HTML file (inline CSS and SVG, no scripts,
 nothing fetched), so it can be mailed, attached to an incident, or opened offline.
 
-Sections: summary; each bad room with a (layer x page) heatmap per mismatching
-stage; verdicts over time; HiCache branch counts; skipped lines. Every string
-from the logs is escaped.
+Sections: summary; an index of the bad rooms (numeric order within each
+verdict, each a link to its block); a cross-room (layer x page bucket) heat of
+where rooms first diverged; each bad room with one (layer x page) heatmap, of
+the first stage that saw the difference, and the stages listed; verdicts over
+time; HiCache branch counts; skipped lines. Every string from the logs is escaped.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import time
 from collections import Counter
 
+from ..metrics.definitions import page_bucket
 from ..pd.records import DECODE_STAGES, VERDICTS
 from .analysis import Analysis, RoomResult, StageResult
 
@@ -26,14 +29,19 @@ VERDICT_COLOURS = {
 }
 MAX_COLUMNS = 512  # wider rooms are binned: a column then covers several pages
 TIME_BUCKETS = 60
+TIME_TICKS = 6
+MAX_INDEX_ROWS = 1000  # the index scrolls inside a box of fixed height; beyond this, a count
+CROSS_SCALE = "#08519c"  # the cross-room heat: blue, so it is never mistaken for a room's red cells
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}
-.room{margin:16px 0;padding:8px 12px;border-left:4px solid #d62728;background:#fafafa}
-.room.other{border-left-color:#ff7f0e}svg{display:block;margin:6px 0}
+.room{margin:10px 0;padding:6px 12px;border-left:4px solid #d62728;background:#fafafa}
+.room.other{border-left-color:#ff7f0e}svg{display:block;margin:6px 0}.room p{margin:4px 0}
+.index{max-height:360px;overflow:auto;border:1px solid #ddd;display:inline-block}.index table{margin:0}
+.rooms{display:flex;flex-wrap:wrap;gap:0 16px}.rooms .room{flex:1 1 560px;min-width:0;overflow-x:auto}
 tr.alarm td{background:#fde0dd;font-weight:bold}.bar{display:inline-block;height:10px;background:#4c78a8}
 tr.alarm .bar{background:#d62728}code{font-size:12px}
 """
@@ -45,6 +53,15 @@ def _e(value) -> str:
 
 def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def _tick_format(span: float) -> str:
+    """Time-axis labels as short as the run allows: seconds for a short run, dates for a long one."""
+    if span >= 2 * 86400:
+        return "%m-%d %H:%M"
+    if span >= 600:
+        return "%H:%M"
+    return "%H:%M:%S"
 
 
 # %% summary
@@ -123,23 +140,73 @@ def _heatmap(room: RoomResult, stage: StageResult) -> str:
     return caption + "".join(parts)
 
 
+def _anchor(room: RoomResult) -> str:
+    """A fragment id for the room's block: only safe characters, unique per (room, attempt)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else f"_{ord(c):x}" for c in room.room)
+    return f"room-{safe}-{room.attempt}"
+
+
 def _room_block(room: RoomResult) -> str:
+    """One room: its verdict, rids, the stages in order, and ONE heatmap, of the
+    first stage that saw the difference (later stages are listed, and say when
+    they localise differently)."""
     first = room.first_divergence
     intact = room.last_match_before_divergence
     line = f"<b>room {_e(room.room)} attempt {room.attempt}</b>: {_e(room.verdict)}"
     if first is not None:
         line += f"; first divergence at <b>{_e(first.label)}</b>"
         line += f" (intact at {_e(intact.label)})" if intact else ""
+    rids = f' <span class="note">rid {_e(", ".join(room.rids))}</span>' if room.rids else ""
     stages = ", ".join(f"{_e(s.label)} {_e(s.verdict)}" for s in room.ordered)
-    body = [f'<div class="room{"" if room.verdict == "mismatch" else " other"}">', f"<p>{line}</p>"]
-    body.append(f'<p class="note">stages: {stages}</p>')
+    body = [f'<div class="room{"" if room.verdict == "mismatch" else " other"}" id="{_anchor(room)}">',
+            f"<p>{line}{rids}</p>", f'<p class="note">stages: {stages}</p>']
+    drawn = first if first is not None and first.comparison is not None else None
+    if drawn is not None:
+        body.append(_heatmap(room, drawn))
+        c = drawn.comparison
+        moved = [s.label for s in room.ordered if s is not drawn and s.comparison is not None
+                 and s.comparison.verdict == "mismatch"
+                 and (s.comparison.layers, s.comparison.pages, s.comparison.segments) != (c.layers, c.pages, c.segments)]
+        if moved:
+            body.append(f'<p class="note">localised differently at {_e(", ".join(moved))} (see `diff --json`).</p>')
     for stage in room.ordered:
-        if stage.comparison is not None and stage.comparison.verdict == "mismatch":
-            body.append(_heatmap(room, stage))
-        elif stage.verdict != "match" and stage.reason:
+        if stage.verdict not in ("match", "mismatch") and stage.reason:
             body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason)} <code>{_e(stage.where)}</code></p>')
+        elif stage.verdict == "mismatch" and stage.comparison is None and stage is first:
+            body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason or "not localised")}</p>')
     body.append("</div>")
     return "".join(body)
+
+
+def _ranges(values) -> str:
+    values = sorted(set(int(v) for v in values))
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+
+def _index(bad: list[RoomResult], drawn: int) -> str:
+    rows = []
+    for i, room in enumerate(bad[:MAX_INDEX_ROWS]):
+        first = room.first_divergence
+        c = first.comparison if first is not None else None
+        name = f"{_e(room.room)}/{room.attempt}"
+        link = f'<a href="#{_anchor(room)}">{name}</a>' if i < drawn else name
+        rows.append(
+            f"<tr><td>{link}</td><td>{_e(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
+            f"<td>{_e(first.label) if first else '-'}</td><td>{_e(_ranges(c.layers)) if c else '-'}</td>"
+            f"<td>{_e(_ranges(c.pages)) if c else '-'}</td><td>{_e(', '.join(c.segments)) if c else '-'}</td></tr>"
+        )
+    more = f'<p class="note">... and {len(bad) - MAX_INDEX_ROWS:,} more (see `diff --json`).</p>' if len(bad) > MAX_INDEX_ROWS else ""
+    return (
+        '<div class="index"><table><tr><th>room/attempt</th><th>rid</th><th>verdict</th><th>first divergence</th>'
+        f"<th>layers</th><th>pages</th><th>segments</th></tr>{''.join(rows)}</table></div>{more}"
+    )
 
 
 def _bad_rooms(a: Analysis, max_rooms: int) -> str:
@@ -147,11 +214,57 @@ def _bad_rooms(a: Analysis, max_rooms: int) -> str:
     if not bad:
         return '<section id="bad-rooms"><h2>Rooms that did not match</h2><p>None: every verified room matched.</p></section>'
     shown = bad[:max_rooms]
-    note = f"{len(shown)} of {len(bad):,} shown, worst first" + (" (raise --max-rooms for more)" if len(bad) > len(shown) else "")
+    note = (f"{len(bad):,} rooms, worst first, numeric within a verdict; {len(shown)} drawn below"
+            + (" (raise --max-rooms for more)" if len(bad) > len(shown) else ""))
     return (
-        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>'
-        + "".join(_room_block(r) for r in shown)
-        + "</section>"
+        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>{_index(bad, len(shown))}'
+        f"{_cross_room_heat(bad)}<h3>Each room</h3>"
+        + '<div class="rooms">' + "".join(_room_block(r) for r in shown) + "</div></section>"
+    )
+
+
+def _cross_room_heat(bad: list[RoomResult]) -> str:
+    """Where rooms first diverged, across all of them: (layer x page bucket), each
+    cell counting the rooms whose first-divergence candidates include it. Page
+    buckets are the metrics' (`page_bucket`: [b, 2b)), so this reads like the
+    dashboard's heat panels, but from every room in the logs."""
+    counts: Counter = Counter()
+    for room in bad:
+        first = room.first_divergence
+        c = first.comparison if first is not None else None
+        if c is None:
+            continue
+        for layer in set(c.layers):
+            for bucket in {page_bucket(p) for p in c.pages}:
+                counts[(layer, bucket)] += 1
+    if not counts:
+        return ""
+    layers = sorted({layer for layer, _ in counts})
+    buckets = sorted({b for _, b in counts}, key=int)
+    peak = max(counts.values())
+    cw, ch, left, top = 44, max(6, min(16, 480 // len(layers))), 44, 30
+    width, height = left + len(buckets) * cw + 4, top + len(layers) * ch + 4
+    parts = [f'<svg class="crossheat" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" role="img">',
+             f'<rect x="{left}" y="{top}" width="{len(buckets) * cw}" height="{len(layers) * ch}" fill="#f4f6f9"/>']
+    for j, bucket in enumerate(buckets):
+        parts.append(f'<text x="{left + j * cw + 2}" y="{top - 6}" font-size="10">p{_e(bucket)}+</text>')
+    label_every = 1 if ch >= 10 else max(1, 10 // ch)
+    for i, layer in enumerate(layers):
+        if i % label_every == 0:
+            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" text-anchor="end">L{layer}</text>')
+        for j, bucket in enumerate(buckets):
+            n = counts.get((layer, bucket), 0)
+            if n:
+                parts.append(
+                    f'<rect class="xcell" x="{left + j * cw}" y="{top + i * ch}" width="{cw - 1}" height="{ch - 1}" '
+                    f'fill="{CROSS_SCALE}" fill-opacity="{0.15 + 0.85 * n / peak:.2f}"><title>layer {layer}, pages '
+                    f"{_e(bucket)}..: {n} room(s)</title></rect>"
+                )
+    parts.append("</svg>")
+    return (
+        '<section id="cross-room"><h3>Where rooms first diverged, all rooms</h3><p class="note">Rows are layers, columns '
+        "power-of-two page buckets (pN+ holds pages N to 2N-1); darker means more rooms, "
+        f"at most {peak}. Candidate cells of each room's first divergence.</p>{''.join(parts)}</section>"
     )
 
 
@@ -170,7 +283,7 @@ def _timeline(a: Analysis) -> str:
         buckets[min(TIME_BUCKETS - 1, int((t - t0) / span * TIME_BUCKETS))][verdict] += 1
     peak = max(sum(b.values()) for b in buckets) or 1
     bw, h, left, top = 14, 160, 40, 10
-    parts = [f'<svg class="timeline" width="{left + TIME_BUCKETS * bw + 10}" height="{h + 40}" xmlns="http://www.w3.org/2000/svg">']
+    parts = [f'<svg class="timeline" width="{left + TIME_BUCKETS * bw + 40}" height="{h + 50}" xmlns="http://www.w3.org/2000/svg">']
     for i, bucket in enumerate(buckets):
         y = top + h
         for verdict in VERDICTS:
@@ -184,8 +297,15 @@ def _timeline(a: Analysis) -> str:
                 f"<title>{n} {verdict}</title></rect>"
             )
     parts.append(f'<text x="{left - 4}" y="{top + 8}" font-size="10" text-anchor="end">{peak}</text>')
-    parts.append(f'<text x="{left}" y="{top + h + 14}" font-size="10">{_e(_utc(t0))}</text>')
-    parts.append(f'<text x="{left + TIME_BUCKETS * bw}" y="{top + h + 14}" font-size="10" text-anchor="end">{_e(_utc(t1))}</text>')
+    fmt = _tick_format(span)
+    for k in range(TIME_TICKS + 1):
+        x = left + k * TIME_BUCKETS * bw / TIME_TICKS
+        anchor = "start" if k == 0 else "end" if k == TIME_TICKS else "middle"
+        parts.append(f'<line x1="{x:.1f}" y1="{top + h}" x2="{x:.1f}" y2="{top + h + 4}" stroke="#555"/>')
+        parts.append(f'<text class="tick" x="{x:.1f}" y="{top + h + 16}" font-size="10" text-anchor="{anchor}">'
+                     f"{_e(time.strftime(fmt, time.gmtime(t0 + span * k / TIME_TICKS)))}</text>")
+    parts.append(f'<text x="{left + TIME_BUCKETS * bw / 2}" y="{top + h + 32}" font-size="11" text-anchor="middle">'
+                 f"time (UTC), from {_e(_utc(t0))} to {_e(_utc(t1))}</text>")
     parts.append("</svg>")
     legend = " ".join(
         f'<span style="color:{VERDICT_COLOURS[v]}">&#9632;</span> {v}' for v in VERDICTS

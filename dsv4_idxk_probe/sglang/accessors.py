@@ -31,6 +31,12 @@ def _constant(module: str, name: str, default: Any) -> Any:
     return getattr(sys.modules.get(module), name, default)
 
 
+def rid_of(req: Any) -> str | None:
+    """SGLang's request id, the one an operator sees in its logs and responses."""
+    rid = getattr(req, "rid", None)
+    return str(rid) if rid is not None else None
+
+
 def room_of(req: Any) -> int | None:
     room = getattr(req, "bootstrap_room", None)
     return int(room) if room is not None else None
@@ -136,29 +142,44 @@ def origin_len(req: Any) -> int:
 
 
 def identity() -> dict[str, str]:
-    """role / rank / model of this scheduler, from SGLang's published config; {} before that."""
+    """This scheduler's metric labels, as SGLang builds them for its own metrics
+    (observability/metrics_collector.py, SchedulerMetricsCollector.init_new):
+    model_name, engine_type, tp_rank, pp_rank, moe_ep_rank, dp_rank when the
+    process has one, and --extra-metric-labels. Only what SGLang has published
+    ({} before that; a rank SGLang has not written yet is left out)."""
     rc = sys.modules.get("sglang.srt.runtime_context")
     if rc is None:
         return {}
     out: dict[str, str] = {}
     try:
-        mode = rc.get_disagg().disaggregation_mode
-        out["role"] = str(getattr(mode, "value", mode))
+        out["model_name"] = str(rc.get_serving().served_model_name)
     except Exception:
         pass
+    try:
+        disagg = rc.get_disagg()
+        if getattr(disagg, "enable_pd_role_switch", False):
+            out["engine_type"] = "dynamic"
+        else:
+            mode = str(getattr(disagg.disaggregation_mode, "value", disagg.disaggregation_mode))
+            out["engine_type"] = mode if mode in ("prefill", "decode") else "unified"
+    except Exception:
+        pass
+    parallel = None
     try:
         parallel = rc.get_parallel()
-        rank = f"tp{parallel.tp_rank}"
-        if getattr(parallel, "pp_size", 1) > 1:
-            rank += f"-pp{parallel.pp_rank}"
-        dp = getattr(parallel, "dp_rank", None)
-        if dp is not None:
-            rank += f"-dp{dp}"
-        out["rank"] = rank
     except Exception:
         pass
+    for name in ("tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"):
+        try:
+            value = getattr(parallel, name)
+        except Exception:
+            continue
+        if value is not None:
+            out[name] = str(value)
     try:
-        out["model"] = str(rc.get_server_args().served_model_name or "")
+        extra = rc.get_observability().extra_metric_labels
+        for name, value in dict(extra or {}).items():
+            out.setdefault(str(name), str(value))
     except Exception:
         pass
     return out

@@ -36,7 +36,7 @@ from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from .accessors import (
     ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, SLOT_DIGEST, SLOT_ENDPOINT, decode_skip_reason,
-    is_host_destination, metadata_row, prefill_peer_host, room_of,
+    is_host_destination, metadata_row, prefill_peer_host, rid_of, room_of,
 )
 from .index_k import decode_room_pages
 from .sides import build_side
@@ -95,7 +95,7 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     if reason is None and (dest is None or isinstance(dest, str)):
         reason = dest or "destination pages were not recorded"
     if reason is not None:
-        side.monitor.room_skipped(room, reason)
+        side.monitor.room_skipped(room, reason, extra={"rid": rid_of(req)})
         return
     slots, peer_host = seen
     inband = InbandDigest.from_slots(slots[SLOT_DIGEST]) if slots else None
@@ -104,7 +104,7 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
         host = endpoint[0] or peer_host
         endpoint = (host, endpoint[1]) if host else None
     side.remember_peer(room.key, endpoint)
-    extra = {"prefill_endpoint": f"{endpoint[0]}:{endpoint[1]}"} if endpoint else None
+    extra = {"rid": rid_of(req), **({"prefill_endpoint": f"{endpoint[0]}:{endpoint[1]}"} if endpoint else {})}
     pending = side.monitor.room_received(room, dest.pages, dest.n_tokens, inband, extra)
     setattr(req, ATTR_ROOM, room)
     setattr(req, ATTR_STEPS, 0)

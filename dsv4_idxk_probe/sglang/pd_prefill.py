@@ -31,7 +31,7 @@ from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from .accessors import (
     ATTR_INBAND, ATTR_SENT, SLOT_DIGEST, SLOT_ENDPOINT, metadata_row, prefill_attempt, prefill_skip_reason,
-    room_of, sender_is_last_send,
+    rid_of, room_of, sender_is_last_send,
 )
 from .index_k import prefill_room_pages
 from .sides import build_side
@@ -89,7 +89,7 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
     if getattr(req, ATTR_SENT, None) == mark:
         return  # this exact send was digested already
     setattr(req, ATTR_SENT, mark)
-    pending = side.monitor.room_sent(RoomId(room_of(req)), pages.pages, pages.n_tokens)
+    pending = side.monitor.room_sent(RoomId(room_of(req)), pages.pages, pages.n_tokens, extra={"rid": rid_of(req)})
     if pending is None:
         runtime.metrics.records_dropped.labels(sink="digest_queue").inc()
         return

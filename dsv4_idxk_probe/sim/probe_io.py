@@ -32,7 +32,7 @@ class ProbeSinks:
         # value land in the shared directory whatever registry holds the metric.
         self.metrics = ProbeMetrics(CollectorRegistry(), role=role)
         self.metrics.zero_pd_series()
-        add_error_listener(lambda site: self.metrics.probe_errors.labels(site=site).inc())
+        add_error_listener(self.metrics.count_error)
         cfg = config.roomlog
         self.writer = RoomLogWriter(
             cfg.dir, role, max_bytes=cfg.max_bytes, max_files=cfg.max_files, gzip_rotated=cfg.gzip,

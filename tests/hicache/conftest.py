@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
 from dsv4_idxk_probe import safety
 from dsv4_idxk_probe.hicache import forget
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 
 from .cpu_standins import Memory, make_standins
 
@@ -43,7 +43,7 @@ def _hicache_errors() -> dict[str, int]:
 
 TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets" / "sglang-0.5.23.yaml"
 HOOK_MODULE = "dsv4_idxk_probe.sglang.hicache"
-BASE = {"role": "test", "model": "", "rank": ""}
+BASE = process_labels(role="test")  # the process labels of ProbeMetrics(role="test")
 
 #: (layout, io_backend) pairs the pool implements a page copy for, and the two it refuses.
 SUPPORTED = [("layer_first", "kernel"), ("layer_first", "direct"), ("page_first", "kernel"), ("page_first_direct", "direct")]

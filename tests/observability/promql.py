@@ -11,14 +11,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "dashboards" / "dsv4-idxk-probe.json"
 ALERTS = REPO / "configs" / "prometheus" / "alerts.yml"
+ALERT_TESTS = REPO / "configs" / "prometheus" / "alerts.test.yml"
 
 # What Grafana would put in: "All" for the template variables, short windows for a short test.
 GRAFANA_VARIABLES = {
     "$__rate_interval": "30s",
     "$__range": "5m",
     "$instance": ".*",
-    "$role": ".*",
-    "$model": ".*",
+    "$engine_type": ".*",
+    "$model_name": ".*",
 }
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.*),\s*(?P<label>\w+)\)$")
 

@@ -10,15 +10,17 @@ import subprocess
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-from promql import ALERTS, DASHBOARD, REPO, alert_rules, load_dashboard, metric_names, panel_queries, variable_queries
+from promql import ALERT_TESTS, ALERTS, DASHBOARD, REPO, alert_rules, load_dashboard, metric_names, panel_queries, variable_queries
 
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
 
 REQUIRED_PANELS = [
     "Verified rooms by stage and verdict", "Mismatching rooms", "First-divergence stage", "Localisation heat: layer",
     "Localisation heat: page bucket", "Unverified and not-comparable rooms", "HiCache branch hits per pool",
-    "Guard and index-check violations", "Digest GPU time", "Exchange errors", "Dropped records", "Patch targets",
+    "Guard and index-check violations", "Digest GPU time", "Exchange errors", "Dropped records", "Probe errors",
+    "Probe state", "Patch targets",
 ]
+VARIABLES = ["datasource", "instance", "engine_type", "model_name"]
 
 
 def generator():
@@ -30,7 +32,7 @@ def generator():
 
 def exported_series_names() -> set[str]:
     registry = CollectorRegistry()
-    ProbeMetrics(registry)
+    ProbeMetrics(registry, role="decode")
     names = set()
     for family in registry.collect():
         if family.type == "counter":
@@ -64,7 +66,7 @@ def test_generator_check_mode_catches_a_stale_file(tmp_path):
 def test_identity_variables_and_panels():
     dash = load_dashboard()
     assert dash["uid"] == "dsv4-idxk-probe"
-    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "instance", "role", "model"]
+    assert [v["name"] for v in dash["templating"]["list"]] == VARIABLES
     titles = [p["title"] for p in dash["panels"]]
     assert [t for t in REQUIRED_PANELS if t not in titles] == []
     ids = [p["id"] for p in dash["panels"]]
@@ -79,11 +81,12 @@ def test_every_query_names_a_defined_metric_and_filters_by_the_variables():
     for where, expr in panel_queries(load_dashboard()):
         names = metric_names(expr)
         assert names and names <= defined, f"{where}: {names - defined}"
-        for variable in ("$instance", "$role", "$model"):
+        for variable in ("$instance", "$engine_type", "$model_name"):
             assert variable in expr, f"{where} ignores {variable}"
     for rule in alert_rules():
         names = metric_names(rule["expr"])
         assert names and names <= defined, f"{rule['alert']}: {names - defined}"
+        assert not re.search(r"\b(role|model|rank)\b(?!_)", rule["expr"]), f"{rule['alert']} uses a label the probe no longer has"
     for name, selector, _ in variable_queries(load_dashboard()):
         assert metric_names(selector) <= defined, name
 
@@ -113,10 +116,77 @@ def test_alert_rules_pass_promtool():
     assert f"SUCCESS: {len(alert_rules())} rules found" in proc.stdout
 
 
-def test_alert_rules_cover_the_four_conditions():
+def test_alert_rules_cover_the_six_conditions():
     names = {r["alert"] for r in alert_rules()}
     assert names == {"Dsv4IdxkProbeIndexKMismatch", "Dsv4IdxkProbeTokenPathOnNonC4Pool",
-                     "Dsv4IdxkProbeRequiredPatchTargetMissing", "Dsv4IdxkProbeRecordsDropped"}
+                     "Dsv4IdxkProbeRequiredPatchTargetMissing", "Dsv4IdxkProbeRecordsDropped",
+                     "Dsv4IdxkProbeOffByError", "Dsv4IdxkProbeMetricsAbsent"}
+
+
+def test_dashboard_schema_datasources_and_variables():
+    """What Grafana would resolve on import: every datasource reference is the
+    dashboard's own variable, every $variable a query uses is defined, every
+    query variable reads the probe's info metric and names its own label."""
+    dash = load_dashboard()
+    variables = dash["templating"]["list"]
+    defined = {v["name"] for v in variables}
+    (ds,) = [v for v in variables if v["type"] == "datasource"]
+    assert ds["name"] == "datasource" and ds["query"] == "prometheus"
+    reference = {"type": "prometheus", "uid": "${datasource}"}
+    builtins = {"__rate_interval", "__range", "__interval"}
+    for panel in dash["panels"]:
+        assert isinstance(panel["id"], int) and panel["type"] in {"row", "stat", "timeseries", "bargauge", "heatmap", "table"}
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == reference, panel["title"]
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            assert t["datasource"] == reference, panel["title"]
+            used = set(re.findall(r"\$\{?(\w+)", t["expr"]))
+            assert used <= defined | builtins, f"{panel['title']}: undefined {used - defined - builtins}"
+    for v in variables:
+        if v["type"] != "query":
+            continue
+        assert v["datasource"] == reference, v["name"]
+        assert v["query"]["query"] == v["definition"]
+        assert v["query"]["query"].startswith("label_values(dsv4_idxk_probe_info"), v["name"]
+        assert v["query"]["query"].rstrip(")").endswith(f", {v['name']}"), v["name"]
+        used = set(re.findall(r"\$(\w+)", v["query"]["query"]))
+        earlier = [w["name"] for w in variables[: variables.index(v)]]
+        assert used <= set(earlier), f"{v['name']} depends on a later variable"
+
+
+def test_schema_check_catches_a_broken_reference(monkeypatch):
+    dash = load_dashboard()
+    dash["panels"][1]["targets"][0]["datasource"] = {"type": "prometheus", "uid": "P1234"}
+    monkeypatch.setitem(globals(), "load_dashboard", lambda: dash)
+    with pytest.raises(AssertionError):
+        test_dashboard_schema_datasources_and_variables()
+
+
+def test_alert_unit_tests_pass_promtool_and_cover_every_rule():
+    tests = yaml.safe_load(ALERT_TESTS.read_text())
+    fired = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"] if t["exp_alerts"]}
+    quiet = {t["alertname"] for case in tests["tests"] for t in case["alert_rule_test"] if not t["exp_alerts"]}
+    names = {r["alert"] for r in alert_rules()}
+    assert fired == names, f"rules without a firing case: {names - fired}"
+    assert {"Dsv4IdxkProbeIndexKMismatch", "Dsv4IdxkProbeMetricsAbsent", "Dsv4IdxkProbeRecordsDropped"} <= quiet
+    proc = subprocess.run([tool("promtool"), "test", "rules", ALERT_TESTS.name], capture_output=True, text=True,
+                          timeout=60, cwd=ALERT_TESTS.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_mismatch_alert_per_stage_fails_the_unit_tests(tmp_path):
+    """The per-room case can fail: counting stage verdicts fires once per stage that saw the room."""
+    per_stage = ALERTS.read_text().replace(
+        "increase(dsv4_idxk_probe_first_divergence_total[10m])",
+        'increase(dsv4_idxk_probe_rooms_verified_total{verdict="mismatch"}[10m])')
+    assert per_stage != ALERTS.read_text()
+    (tmp_path / "alerts.yml").write_text(per_stage)
+    (tmp_path / "alerts.test.yml").write_text(ALERT_TESTS.read_text())
+    proc = subprocess.run([tool("promtool"), "test", "rules", "alerts.test.yml"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0 and "Dsv4IdxkProbeIndexKMismatch" in proc.stdout + proc.stderr
 
 
 def test_example_prometheus_config_passes_promtool():

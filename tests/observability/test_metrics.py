@@ -14,20 +14,25 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dsv4_idxk_probe.metrics import serving
-from dsv4_idxk_probe.metrics.definitions import BASE_LABELS, PATCH_STATUSES, ProbeMetrics, page_bucket
+from dsv4_idxk_probe.metrics.definitions import (
+    DECODE_STAGES, PATCH_STATUSES, PROCESS_LABELS, STAGES, ProbeMetrics, page_bucket, process_labels,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-ALLOWED_LABELS = set(BASE_LABELS) | {
-    "stage", "verdict", "segment", "pool", "direction", "branch", "io_backend", "layout", "sink", "kind", "site",
+# SGLang's labels of one decode scheduler (what sglang.accessors.identity() returns).
+SGLANG_LABELS = {"model_name": "dsv4", "engine_type": "decode", "tp_rank": "1", "pp_rank": "0", "moe_ep_rank": "1"}
+ALLOWED_LABELS = set(PROCESS_LABELS) | {
+    "stage", "verdict", "segment", "pool", "direction", "branch", "io_backend", "layout", "sink", "kind", "component",
+    "state", "reason", "mode", "version",
     "target", "status", "check", "action", "leg", "invariant", "page_aligned_only", "token_path_eligible", "layer",
     "page_bucket",
 }
-BASE = {"role": "decode", "model": "m", "rank": "0"}
+BASE = dict(SGLANG_LABELS)
 
 
 def families():
     registry = CollectorRegistry()
-    ProbeMetrics(registry, **BASE)
+    ProbeMetrics(registry, labels=BASE)
     return [m for m in registry.collect()]
 
 
@@ -43,10 +48,11 @@ def test_names_types_and_labels_follow_the_conventions():
 
 def test_label_sets_are_low_cardinality():
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, **BASE)
-    for name, bound in vars(metrics).items():
-        labels = set(bound._metric._labelnames)
-        assert set(BASE_LABELS) <= labels, name
+    metrics = ProbeMetrics(registry, labels=BASE)
+    for family in registry.collect():
+        metric = registry._names_to_collectors[family.name + ("_total" if family.type == "counter" else "")]
+        labels, name = set(metric._labelnames), family.name
+        assert set(PROCESS_LABELS) <= labels, name
         assert labels <= ALLOWED_LABELS, f"{name}: {labels - ALLOWED_LABELS}"
         assert not labels & {"room", "page", "bootstrap_room", "request_id"}, name
 
@@ -62,7 +68,7 @@ def test_page_buckets_stay_few_for_long_rooms():
 
 def test_localisation_feeds_layer_and_page_heat():
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, **BASE)
+    metrics = ProbeMetrics(registry, labels=BASE)
     metrics.observe_localisation("decode_step", layers=[3, 40], pages=[0, 5, 6, 7, 100])
     value = lambda name, **labels: registry.get_sample_value(f"dsv4_idxk_probe_{name}_total", {**BASE, **labels})
     assert value("mismatch_layer_hits", stage="decode_step", layer="40") == 1
@@ -73,7 +79,7 @@ def test_localisation_feeds_layer_and_page_heat():
 
 def test_patch_target_status_is_one_hot():
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, **BASE)
+    metrics = ProbeMetrics(registry, labels=BASE)
     metrics.set_patch_target("decode.recv", "missing", required=True)
     metrics.set_patch_target("decode.recv", "patched", required=True)
     got = {s: registry.get_sample_value("dsv4_idxk_probe_patch_target_status", {**BASE, "target": "decode.recv", "status": s})
@@ -91,7 +97,7 @@ def test_patch_statuses_are_the_ones_the_patcher_reports():
 
 def test_standalone_exporter_serves_and_stops():
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, **BASE)
+    metrics = ProbeMetrics(registry, labels=BASE)
     metrics.zero_pd_series()
     metrics.rooms_verified.labels(stage="decode_recv", verdict="mismatch").inc(2)
     server, thread = serving.start_exporter(0, "127.0.0.1", registry)
@@ -103,7 +109,7 @@ def test_standalone_exporter_serves_and_stops():
         server.server_close()
     thread.join(timeout=5)
     assert not thread.is_alive() and thread.daemon
-    assert re.search(r'dsv4_idxk_probe_rooms_verified_total\{[^}]*stage="decode_recv",verdict="mismatch"\} 2\.0', body)
+    assert re.search(r'dsv4_idxk_probe_rooms_verified_total\{[^}]*stage="decode_recv"[^}]*verdict="mismatch"\} 2\.0', body)
     assert 'verdict="unverified"} 0.0' in body  # zero is visible
 
 
@@ -114,7 +120,7 @@ def test_inside_sglang_nothing_is_started(monkeypatch, tmp_path):
 
 CHILD = """
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
-m = ProbeMetrics(role="decode", model="m", rank="{rank}")
+m = ProbeMetrics(labels={{"model_name": "m", "engine_type": "decode", "tp_rank": "{rank}", "pp_rank": "0", "moe_ep_rank": "0"}})
 m.zero_pd_series()
 m.rooms_verified.labels(stage="decode_finish", verdict="mismatch").inc(3)
 m.set_patch_target("hicache.backup", "missing", required=True)
@@ -130,7 +136,7 @@ def test_multiprocess_directory_reaches_the_hosts_collector(tmp_path):
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
     for rank in ("0", "1"):
-        labels = {"role": "decode", "model": "m", "rank": rank}
+        labels = {"model_name": "m", "engine_type": "decode", "tp_rank": rank, "pp_rank": "0", "moe_ep_rank": "0"}
         assert registry.get_sample_value(
             "dsv4_idxk_probe_rooms_verified_total", {**labels, "stage": "decode_finish", "verdict": "mismatch"}) == 3
         assert registry.get_sample_value(
@@ -147,7 +153,7 @@ def test_every_metric_is_documented():
 
 def test_labelled_children_are_cached_and_still_count_into_the_registry():
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, **BASE)
+    metrics = ProbeMetrics(registry, labels=BASE)
     first = metrics.rooms_verified.labels(stage="decode_recv", verdict="match")
     assert metrics.rooms_verified.labels(stage="decode_recv", verdict="match") is first
     for _ in range(3):
@@ -162,7 +168,78 @@ def test_the_child_cache_stays_bounded(monkeypatch):
     from dsv4_idxk_probe.metrics import definitions
 
     monkeypatch.setattr(definitions._Bound, "_MAX_CHILDREN", 4)
-    metrics = ProbeMetrics(CollectorRegistry(), **BASE)
+    metrics = ProbeMetrics(CollectorRegistry(), labels=BASE)
     for i in range(10):
-        metrics.probe_errors.labels(site=f"s{i}").inc()
-    assert len(metrics.probe_errors._children) <= 4
+        metrics.mismatch_layer_hits.labels(stage="decode_recv", layer=str(i)).inc()
+    assert len(metrics.mismatch_layer_hits._children) <= 4
+
+
+def series(registry) -> list[dict]:
+    return [dict(sample.labels, __name__=sample.name) for family in registry.collect() for sample in family.samples
+            if not sample.name.endswith("_created")]
+
+
+def test_no_label_value_is_empty_in_or_out_of_sglang():
+    for labels, role in ((BASE, None), ({}, "prefill"), ({"model_name": "", "engine_type": "decode"}, None), ({}, None)):
+        registry = CollectorRegistry()
+        metrics = ProbeMetrics(registry, labels=labels, role=role)
+        metrics.zero_pd_series()
+        found = series(registry)
+        assert found
+        empty = [s for s in found if "" in s.values()]
+        assert not empty, empty[:3]
+
+
+def test_dp_rank_and_extra_labels_follow_sglang_and_never_shadow_the_probes_own():
+    labels = process_labels({**SGLANG_LABELS, "dp_rank": "3", "cluster": "eu1", "stage": "x", "bad-name": "y"})
+    assert labels == {**SGLANG_LABELS, "dp_rank": "3", "cluster": "eu1"}
+    assert "dp_rank" not in process_labels(SGLANG_LABELS)
+    assert list(process_labels(SGLANG_LABELS)) == list(PROCESS_LABELS)  # SGLang's order
+
+
+@pytest.mark.parametrize("engine_type, digested, judged", [
+    ("prefill", {"prefill_send"}, set()),
+    ("decode", set(DECODE_STAGES), set(DECODE_STAGES)),
+    ("dynamic", set(STAGES), set(DECODE_STAGES)),
+    ("unified", set(), set()),
+])
+def test_zero_series_only_for_label_sets_that_can_occur(engine_type, digested, judged):
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, labels={**SGLANG_LABELS, "engine_type": engine_type})
+    metrics.zero_pd_series()
+    found = series(registry)
+    stages = lambda name: {s["stage"] for s in found if s["__name__"] == f"dsv4_idxk_probe_{name}"}
+    assert stages("rooms_digested_total") == digested
+    assert stages("digest_bytes_total") == digested
+    assert stages("rooms_verified_total") == judged
+    assert stages("first_divergence_total") == judged
+    components = {s["component"] for s in found if s["__name__"] == "dsv4_idxk_probe_errors_total"}
+    assert ("prefill" in components) == ("prefill_send" in digested)
+    assert ("decode" in components) == bool(judged)
+    assert {"digest", "hicache", "patch", "other"} <= components
+    fetch = [s for s in found if s["__name__"] == "dsv4_idxk_probe_exchange_errors_total"]
+    assert bool(fetch) == bool(judged)  # only decode asks prefill for vectors
+
+
+def test_errors_are_counted_by_component_and_the_name_does_not_stutter():
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, labels=BASE)
+    for site in ("decode.on_result", "decode.emit", "factory.pd.send_kv_chunk", "weird"):
+        metrics.count_error(site)
+    value = lambda c: registry.get_sample_value("dsv4_idxk_probe_errors_total", {**BASE, "component": c})
+    assert (value("decode"), value("patch"), value("other")) == (2, 1, 1)
+    assert not [f.name for f in registry.collect() if "probe_probe" in f.name]
+
+
+def test_info_is_one_hot_on_the_current_state():
+    from dsv4_idxk_probe.version import __version__
+
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, labels=BASE, mode="enforce")
+    info = lambda state, reason: registry.get_sample_value("dsv4_idxk_probe_info", {
+        **BASE, "state": state, "reason": reason, "mode": "enforce", "version": __version__})
+    assert info("on", "running") == 1
+    metrics.info.set("off", "uninstalled", "enforce")
+    assert (info("on", "running"), info("off", "uninstalled")) == (0, 1)
+    with pytest.raises(ValueError):
+        metrics.info.set("on", "because")

@@ -5,15 +5,19 @@ scrapes them every second, then the exporters see what a bad night looks
 like: matching and mismatching rooms (real digests, real `compare`), a
 room with no prefill digest, a layout change, drops from a full room-log
 queue, a token-path copy on the indexer pool, a missing required patch
-target. Then every PromQL expression of the dashboard and the alert rules
-goes to Prometheus's HTTP API and must parse and return at least one series,
-and the alerts must fire. Loopback only; every wait has a deadline.
+target. A third process runs the real activation with a broken config (its
+probe stays off and says so), and a fourth stands for an SGLang server with
+no probe at all. Then every PromQL expression of the dashboard and the alert
+rules goes to Prometheus's HTTP API and must parse and return at least one
+series, and the alerts must fire. Loopback only; every wait has a deadline.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+import types
 import socket
 import subprocess
 import time
@@ -23,7 +27,7 @@ import urllib.request
 
 import pytest
 from logdata import Fault, RoomPlan, room_records
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from promql import ALERTS, alert_rules, load_dashboard, panel_queries, substitute, variable_queries
 
 from dsv4_idxk_probe.digest.result import RoomDigest, compare
@@ -106,11 +110,14 @@ class Prometheus:
         self.log.close()
 
 
+def sglang_labels(engine_type: str, tp_rank: int = 0) -> dict:
+    return {"model_name": "dsv4-test", "engine_type": engine_type, "tp_rank": str(tp_rank), "pp_rank": "0", "moe_ep_rank": "0"}
+
+
 def start_probe(role: str):
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, role=role, model="dsv4-test", rank="0")
+    metrics = ProbeMetrics(registry, labels=sglang_labels(role))
     metrics.zero_pd_series()
-    metrics.zero_health_series()
     for pool in POOLS:
         metrics.hicache_pool_info.labels(pool=pool, layout="layer_first", page_aligned_only="false",
                                          token_path_eligible=str(pool.endswith("indexer")).lower()).set(1)
@@ -157,7 +164,7 @@ def drive_decode(metrics: ProbeMetrics, plans: list[RoomPlan], tmp_path) -> None
                     metrics.first_divergence.labels(stage=stage).inc()
                     diverged = True
     metrics.exchange_errors.labels(kind="fetch").inc()
-    metrics.probe_errors.labels(site="decode.emit").inc()
+    metrics.count_error("decode.emit")
     writer = RoomLogWriter(tmp_path / "roomlog", "decode", queue_size=1, metrics=metrics, start=False)
     assert [writer.emit({"v": 1, "kind": "room", "room": str(i)}) for i in range(3)] == [True, False, False]
     writer.close()
@@ -173,6 +180,36 @@ def drive_decode(metrics: ProbeMetrics, plans: list[RoomPlan], tmp_path) -> None
     metrics.hicache_pages.labels(pool="deepseek_v4_c4_indexer", direction="d2h").inc(80)
 
 
+def start_broken_probe(tmp_path, monkeypatch):
+    """The real activation with an invalid config: the probe stays off, and publishes
+    dsv4_idxk_probe_info{state="broken"} under the labels SGLang publishes (a stand-in
+    for sglang.srt.runtime_context, which is all the probe reads them from)."""
+    from dsv4_idxk_probe import activation
+
+    ns = types.SimpleNamespace
+    context = ns(get_serving=lambda: ns(served_model_name="dsv4-test"),
+                 get_disagg=lambda: ns(disaggregation_mode="decode", enable_pd_role_switch=False),
+                 get_parallel=lambda: ns(tp_rank=1, pp_rank=0, moe_ep_rank=0, dp_rank=None),
+                 get_observability=lambda: ns(extra_metric_labels=None))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    bad = tmp_path / "probe.yaml"
+    bad.write_text("exchange:\n  timeout_ms: fast\n")
+    registry = CollectorRegistry()
+    assert activation.install({"DSV4_IDXK_PROBE": "1", "DSV4_IDXK_PROBE_CONFIG": str(bad)}, registry=registry) is False
+    labels = {**sglang_labels("decode", 1), "state": "broken", "reason": "config_error"}
+    wait_for("the broken state", lambda: any(s.labels.items() >= labels.items() and s.value == 1
+                                             for f in registry.collect() for s in f.samples), timeout=10)
+    return start_exporter(0, LOOPBACK, registry)
+
+
+def start_sglang_without_probe():
+    """An SGLang decode server's own metrics, and none of the probe's."""
+    registry = CollectorRegistry()
+    labels = sglang_labels("decode")
+    Gauge("sglang:context_len", "Maximum context length.", list(labels), registry=registry).labels(**labels).set(65536)
+    return start_exporter(0, LOOPBACK, registry)
+
+
 @pytest.fixture
 def prometheus_binary():
     path = shutil.which("prometheus")
@@ -181,36 +218,54 @@ def prometheus_binary():
     return path
 
 
-def test_dashboard_and_alert_queries_return_data_from_a_real_prometheus(prometheus_binary, tmp_path):
+def test_dashboard_and_alert_queries_return_data_from_a_real_prometheus(prometheus_binary, tmp_path, monkeypatch):
     probes = {role: start_probe(role) for role in ("prefill", "decode")}
+    probes["broken"] = (None, *start_broken_probe(tmp_path, monkeypatch))
+    probes["sglang"] = (None, *start_sglang_without_probe())
     targets = [f"{LOOPBACK}:{server.server_address[1]}" for _, server, _ in probes.values()]
     prom = Prometheus(prometheus_binary, tmp_path, targets)
     try:
         wait_for("prometheus to be ready", prom.ready)
         # Zero series scraped first, so increase() sees every event that follows.
         scraped_twice = '(count_over_time(up{job="dsv4-idxk-probe"}[1m]) >= 2) and (up == 1)'
-        wait_for("both exporters up and scraped twice", lambda: len(prom.series(scraped_twice)) == 2)
+        wait_for("all four exporters up and scraped twice", lambda: len(prom.series(scraped_twice)) == 4)
         plans = [RoomPlan(1), RoomPlan(2), RoomPlan(3, fault=Fault(2, 1, 7, "decode_step")), RoomPlan(4, fault=Fault(0, 2, 8200)),
                  RoomPlan(5, prefill=False), RoomPlan(6, signature_drift=True)]
         drive_prefill(probes["prefill"][0], len(plans))
         drive_decode(probes["decode"][0], plans, tmp_path)
         wait_for("the mismatches scraped twice",
                  lambda: prom.series('count_over_time((dsv4_idxk_probe_rooms_verified_total{verdict="mismatch"} > 0)[1m:1s]) >= 2'))
+        # Series born with an event (no zero series) need two raw samples before rate() sees them.
+        def scraped_twice_each() -> bool:
+            raw = prom.series('{__name__=~"dsv4_idxk_probe_(hicache|mismatch)_.*"}[1m]')  # raw samples per series
+            return bool(raw) and all(len(series["values"]) >= 2 for series in raw)
 
-        failures = []
-        for where, expr in panel_queries(load_dashboard()):
-            answer = prom.query(substitute(expr))
-            if answer.get("status") != "success":
-                failures.append(f"{where}: does not parse: {answer.get('error')}")
-            elif not answer["data"]["result"]:
-                failures.append(f"{where}: no series for {substitute(expr)}")
-        for name, selector, label in variable_queries(load_dashboard()):
-            found = prom.series(substitute(selector))
-            if not found or not all(label in s["metric"] for s in found):
-                failures.append(f"variable {name}: no {label} values from {selector}")
-        for rule in alert_rules():
-            if not prom.series(rule["expr"]):
-                failures.append(f"alert {rule['alert']}: no series for {rule['expr']}")
+        wait_for("every new series scraped twice", scraped_twice_each)
+
+        def missing() -> list[str]:
+            out = []
+            for where, expr in panel_queries(load_dashboard()):
+                answer = prom.query(substitute(expr))
+                if answer.get("status") != "success":
+                    out.append(f"{where}: does not parse: {answer.get('error')}")
+                elif not answer["data"]["result"]:
+                    out.append(f"{where}: no series for {substitute(expr)}")
+            for name, selector, label in variable_queries(load_dashboard()):
+                found = prom.series(substitute(selector))
+                if not found or not all(label in s["metric"] for s in found):
+                    out.append(f"variable {name}: no {label} values from {selector}")
+            for rule in alert_rules():
+                if not prom.series(rule["expr"]):
+                    out.append(f"alert {rule['alert']}: no series for {rule['expr']}")
+            return out
+
+        # A scrape that times out on a loaded machine marks its target's series stale until the
+        # next one: ask again a few times before calling a query empty.
+        for _ in range(5):
+            failures = missing()
+            if not failures:
+                break
+            time.sleep(2)
         assert not failures, "\n".join(failures)
 
         mismatches = prom.series(substitute(next(e for w, e in panel_queries(load_dashboard()) if w.startswith("Mismatching rooms /"))))
@@ -227,8 +282,18 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_prometheus(promethe
             return {(a["labels"]["alertname"], a["state"]) for a in alerts}
 
         expected = {("Dsv4IdxkProbeIndexKMismatch", "firing"), ("Dsv4IdxkProbeTokenPathOnNonC4Pool", "firing"),
-                    ("Dsv4IdxkProbeRecordsDropped", "firing"), ("Dsv4IdxkProbeRequiredPatchTargetMissing", "pending")}
+                    ("Dsv4IdxkProbeRecordsDropped", "firing"), ("Dsv4IdxkProbeRequiredPatchTargetMissing", "pending"),
+                    ("Dsv4IdxkProbeOffByError", "firing"), ("Dsv4IdxkProbeMetricsAbsent", "pending")}
         wait_for(f"alerts {sorted(expected)}", lambda: expected <= alert_states(), timeout=15)
+        alerts = prom.get("/api/v1/alerts")["data"]["alerts"]
+        mismatch = [a for a in alerts if a["labels"]["alertname"] == "Dsv4IdxkProbeIndexKMismatch"]
+        # Two corrupt rooms (first seen at decode_recv and at decode_step): one alert each, though
+        # the decode_step room also mismatched at decode_finish.
+        assert sorted(a["labels"]["stage"] for a in mismatch) == ["decode_recv", "decode_step"], mismatch
+        (broken,) = [a for a in alerts if a["labels"]["alertname"] == "Dsv4IdxkProbeOffByError"]
+        assert broken["labels"]["reason"] == "config_error" and broken["labels"]["tp_rank"] == "1"
+        (absent,) = [a for a in alerts if a["labels"]["alertname"] == "Dsv4IdxkProbeMetricsAbsent"]
+        assert absent["labels"]["instance"] == targets[3]
     finally:
         prom.stop()
         for _, server, thread in probes.values():

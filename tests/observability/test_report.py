@@ -55,9 +55,11 @@ def test_report_renders_heatmaps_timeline_and_hicache(logs, tmp_path):
 
     dom = browse(tmp_path, page, "--dump-dom")
     heatmaps = re.findall(r'<svg class="heatmap" data-room="([^"]+)" data-stage="([^"]+)" data-cells="(\d+)"', dom)
-    assert heatmaps == [("2/0", "decode_step@40", "1"), ("2/0", "decode_finish", "1")]
-    assert dom.count('class="cell"') == 2
-    for section in ("summary", "bad-rooms", "timeline", "hicache"):
+    # One heatmap per room: the stage that first saw it; the later mismatching stage is listed.
+    assert heatmaps == [("2/0", "decode_step@40", "1")]
+    assert dom.count('class="cell"') == 1
+    assert "decode_finish mismatch" in dom
+    for section in ("summary", "bad-rooms", "cross-room", "timeline", "hicache"):
         assert f'id="{section}"' in dom
     assert re.search(r'<tr class="alarm"><td>deepseek_v4_c4_indexer</td><td>d2h</td><td>token_dsv4_mla</td>', dom)
     assert "no prefill record" in dom  # room 3, unverified
@@ -121,3 +123,56 @@ def test_wide_rooms_are_binned_and_say_so(tmp_path):
     width = int(re.search(r'<svg class="heatmap"[^>]* width="(\d+)"', html).group(1))
     assert width < 1200
     assert re.search(r"<title>layer 1, page 1233-1235</title>", html)
+
+
+def page_height(tmp_path, page, width: int) -> int:
+    """The rendered document's height at a window `width`, read by a probe script in a copy of the page
+    (the report itself runs no script)."""
+    probe = tmp_path / f"measure-{width}.html"
+    probe.write_text(page.read_text().replace(
+        "</body>", "<script>document.body.dataset.height = document.documentElement.scrollHeight</script></body>"))
+    dom = browse(tmp_path, probe, "--dump-dom", f"--window-size={width},900")
+    return int(re.search(r'data-height="(\d+)"', dom).group(1))
+
+
+def test_index_links_every_drawn_room_in_numeric_order(logs, tmp_path):
+    rooms = [113, 12, 2, 11, 10]
+    page = make_report(logs, tmp_path, [RoomPlan(r, fault=Fault(r % 3, 1, 5)) for r in rooms] + [RoomPlan(7)])
+    dom = browse(tmp_path, page, "--dump-dom")
+    links = re.findall(r'<a href="#(room-[^"]+)">([^<]+)</a>', dom)
+    assert [name for _, name in links] == ["2/0", "10/0", "11/0", "12/0", "113/0"]
+    for anchor, _ in links:
+        assert f'id="{anchor}"' in dom
+    assert len(re.findall(r'<svg class="heatmap"', dom)) == len(rooms)
+
+
+def test_cross_room_heat_counts_rooms_per_layer_and_page_bucket(logs, tmp_path):
+    # Three rooms differ in layer index 1 at page 1, one in layer index 0 at page 0 (logdata.LAYER_IDS: 0, 1, ...).
+    plans = [RoomPlan(1, fault=Fault(1, 1, 3)), RoomPlan(2, fault=Fault(1, 1, 9)), RoomPlan(3, fault=Fault(1, 1, 40)),
+             RoomPlan(4, fault=Fault(0, 0, 2))]
+    page = make_report(logs, tmp_path, plans)
+    html = page.read_text()
+    cells = dict(re.findall(r'<title>layer (\d+, pages \d+)\.\.: (\d+) room\(s\)</title>', html))
+    assert cells == {"1, pages 1": "3", "0, pages 0": "1"}, cells
+
+
+def test_time_axis_has_readable_ticks(logs, tmp_path):
+    page = make_report(logs, tmp_path, [RoomPlan(1), RoomPlan(2)])
+    from dsv4_idxk_probe.roomlog.html import TIME_TICKS
+
+    ticks = re.findall(r'<text class="tick"[^>]*>([^<]+)</text>', page.read_text())
+    assert len(ticks) == TIME_TICKS + 1
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in ticks), ticks
+    assert "time (UTC), from " in page.read_text()
+
+
+@pytest.mark.parametrize("width, bound", [(1400, 9000), (800, 16000)])
+def test_a_hundred_persistently_corrupt_rooms_keep_the_page_bounded(logs, tmp_path, width, bound):
+    """Every room corrupt at receipt and at every later stage: one heatmap each (50 drawn by default),
+    the index scrolls in its own box, so the page stays a few screens tall at either width."""
+    plans = [RoomPlan(r, fault=Fault(r % 4, (r // 4) % 3, r)) for r in range(1, 101)]
+    page = make_report(logs, tmp_path, plans)
+    html = page.read_text()
+    assert html.count('<svg class="heatmap"') == 50 and html.count('<a href="#room-') == 50
+    height = page_height(tmp_path, page, width)
+    assert 1000 < height < bound, height

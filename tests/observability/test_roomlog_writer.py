@@ -33,7 +33,7 @@ def test_everything_emitted_is_written_in_order_after_close(tmp_path):
 
 def test_full_queue_drops_and_counts_without_waiting(tmp_path):
     registry = CollectorRegistry()
-    metrics = ProbeMetrics(registry, role="decode", model="m", rank="0")
+    metrics = ProbeMetrics(registry, role="decode")
     writer = RoomLogWriter(tmp_path, "decode", queue_size=3, metrics=metrics, start=False)
     results = []
     caller = threading.Thread(target=lambda: results.extend(writer.emit(record(i)) for i in range(10)))
@@ -42,7 +42,7 @@ def test_full_queue_drops_and_counts_without_waiting(tmp_path):
     assert not caller.is_alive(), "emit() waited on a full queue"
     assert results == [True] * 3 + [False] * 7
     assert writer.dropped == 7
-    labels = {"role": "decode", "model": "m", "rank": "0", "sink": "roomlog"}
+    labels = {**metrics.process_labels, "sink": "roomlog"}
     assert registry.get_sample_value("dsv4_idxk_probe_records_dropped_total", labels) == 7
     writer.start()
     writer.close()

@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 from recordsink import Sink
 
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
 
+BASE = process_labels(role="decode")  # the process labels of a decode monitor outside SGLang
 LAYER_IDS = [0, 2, 4]
 LAYOUT = get_layout("fp8")
 
@@ -70,7 +71,7 @@ def test_clean_room_matches_at_every_stage(pair):
     assert decode.tracked() == 0
     value = registry.get_sample_value(
         "dsv4_idxk_probe_rooms_verified_total",
-        {"role": "decode", "model": "", "rank": "", "stage": "decode_recv", "verdict": "match"},
+        {**BASE, "stage": "decode_recv", "verdict": "match"},
     )
     assert value == 1.0
 
@@ -123,7 +124,7 @@ def test_failing_exchange_is_counted_and_room_unverified(pair):
     decode.room_received(RoomId(2), [0], 256, None)
     assert dec_sink.wait_for(1)[0]["verdict"] == "unverified"
     assert registry.get_sample_value(
-        "dsv4_idxk_probe_exchange_errors_total", {"role": "decode", "model": "", "rank": "", "kind": "fetch"}
+        "dsv4_idxk_probe_exchange_errors_total", {**BASE, "kind": "fetch"}
     ) == 1.0
 
 
@@ -167,7 +168,7 @@ def test_one_batch_one_launch_with_each_room_judged_on_its_own(pair):
     assert by_room == {"1": ("decode_finish", "match"), "2": ("decode_step", "match"), "3": ("decode_step", "mismatch")}
     bad = next(r for r in records if r["room"] == "3")
     assert bad["localisation"]["layer_segments"] == [[0, "payload"]] and bad["localisation"]["pages"] == [1]
-    labels = {"role": "decode", "model": "", "rank": "", "stage": "decode_step"}
+    labels = {**BASE, "stage": "decode_step"}
     frozen_row_bytes = LAYOUT.row_bytes * len(LAYER_IDS)
     assert registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", labels) == 3 * frozen_row_bytes  # rooms 2 and 3
     assert decode.tracked() == 2  # room 1 finished and is forgotten

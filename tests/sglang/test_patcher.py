@@ -64,9 +64,11 @@ def test_raising_hook_leaves_the_result_intact(patched, method, arg, expected, s
     assert getattr(host.Host(), method)(arg) == expected
     assert getattr(host.Host(), method)(arg) == expected
     assert errors(site) - before in (1, 2)  # counted (the factory fails once, then stays off)
-    labels = {"role": "", "model": "", "rank": "", "site": site}
+    from dsv4_idxk_probe.metrics.definitions import error_component, process_labels
+
+    labels = {**process_labels({}), "component": error_component(site)}
     assert runtime.metrics is not None  # created after the failures: they are replayed into it
-    assert registry.get_sample_value("dsv4_idxk_probe_probe_errors_total", labels) == errors(site) - before
+    assert registry.get_sample_value("dsv4_idxk_probe_errors_total", labels) == errors(site) - before
 
 
 def test_factory_failure_marks_the_target(patched):

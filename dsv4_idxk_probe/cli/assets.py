@@ -1,0 +1,85 @@
+"""`dsv4-idxk-probe assets --out DIR`: the files an operator deploys around the probe.
+
+Writes, from the installed package (so they match the installed version):
+
+    DIR/grafana/dashboards/dsv4-idxk-probe.json          the dashboard
+    DIR/grafana/provisioning/dashboards/dsv4-idxk-probe.yaml   file provider
+    DIR/grafana/provisioning/datasources/prometheus.yaml       a Prometheus data source
+    DIR/prometheus/alerts.yml, alerts.test.yml                 rules and their promtool tests
+    DIR/prometheus/prometheus.yml                              example scrape config
+    DIR/hooks/dsv4_idxk_probe.pth                              the .pth gate (see install-hook)
+    DIR/probe.example.yaml                                     an annotated probe config
+
+for a config-management tool (Helm chart, Ansible, a ConfigMap) to pick up.
+Files are replaced in place (temp file, then rename); nothing else in DIR is
+touched. Exit 0 written, 2 a file is missing from the package or DIR cannot
+be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HELP = "write the Grafana dashboard and provisioning, the Prometheus rules (with tests) and the .pth hook into a directory"
+
+# (path inside the package, path under --out)
+ASSETS = (
+    ("dashboards/dsv4-idxk-probe.json", "grafana/dashboards/dsv4-idxk-probe.json"),
+    ("configs/grafana/dashboards.yaml", "grafana/provisioning/dashboards/dsv4-idxk-probe.yaml"),
+    ("configs/grafana/datasources.yaml", "grafana/provisioning/datasources/prometheus.yaml"),
+    ("configs/prometheus/alerts.yml", "prometheus/alerts.yml"),
+    ("configs/prometheus/alerts.test.yml", "prometheus/alerts.test.yml"),
+    ("configs/prometheus/prometheus.yml", "prometheus/prometheus.yml"),
+    ("hooks/dsv4_idxk_probe.pth", "hooks/dsv4_idxk_probe.pth"),
+    ("configs/probe.example.yaml", "probe.example.yaml"),
+)
+
+
+def package_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created if missing)")
+
+
+def _fail(message: str) -> int:
+    print(f"dsv4-idxk-probe assets: {message}", file=sys.stderr)
+    return 2
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(args: argparse.Namespace) -> int:
+    root, out = package_root(), Path(args.out).expanduser()
+    sources = []
+    for inside, _ in ASSETS:
+        try:
+            sources.append((root / inside).read_bytes())
+        except OSError as exc:
+            return _fail(f"{root / inside}: {exc.strerror or exc}; reinstall dsv4-idxk-probe")
+    for (_, relative), data in zip(ASSETS, sources):
+        try:
+            _write(out / relative, data)
+        except OSError as exc:
+            return _fail(f"cannot write {out / relative}: {exc.strerror or exc}")
+        print(out / relative)
+    print(f"{len(ASSETS)} files written; mount grafana/provisioning/* under /etc/grafana/provisioning/ and copy "
+          "grafana/dashboards/ to the provider's path (see docs/observability.md)", file=sys.stderr)
+    return 0
