@@ -23,6 +23,18 @@ def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, pr
     return session
 
 
+def pair_fixture(name: str, options: launch.ServerOptions):
+    """A module-scoped `rig` fixture: the module's server pair, started once, stopped at its end."""
+
+    @pytest.fixture(scope="module")
+    def rig(tmp_path_factory):
+        session = start_session(tmp_path_factory, name, options)
+        yield session
+        session.stop()
+
+    return rig
+
+
 def describe(phase: Phase) -> str:
     v = phase.verification
     lines = [f"phase {phase.name}: {len(phase.requests)} requests, {phase.seconds:.1f}s"]

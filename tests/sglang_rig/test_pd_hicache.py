@@ -10,23 +10,17 @@ host-receive decode; test_sglang_refusals.py shows it."""
 
 from __future__ import annotations
 
-import pytest
-
 from dsv4_idxk_probe.sglang.rig import launch, workload
 from dsv4_idxk_probe.sglang.rig.workload import Request
 
-from .conftest import describe, start_session
+from .conftest import describe, pair_fixture
 
 # a small device pool on prefill, so the radix cache evicts to the host pool
 OPTIONS = launch.ServerOptions(prefill_hicache=True, extra_prefill=("--max-total-tokens", "16384"))
 INDEXER_POOL = "deepseek_v4_c4_indexer"
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    session = start_session(tmp_path_factory, "sglang-hicache", OPTIONS)
-    yield session
-    session.stop()
+rig = pair_fixture("sglang-hicache", OPTIONS)
 
 
 def copies(session, direction: str, branch: str, pool: str = INDEXER_POOL) -> float:

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from dsv4_idxk_probe.sglang.rig import launch, workload
 from dsv4_idxk_probe.sim.demo import shipped_fault_spec
 
-from .conftest import decode_records, describe, start_session
+from .conftest import decode_records, describe, pair_fixture
 
 OPTIONS = launch.ServerOptions()
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    session = start_session(tmp_path_factory, "sglang-normal", OPTIONS)
-    yield session
-    session.stop()
+rig = pair_fixture("sglang-normal", OPTIONS)
 
 
 def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):

@@ -3,19 +3,13 @@ is launched before the last one's results are processed), no decode radix cache.
 
 from __future__ import annotations
 
-import pytest
-
 from dsv4_idxk_probe.sglang.rig import launch, workload
 from dsv4_idxk_probe.sim.demo import shipped_fault_spec
 
-from .conftest import describe, start_session
+from .conftest import describe, pair_fixture
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    session = start_session(tmp_path_factory, "sglang-overlap", launch.ServerOptions(overlap=True))
-    yield session
-    session.stop()
+rig = pair_fixture("sglang-overlap", launch.ServerOptions(overlap=True))
 
 
 def test_every_shipped_fault_is_found_with_the_overlap_loops(rig):

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from dsv4_idxk_probe.sglang.rig import launch, workload
 
-from .conftest import decode_records, describe, start_session
+from .conftest import decode_records, describe, pair_fixture
 
 OPTIONS = launch.ServerOptions(max_total_tokens=8192, extra_decode=("--num-reserved-decode-tokens", "32"))
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    session = start_session(tmp_path_factory, "sglang-retraction", OPTIONS)
-    yield session
-    session.stop()
+rig = pair_fixture("sglang-retraction", OPTIONS)
 
 
 def test_a_rebootstrapped_room_is_one_room_whose_transfers_all_match(rig):
