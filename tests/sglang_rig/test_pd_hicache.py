@@ -10,6 +10,8 @@ host-receive decode; test_sglang_refusals.py shows it."""
 
 from __future__ import annotations
 
+import time
+
 from dsv4_idxk_probe.sglang.rig import launch, workload
 from dsv4_idxk_probe.sglang.rig.workload import Request
 
@@ -39,6 +41,9 @@ def test_rooms_backed_up_to_the_host_pool_take_the_page_branch_and_still_match_o
                                                               shared_prefix_share=0.0))
     phase = rig.phase("fill", first)
     assert phase.ok, describe(phase)
+    deadline = time.monotonic() + 60  # HiCache backs up behind the forward, and the probe's flusher publishes later
+    while copies(rig, "d2h", "page") == 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
     assert copies(rig, "d2h", "page") > 0, "nothing was backed up to the host pool"
     # The same prompts again: SGLang 0.5.23 gave these DeepSeek-V4 prompts no prefix hit on this
     # rig (#cached-token 0 in prefill's log), so the host-to-device load path is not reached here
