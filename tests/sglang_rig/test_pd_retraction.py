@@ -20,13 +20,18 @@ rig = pair_fixture("sglang-retraction", OPTIONS)
 
 
 def test_a_rebootstrapped_room_is_one_room_whose_transfers_all_match(rig):
-    requests = workload.plan("retract", workload.WorkloadOptions(
-        rooms=16, seed=7, min_prompt=1500, min_new_tokens=300, max_new_tokens=450))
-    phase = rig.phase("retract", requests, concurrency=8, settle_s=120.0)
-    assert phase.ok, describe(phase)
-    rooms = set(phase.rooms.values())
-    retracted = [r for r in decode_records(rig) if int(r["room"]) in rooms and r.get("reason") == "retracted"]
-    assert retracted, "no room was retracted: the pool is not small enough to exercise rebootstrap"
+    """Whether SGLang retracts depends on how many rooms decode admitted before they grew;
+    phases are sent until one retracted a room (three at most)."""
+    for attempt in range(3):
+        requests = workload.plan(f"retract{attempt}", workload.WorkloadOptions(
+            rooms=16, seed=7 + attempt, min_prompt=1500, min_new_tokens=300, max_new_tokens=450))
+        phase = rig.phase(f"retract{attempt}", requests, concurrency=8, settle_s=120.0)
+        assert phase.ok, describe(phase)
+        rooms = set(phase.rooms.values())
+        retracted = [r for r in decode_records(rig) if int(r["room"]) in rooms and r.get("reason") == "retracted"]
+        if retracted:
+            break
+    assert retracted, "no room was retracted in three phases: the pool is not small enough to exercise rebootstrap"
     doc = json.loads(phase.verification.diff_json.read_text())
     sent_twice = [r for r in doc["rooms"] if int(r["room"]) in rooms and len(r.get("transfers", [])) > 1]
     assert sent_twice, "no room was sent again after its retraction"
