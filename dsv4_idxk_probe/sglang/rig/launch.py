@@ -100,9 +100,6 @@ class Cluster:
     def server_url(self, role: str) -> str:
         return f"http://127.0.0.1:{getattr(self.ports, role)}"
 
-    def alive(self) -> dict[str, bool]:
-        return {name: proc.poll() is None for name, proc in self.procs.items()}
-
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.logs.get(name)
         if path is None or not path.exists():
