@@ -23,12 +23,12 @@ def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, pr
     return session
 
 
-def pair_fixture(name: str, options: launch.ServerOptions):
+def pair_fixture(name: str, options: launch.ServerOptions, probe_config: str = "step_interval: 4\n"):
     """A module-scoped `rig` fixture: the module's server pair, started once, stopped at its end."""
 
     @pytest.fixture(scope="module")
     def rig(tmp_path_factory):
-        session = start_session(tmp_path_factory, name, options)
+        session = start_session(tmp_path_factory, name, options, probe_config)
         yield session
         session.stop()
 

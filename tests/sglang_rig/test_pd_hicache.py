@@ -1,8 +1,8 @@
 """HiCache on prefill (`--enable-hierarchical-cache`, direct io backend, layer_first):
 SGLang's own DeepSeek-V4 host pools back device pages up and load them back for
 prefix hits, through the wrapped backup/load methods and the probe's branch counters.
-Every room's index-K is backed up page by page (the page-aligned branch, counted); the
-host-to-device load needs a prefix hit, which this rig does not get (docs/rig.md).
+Round-trip mode is on, so the probe also compares every backed-up and loaded-back
+index-K row with the bytes it came from (docs/hicache.md).
 
 HiCache on decode cannot run with DeepSeek-V4 on SGLang 0.5.23 (decode's radix cache
 with HiCache is refused for sliding-window models; docs/rig.md), so neither can
@@ -10,6 +10,7 @@ host-receive decode; test_sglang_refusals.py shows it."""
 
 from __future__ import annotations
 
+import re
 import time
 
 from dsv4_idxk_probe.sglang.rig import launch, workload
@@ -17,39 +18,74 @@ from dsv4_idxk_probe.sglang.rig.workload import Request
 
 from .conftest import describe, pair_fixture
 
-# a small device pool on prefill, so the radix cache evicts to the host pool
+# A small device pool on prefill, so the radix cache evicts rooms to the host pool,
+# and prompts of six pages, so a repeated prompt's pages are still on the host
+# (the SWA host pool holds only 64 pages).
 OPTIONS = launch.ServerOptions(prefill_hicache=True, extra_prefill=("--max-total-tokens", "16384"))
+PROBE_CONFIG = "step_interval: 4\nhicache:\n  roundtrip: true\n  flush_interval_s: 1.0\n"
 INDEXER_POOL = "deepseek_v4_c4_indexer"
+PROMPTS = dict(min_prompt=1500, max_prompt=1600, min_new_tokens=4, max_new_tokens=8, shared_prefix_share=0.0)
+
+rig = pair_fixture("sglang-hicache", OPTIONS, PROBE_CONFIG)
 
 
-rig = pair_fixture("sglang-hicache", OPTIONS)
-
-
-def copies(session, direction: str, branch: str, pool: str = INDEXER_POOL) -> float:
+def counters(session, name: str, **labels: str) -> float:
+    """The sum of `dsv4_idxk_probe_<name>` samples on prefill's /metrics whose labels include `labels`."""
     status, body = launch.http_get(session.cluster.server_url("prefill") + "/metrics", timeout=10)
     assert status == 200
     total = 0.0
     for line in body.decode().splitlines():
-        if line.startswith("dsv4_idxk_probe_hicache_copies_total{") and f'pool="{pool}"' in line \
-                and f'direction="{direction}"' in line and f'branch="{branch}"' in line:
+        if line.startswith(f"dsv4_idxk_probe_{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def test_rooms_backed_up_to_the_host_pool_take_the_page_branch_and_still_match_on_decode(rig):
-    first = workload.plan("hicache", workload.WorkloadOptions(rooms=24, seed=8, min_prompt=1500, max_new_tokens=12,
-                                                              shared_prefix_share=0.0))
-    phase = rig.phase("fill", first)
-    assert phase.ok, describe(phase)
-    deadline = time.monotonic() + 60  # HiCache backs up behind the forward, and the probe's flusher publishes later
-    while copies(rig, "d2h", "page") == 0 and time.monotonic() < deadline:
+def copies(session, direction: str, branch: str) -> float:
+    return counters(session, "hicache_copies_total", pool=INDEXER_POOL, direction=direction, branch=branch)
+
+
+def wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    """HiCache copies behind the forward and the probe's flusher publishes later: poll."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(1.0)
-    assert copies(rig, "d2h", "page") > 0, "nothing was backed up to the host pool"
-    # The same prompts again: SGLang 0.5.23 gave these DeepSeek-V4 prompts no prefix hit on this
-    # rig (#cached-token 0 in prefill's log), so the host-to-device load path is not reached here
-    # (docs/rig.md); the rooms must still match, and index-K never takes the token-granular branch.
-    again = [Request(100 + r.number, f"again-{r.number}", r.input_ids, r.max_new_tokens) for r in first[:8]]
-    phase = rig.phase("again", again)
+    return predicate()
+
+
+def cached_tokens(session) -> list[int]:
+    return [int(n) for n in re.findall(r"#cached-token: (\d+)", session.cluster.logs["prefill"].read_text())]
+
+
+def test_rooms_backed_up_to_the_host_pool_and_loaded_back_take_the_page_branch_and_still_match(rig):
+    first = workload.plan("hicache", workload.WorkloadOptions(rooms=2, seed=8, **PROMPTS))
+    phase = rig.phase("first", first)
     assert phase.ok, describe(phase)
-    assert copies(rig, "d2h", "token") == 0 and copies(rig, "h2d", "token") == 0  # index-K stayed page-aligned
-    assert phase.verification.verdicts == {"match": 8}, describe(phase)
+    assert wait_for(lambda: copies(rig, "d2h", "page") > 0), "nothing was backed up to the host pool"
+
+    # Other rooms push the first two out of the small device pool (to the host pool);
+    # then the first prompts again, until SGLang loads their pages back (three rounds at most).
+    fill = workload.plan("fill", workload.WorkloadOptions(rooms=16, seed=9, **PROMPTS))
+    phase = rig.phase("fill", [Request(10 + r.number, r.rid, r.input_ids, r.max_new_tokens) for r in fill])
+    assert phase.ok, describe(phase)
+    hits_before = sum(n > 0 for n in cached_tokens(rig))
+    for round_ in range(3):
+        again = [Request(100 + 10 * round_ + r.number, f"again{round_}-{r.number}", r.input_ids, r.max_new_tokens)
+                 for r in first]
+        phase = rig.phase(f"again{round_}", again)
+        assert phase.ok, describe(phase)
+        assert phase.verification.verdicts == {"match": len(again)}, describe(phase)
+        if wait_for(lambda: copies(rig, "h2d", "page") > 0, timeout_s=15):
+            break
+    assert copies(rig, "h2d", "page") > 0, "SGLang loaded nothing back from the host pool"
+    assert sum(n > 0 for n in cached_tokens(rig)) > hits_before, "the repeated prompts were no prefix hits"
+    # index-K stayed page-aligned: the token-granular branch was never taken
+    assert copies(rig, "d2h", "token") == 0 and copies(rig, "h2d", "token") == 0
+
+    # Round-trip mode compared the loaded-back rows with what was backed up, and the
+    # device rows after each load with the host rows: all matched, none unverified.
+    assert wait_for(lambda: counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="h2d", verdict="match") > 0)
+    for leg in ("d2h", "host", "h2d"):
+        assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg=leg, verdict="match") > 0, leg
+        assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg=leg, verdict="mismatch") == 0, leg
+    assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="host", verdict="unverified") == 0
+    assert counters(rig, "hicache_guard_total") == 0 and counters(rig, "errors_total") == 0
