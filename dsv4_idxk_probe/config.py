@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from . import environment_variables as ev
+from .boundedfile import read_bounded
 
 MODES = ("observe", "enforce")
 DEFAULT_TARGETS = ("sglang-0.5.23",)
@@ -285,37 +285,11 @@ def _check_layouts(config: ProbeConfig) -> None:
 
 
 def read_small_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
-    """A regular file's text, UTF-8, size-capped before it is read.
-
-    Opened non-blocking, so a FIFO never hangs the caller; /dev/zero and
-    other devices are refused by type, a big file by its size. Every
-    problem is a `ConfigError` naming the file.
-    """
+    """A regular file's text, UTF-8, size-capped before it is read (`boundedfile`);
+    every problem is a `ConfigError` naming the file."""
+    data = read_bounded(path, what, max_bytes, ConfigError)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{path}: cannot read {what}: not a regular file")
-        if info.st_size > max_bytes:
-            raise ConfigError(f"{path}: {what} is {info.st_size:,} bytes, over the {max_bytes:,}-byte limit")
-        chunks, size = [], 0
-        while True:  # the size can change under us: read at most one byte past the cap
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > max_bytes:
-                raise ConfigError(f"{path}: {what} grew over the {max_bytes:,}-byte limit while read")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    try:
-        return b"".join(chunks).decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: {what} is not UTF-8 text (byte {exc.start})") from None
 

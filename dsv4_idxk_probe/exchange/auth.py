@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 import struct
+
+from ..boundedfile import read_bounded
 
 MAGIC = b"DXK1"
 NONCE = 16
@@ -42,19 +43,7 @@ class SecretError(ValueError):
 
 def load_secret(path: str | os.PathLike) -> bytes:
     """The secret in a file (surrounding whitespace dropped): a regular file, read with a size cap."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise SecretError(f"{path}: cannot read exchange secret: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SecretError(f"{path}: the exchange secret must be a regular file")
-        if info.st_size > MAX_SECRET_FILE_BYTES:
-            raise SecretError(f"{path}: the exchange secret file is over {MAX_SECRET_FILE_BYTES} bytes")
-        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)[:MAX_SECRET_FILE_BYTES].strip()
-    finally:
-        os.close(fd)
+    data = read_bounded(path, "exchange secret", MAX_SECRET_FILE_BYTES, SecretError).strip()
     if len(data) < MIN_SECRET_BYTES:
         raise SecretError(f"{path}: the exchange secret must be at least {MIN_SECRET_BYTES} bytes, got {len(data)}")
     return data

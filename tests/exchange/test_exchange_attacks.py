@@ -285,9 +285,9 @@ def test_secret_file_must_be_a_regular_small_file(tmp_path):
         auth.load_secret(short)
     big = tmp_path / "big"
     big.write_bytes(b"x" * 5000)
-    with pytest.raises(auth.SecretError, match="over 4096 bytes"):
+    with pytest.raises(auth.SecretError, match="over the 4,096-byte limit"):
         auth.load_secret(big)
-    with pytest.raises(auth.SecretError, match="must be a regular file"):
+    with pytest.raises(auth.SecretError, match="not a regular file"):
         auth.load_secret("/dev/zero")
     with pytest.raises(auth.SecretError, match="cannot read exchange secret"):
         auth.load_secret(tmp_path / "missing")
