@@ -123,6 +123,26 @@ def test_example_config_is_valid_and_shows_the_defaults():
     assert example.roomlog.max_bytes == defaults.roomlog.max_bytes
 
 
+def test_the_example_config_names_every_key_a_config_accepts():
+    """An operator copies the example: a key it leaves out is a key nobody finds."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    import yaml
+
+    from dsv4_idxk_probe.config import _SECTION_TYPES, _TOP_KEYS
+    from dsv4_idxk_probe.hicache.settings import HiCacheSettings
+
+    document = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "probe.example.yaml").read_text())
+    commented = {"layouts"}  # shown as a comment: the example must load without an extra file
+    top = set(_TOP_KEYS) - commented
+    assert top <= set(document), sorted(top - set(document))
+    sections = {**_SECTION_TYPES, "hicache": HiCacheSettings}
+    for name, cls in sections.items():
+        missing = {f.name for f in fields(cls)} - set(document.get(name) or {})
+        assert not missing, f"{name}: {sorted(missing)}"
+
+
 def test_the_collector_waits_a_config_accepts_are_the_engines():
     from dsv4_idxk_probe.digest.engine import WAITS
 
