@@ -89,3 +89,56 @@ def test_rooms_backed_up_to_the_host_pool_and_loaded_back_take_the_page_branch_a
         assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg=leg, verdict="mismatch") == 0, leg
     assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="host", verdict="unverified") == 0
     assert counters(rig, "hicache_guard_total") == 0 and counters(rig, "errors_total") == 0
+
+
+def test_sglangs_own_metrics_fill_every_dashboard_variable_and_panel(rig, tmp_path):
+    """A real Prometheus scrapes SGLang's own /metrics of both servers while rooms with the
+    shipped faults run: every dashboard variable returns its label and every panel a
+    series (the HiCache rows included), but "Digest GPU time" (observed on CUDA only)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observability"))
+    from promql import load_dashboard, panel_queries, substitute, variable_queries
+    from test_prometheus_live import Prometheus, wait_for as wait_until
+
+    from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed: run .ci/install-test-services.sh (make test does)"
+    targets = [rig.cluster.server_url(role).split("://", 1)[1] for role in ("prefill", "decode")]
+    prom = Prometheus(binary, tmp_path, targets)
+    try:
+        wait_until("prometheus to be ready", prom.ready)
+        requests = workload.plan("dash", workload.WorkloadOptions(rooms=48, seed=1, shared_prefix_share=0.0))
+        phase = rig.phase("dash", [Request(r.number, r.rid, r.input_ids, r.max_new_tokens) for r in requests],
+                          faults=str(shipped_fault_spec()))
+        assert phase.ok, describe(phase)
+
+        def missing() -> list[str]:
+            out = []
+            for name, selector, label in variable_queries(load_dashboard()):
+                found = prom.series(substitute(selector))
+                if not found or not all(s["metric"].get(label) for s in found):
+                    out.append(f"variable {name}: no {label} values from {selector}")
+            checked.clear()
+            for where, expr in panel_queries(load_dashboard()):
+                if where.startswith("Digest GPU time"):
+                    continue
+                checked.append(where)
+                answer = prom.query(substitute(expr))
+                if answer.get("status") != "success" or not answer["data"]["result"]:
+                    out.append(f"{where}: no series for {substitute(expr)}")
+            return out
+
+        checked: list[str] = []
+        failures = missing()
+        deadline = time.monotonic() + 60  # the probes' flushers publish behind the rooms; scrapes every second
+        while failures and time.monotonic() < deadline:
+            time.sleep(2)
+            failures = missing()
+    finally:
+        prom.stop()
+    assert not failures, "\n".join(failures)
+    assert len(checked) >= 20 and any(w.startswith("HiCache") for w in checked), checked
