@@ -66,13 +66,13 @@ from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
 # rows per block x warps x programs per (room, layer) (0: one program per block)
-SWEEP = [(rows, warps, programs) for rows in (1, 2, 4) for warps in (1, 2, 4) for programs in (0, 16, 32, 48)]
+SWEEP = [(rows, warps, programs) for rows in (1, 2, 4) for warps in (1, 2, 4) for programs in (0, 8, 16, 24, 32, 48)]
 METHODS = ("steady", "flush_read", "flush_write")
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
-    """The sweep's points whose threads hold at most 72 words of the tile (more spill)."""
-    return [(r, w, p) for r, w, p in sweep if r * layout.row_bytes // 4 <= 72 * 32 * w]
+    """The sweep's points whose threads hold at most 136 words of the tile (more spill)."""
+    return [(r, w, p) for r, w, p in sweep if r * layout.row_bytes // 4 <= 136 * 32 * w]
 
 
 class Sizes:
@@ -517,7 +517,7 @@ def profile_one(name, device, sizes, shapes) -> None:
 
 
 def _compile_jobs(sizes) -> list[tuple]:
-    shapes = {(name, r, w) for name in LAYOUTS for r, w, _ in sweep_for(get_layout(name), sizes.sweep)}
+    shapes = {(name, r, w, p > 0) for name in LAYOUTS for r, w, p in sweep_for(get_layout(name), sizes.sweep)}
     jobs = [("digest", *shape) for shape in sorted(shapes)]
     jobs += [("contiguous", block, warps) for block in (2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
     jobs += [("gathered", name, rows, warps) for name in LAYOUTS for rows in (1, 2) for warps in (4, 8)]
@@ -530,12 +530,12 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps = job
+            _, name, rows, warps, loop = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
-            _digest_rooms_kernel.warmup(address, table, address, address, address, **layout_constants(layout, align), ROWS=rows,
-                                        num_warps=warps, grid=(1,))
+            _digest_rooms_kernel.warmup(address, table, address, address, address, **layout_constants(layout, align),
+                                        ROWS=rows, LOOP=loop, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps = job
             words = torch.empty(block, dtype=torch.uint32, device=device)

@@ -73,41 +73,40 @@ def _fmix64(k):
 
 
 @triton.jit
+def _salt(OFFSET: tl.constexpr, TILE: tl.constexpr):
+    """Each word's position salt, uint32 [TILE]: j * SALT_MUL + SALT_ADD, j its word in the row."""
+    return (OFFSET + tl.arange(0, TILE)).to(tl.uint32) * _SALT_MUL + _SALT_ADD
+
+
+@triton.jit
 def _load_segment(rows, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
                   SLOTS: tl.constexpr, MASKED: tl.constexpr):
-    """The segment's words of each row, uint32 [ROWS, TILE]; unread words are 0.
+    """The segment's words of each row, uint32 [ROWS, TILE].
     MASKED: only the frozen words of readable rows are read (a tail page, an
-    out-of-range id); otherwise every row is whole and every word is read."""
+    out-of-range id); otherwise every row is whole and every word is read.
+    A word not read is replaced by its own position salt, so it hashes to
+    x = 0, whose lane terms are both 0: it adds nothing to either sum, and no
+    mask is needed after the load."""
     WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
     idx = tl.arange(0, TILE)
     pointers = rows[:, None] + (OFFSET + idx)[None, :]
     if MASKED:
         mask = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
-        return tl.load(pointers, mask=mask, other=0)
+        return tl.load(pointers, mask=mask, other=_salt(OFFSET, TILE)[None, :])
     elif TILE != WORDS:
-        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=0)
+        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=_salt(OFFSET, TILE)[None, :])
     else:
         return tl.load(pointers)
 
 
 @triton.jit
-def _segment_digest(w, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
-                    SLOTS: tl.constexpr, MASKED: tl.constexpr):
-    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md, "Words")."""
-    WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
-    idx = tl.arange(0, TILE)
-    j = (OFFSET + idx).to(tl.uint32)  # the word's position in the row
-    x = w ^ (j * _SALT_MUL + _SALT_ADD)[None, :]
+def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
+    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md,
+    "Words"); the words it did not read are their salt, so x = 0 adds nothing."""
+    x = w ^ _salt(OFFSET, TILE)[None, :]
     a = x * _MIX_A
     a = a ^ (a >> 16)
     b = (x ^ (x >> 15)) * _MIX_B
-    if MASKED:
-        keep = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
-        a = tl.where(keep, a, 0)
-        b = tl.where(keep, b, 0)
-    elif TILE != WORDS:
-        a = tl.where((idx < WORDS)[None, :], a, 0)
-        b = tl.where((idx < WORDS)[None, :], b, 0)
     sum_a, sum_b = tl.sum(a, axis=1), tl.sum(b, axis=1)  # uint32: mod 2^32, as the definition sums
     return (sum_b.to(tl.uint64) << 32) | sum_a.to(tl.uint64)
 
@@ -128,16 +127,16 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
         w2 = _load_segment(rows, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 3:
         w3 = _load_segment(rows, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
-    d0 = _segment_digest(w0, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
+    d0 = _segment_digest(w0, S0_OFFSET, S0_TILE)
     d1 = tl.zeros_like(d0)
     d2 = tl.zeros_like(d0)
     d3 = tl.zeros_like(d0)
     if NUM_SEGMENTS > 1:
-        d1 = _segment_digest(w1, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
+        d1 = _segment_digest(w1, S1_OFFSET, S1_TILE)
     if NUM_SEGMENTS > 2:
-        d2 = _segment_digest(w2, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
+        d2 = _segment_digest(w2, S2_OFFSET, S2_TILE)
     if NUM_SEGMENTS > 3:
-        d3 = _segment_digest(w3, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
+        d3 = _segment_digest(w3, S3_OFFSET, S3_TILE)
     return d0, d1, d2, d3
 
 
@@ -186,8 +185,8 @@ def _digest_rooms_kernel(
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per block (a program digests one block at a time)
+    LOOP: tl.constexpr,  # whether a program loops over several blocks (fewer programs than blocks)
 ):
-    PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     first_block = tl.program_id(2).to(tl.int64)
@@ -211,52 +210,77 @@ def _digest_rooms_kernel(
     layer_pages = tl.load(layer_entry + 2)
     cell_base = first_cell + layer * n_pages
 
-    # A program digests blocks first_block, first_block + step, ... of its room's
-    # layer (step: the programs per (room, layer) in the grid; a grid with a
-    # program per block runs the loop once). The tables above are read once per
-    # program, and each block's page ids are loaded while the block before it is
-    # read: a row costs one memory round trip, not three.
-    step = tl.num_programs(2).to(tl.int64)
     n_blocks = (n_pages + ROWS - 1) // ROWS
     physical = _page_ids(page_table, id_bytes, tl.minimum(first_block * ROWS + tl.arange(0, ROWS), n_pages - 1))
-    for block in range(first_block, n_blocks, step):
-        first_page = block * ROWS
-        # Lanes past the room's last page re-read its last page, so the table loads
-        # are in bounds and need no mask; only their stores are masked off.
-        logical = first_page + tl.arange(0, ROWS)
-        valid = logical < n_pages
-        page = tl.minimum(logical, n_pages - 1)
-        readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
-        rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
-        n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
-        physical = _page_ids(page_table, id_bytes, tl.minimum(logical + step * ROWS, n_pages - 1))  # the next block's
+    if LOOP:
+        # This program digests blocks first_block, first_block + step, ... of its
+        # (room, layer), step being the programs per (room, layer) in the grid: the
+        # tables above are read once per program, and each block's page ids are
+        # loaded while the block before it is read.
+        step = tl.num_programs(2).to(tl.int64)
+        for block in range(first_block, n_blocks, step):
+            following = _page_ids(page_table, id_bytes,
+                                  tl.minimum((block + step) * ROWS + tl.arange(0, ROWS), n_pages - 1))
+            _digest_block(block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id,
+                          cells, contents, flags, SLOTS, TOKENS_PER_SLOT, ROW_WORDS, NUM_SEGMENTS,
+                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, ROWS)
+            physical = following
+    else:
+        _digest_block(first_block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id,
+                      cells, contents, flags, SLOTS, TOKENS_PER_SLOT, ROW_WORDS, NUM_SEGMENTS,
+                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, ROWS)
 
-        # Whole rows (every lane a page of the room, every slot frozen, every id in range)
-        # take the branch without masks: all a room's pages but its last.
-        whole = (first_page + ROWS <= n_pages) & (n_tokens >= (first_page + ROWS) * PAGE_TOKENS)
-        whole = whole & (tl.sum(readable.to(tl.int32), axis=0) == ROWS)
-        if whole:
-            d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
-                                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
-                                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
-                                          False)
-        else:
-            d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
-                                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
-                                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
-                                          True)
 
-        row_cell = cell_base + page
-        out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-        content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-        _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
-        if NUM_SEGMENTS > 1:
-            _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2)
-        if NUM_SEGMENTS > 2:
-            _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3)
-        if NUM_SEGMENTS > 3:
-            _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4)
-        tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
+@triton.jit
+def _digest_block(block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id, cells, contents, flags,
+                  SLOTS: tl.constexpr, TOKENS_PER_SLOT: tl.constexpr, ROW_WORDS: tl.constexpr,
+                  NUM_SEGMENTS: tl.constexpr,
+                  S0_OFFSET: tl.constexpr, S0_SLOT_WORDS: tl.constexpr, S0_TILE: tl.constexpr,
+                  S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
+                  S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
+                  S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """Digest block `block` (ROWS logical pages) of one (room, layer), whose physical
+    page ids are `physical`; store its cells, contents and flags."""
+    PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
+    first_page = block * ROWS
+    # Lanes past the room's last page re-read its last page, so the table loads
+    # are in bounds and need no mask; only their stores are masked off.
+    logical = first_page + tl.arange(0, ROWS)
+    valid = logical < n_pages
+    page = tl.minimum(logical, n_pages - 1)
+    readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
+    rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
+    n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
+
+    # Whole rows (every lane a page of the room, every slot frozen, every id in range)
+    # take the branch without masks: all a room's pages but its last.
+    whole = (first_page + ROWS <= n_pages) & (n_tokens >= (first_page + ROWS) * PAGE_TOKENS)
+    whole = whole & (tl.sum(readable.to(tl.int32), axis=0) == ROWS)
+    if whole:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      False)
+    else:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      True)
+
+    row_cell = cell_base + page
+    out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
+    if NUM_SEGMENTS > 1:
+        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2)
+    if NUM_SEGMENTS > 2:
+        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3)
+    if NUM_SEGMENTS > 3:
+        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4)
+    tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
 # %% launcher
@@ -266,7 +290,7 @@ _ARG_NAMES = (
     "room_table", "layer_table", "cells", "contents", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-
+    "LOOP",
 )
 
 
@@ -336,7 +360,7 @@ class DigestKernel:
             raise ValueError(f"programs ({programs}) must be 0 (one per block) or positive")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "LOOP": programs > 0}
         self.num_warps = num_warps
         self.rows = rows
         # Programs per (room, layer) at most; each loops over its blocks. 0: one per block.
