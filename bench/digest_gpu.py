@@ -10,9 +10,8 @@ One run measures, in order:
      (and of a buffer as large as each layout's digest); a read-only kernel that
      sums the words of the same gathered rows the digest reads;
   3. the digest of one large room (43 layers x 1024 pages) for fp8, fp4 and bf16
-     rows over a sweep of rows per block, warps and programs per (room, layer),
-     each point checked exact on a sample of its cells and contents; ratios to
-     each ceiling;
+     rows over a sweep of rows per program and warps, each point checked exact
+     on a sample of its cells and contents; ratios to each ceiling;
   4. 64 short rooms (16 pages x 43 layers, fp8) in one launch: GPU time per room,
      beside the launch floor (an empty Triton kernel, and the digest kernel on a
      room with no pages);
@@ -65,14 +64,13 @@ from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, la
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
-# rows per block x warps x programs per (room, layer) (0: one program per block)
-SWEEP = [(rows, warps, programs) for rows in (1, 2, 4) for warps in (1, 2, 4) for programs in (0, 8, 16, 24, 32, 48)]
+SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per program x warps
 METHODS = ("steady", "flush_read", "flush_write")
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
     """The sweep's points whose threads hold at most 136 words of the tile (more spill)."""
-    return [(r, w, p) for r, w, p in sweep if r * layout.row_bytes // 4 <= 136 * 32 * w]
+    return [(r, w) for r, w in sweep if r * layout.row_bytes // 4 <= 136 * 32 * w]
 
 
 class Sizes:
@@ -85,7 +83,7 @@ class Sizes:
         self.short_rooms, self.short_pages = (4, 2) if smoke else (64, 16)
         self.contiguous_bytes = (1 << 20) if smoke else (2 << 30)
         self.sample_pages = 4 if smoke else 32
-        self.sweep = [(1, 2, 0), (2, 4, 1)] if smoke else SWEEP
+        self.sweep = [(1, 2), (2, 4)] if smoke else SWEEP
 
 
 class Timer:
@@ -304,7 +302,7 @@ def gathered_read(timer, layout, bufs, table, base_align, page_tables, device) -
 class Launch:
     """The kernel with device-resident tables for `rooms`, launched again and again."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, programs=0):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4):
         self.plan = plan_cells(rooms, len(bufs))
         self.table = torch.tensor(
             [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
@@ -314,11 +312,11 @@ class Launch:
         self.contents = torch.empty_like(self.cells)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, device=device)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
-        self.tune(rows, warps, programs)
+        self.tune(rows, warps)
 
-    def tune(self, rows, warps, programs=0):
+    def tune(self, rows, warps):
         self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
-                                   base_align=self.base_align, programs=programs)
+                                   base_align=self.base_align)
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
@@ -369,18 +367,17 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     gathered = gathered_read(timer, layout, bufs, launches[0].layers, launches[0].base_align, page_tables, device)
     same_size = contiguous_read(timer, device, read_bytes, [(b, w) for b, w in ceilings["contiguous_configs"]])
     sweep = []
-    for rows, warps, programs in sweep_for(layout, sizes.sweep):
+    for rows, warps in sweep_for(layout, sizes.sweep):
         for launch in launches:
-            launch.tune(rows, warps, programs)
+            launch.tune(rows, warps)
             launch.cells.fill_(0x5A5A)
             launch.contents.fill_(0x5A5A)
         ms = timer.all(launches)
-        sweep.append({"rows": rows, "warps": warps, "programs": programs, "ms": ms,
+        sweep.append({"rows": rows, "warps": warps, "ms": ms,
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
-    default = next((r for r in sweep if (r["rows"], r["warps"], r["programs"])
-                    == (shape["rows"], shape["num_warps"], shape["programs"])), None)
+    default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
     ratios = {}
     for m in METHODS:
         tbps = best[m]["read_TBps"]
@@ -434,8 +431,7 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     batches = [[RoomRequest(f"s{i}", perm[i * n_pages : (i + 1) * n_pages].contiguous(), n_pages * 256 - 37)
                 for i in range(k * n_rooms, (k + 1) * n_rooms)] for k in range(2)]
     rooms = batches[0]
-    launches = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"], shape["programs"])
-                for batch in batches]
+    launches = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"]) for batch in batches]
     samples = [launch.sample_reference(rng, 2) for launch in launches]
     kernel_ms = timer.all(launches)
     exact = all(launch.exact_on(sample) for launch, sample in zip(launches, samples))
@@ -495,7 +491,7 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
 
 
 def profile_one(name, device, sizes, shapes) -> None:
-    """Two launches of each (rows, warps, programs) shape on the large room, then a
+    """Two launches of each (rows, warps) shape on the large room, then a
     contiguous read of the same bytes and of 2 GiB (16384 words per program, 8 warps),
     for Nsight Compute (run under `ncu -k regex:"_digest_rooms_kernel|_contiguous_sum"`):
     kernel times without any host-side timing."""
@@ -517,7 +513,7 @@ def profile_one(name, device, sizes, shapes) -> None:
 
 
 def _compile_jobs(sizes) -> list[tuple]:
-    shapes = {(name, r, w, p > 0) for name in LAYOUTS for r, w, p in sweep_for(get_layout(name), sizes.sweep)}
+    shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
     jobs = [("digest", *shape) for shape in sorted(shapes)]
     jobs += [("contiguous", block, warps) for block in (2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
     jobs += [("gathered", name, rows, warps) for name in LAYOUTS for rows in (1, 2) for warps in (4, 8)]
@@ -530,12 +526,12 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, loop = job
+            _, name, rows, warps = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
             _digest_rooms_kernel.warmup(address, table, address, address, address, **layout_constants(layout, align),
-                                        ROWS=rows, LOOP=loop, num_warps=warps, grid=(1,))
+                                        ROWS=rows, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
@@ -574,7 +570,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="no GPU: the interpreter, tiny sizes")
     parser.add_argument("--profile-one", choices=LAYOUTS, help="only launch --shapes twice each (for ncu)")
-    parser.add_argument("--shapes", default="1x1x0", help="rows x warps x programs, comma separated")
+    parser.add_argument("--shapes", default="1x1", help="rows x warps, comma separated")
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()

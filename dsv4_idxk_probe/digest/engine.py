@@ -165,7 +165,6 @@ class DigestEngine:
         block: int | None = None,
         rows: int | None = None,
         num_warps: int | None = None,
-        programs: int | None = None,
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         max_poll_interval_s: float = 0.004,
@@ -201,7 +200,6 @@ class DigestEngine:
         shape = kernel_shape(layout)
         self.rows = rows or shape["rows"]
         self.num_warps = num_warps or shape["num_warps"]
-        self.programs = shape["programs"] if programs is None else programs
         self._staging = StagingPool(self.device)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
@@ -231,7 +229,7 @@ class DigestEngine:
             self._layer_table, base_align = layer_table(self.buffers, self.layer_ids, self.device)
             self._kernel = DigestKernel(
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
-                base_align=base_align, programs=self.programs,
+                base_align=base_align,
             )
             if self.device.type == "cuda":
                 self._warm_up()
@@ -549,10 +547,10 @@ def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayou
 
 
 # Rows per program and warps per program, fastest on an H200
-# per layout in the sweep of bench/RESULTS.md (2026-12-01 08:39 UTC): one row per
-# program, one warp for rows up to 8448 B (no cross-warp reduction, 16 loads of 16 B
-# in flight per thread), two for larger rows; the digests are the same whatever they are.
+# per layout in the sweep of bench/RESULTS.md (2026-12-01 11:25 UTC, steady timing): one
+# row per program, one warp for rows up to 8448 B (no cross-warp reduction, 16 loads of
+# 16 B in flight per thread), four for larger rows; the digests are the same whatever they are.
 def kernel_shape(layout: RowLayout) -> dict:
     if layout.row_bytes <= 8448:
-        return {"rows": 1, "num_warps": 1, "programs": 0}
-    return {"rows": 1, "num_warps": 2, "programs": 0}
+        return {"rows": 1, "num_warps": 1}
+    return {"rows": 1, "num_warps": 4}

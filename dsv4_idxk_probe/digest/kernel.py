@@ -1,8 +1,6 @@
 """Triton kernel: digest many rooms' index-K rows in one launch.
 
-The grid is (room, layer, program); a program digests blocks of ROWS logical
-pages of its (room, layer), one after another: a launch may have a program
-per block or fewer, each looping (`DigestKernel.programs`). A program reads its
+The grid is (room, layer, block of ROWS logical pages). A program reads its
 room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
 layer's buffer and the room's page table, hashes the frozen words of
@@ -141,16 +139,6 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
 
 
 @triton.jit
-def _page_ids(page_table, id_bytes, page):
-    """Physical page ids of logical pages `page` (int64), from an int64 or int32 table."""
-    if id_bytes == 8:
-        physical = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page)
-    else:
-        physical = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
-    return physical
-
-
-@triton.jit
 def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
     """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, d itself (the
     content digest) into the contents; both 0 for a row not read."""
@@ -184,15 +172,15 @@ def _digest_rooms_kernel(
     S3_SLOT_WORDS: tl.constexpr,
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
-    ROWS: tl.constexpr,  # pages per block (a program digests one block at a time)
-    LOOP: tl.constexpr,  # whether a program loops over several blocks (fewer programs than blocks)
+    ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
 ):
+    PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
-    first_block = tl.program_id(2).to(tl.int64)
+    first_page = tl.program_id(2).to(tl.int64) * ROWS
     entry = room_table.to(tl.pointer_type(tl.int64)) + room * _ROOM_COLUMNS
     n_pages = tl.load(entry + 2)
-    if first_block * ROWS >= n_pages:
+    if first_page >= n_pages:
         return
     page_table = tl.load(entry)
     id_bytes = tl.load(entry + 1)
@@ -208,49 +196,16 @@ def _digest_rooms_kernel(
     base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
     layer_id = tl.load(layer_entry + 1).to(tl.uint64)
     layer_pages = tl.load(layer_entry + 2)
-    cell_base = first_cell + layer * n_pages
 
-    n_blocks = (n_pages + ROWS - 1) // ROWS
-    physical = _page_ids(page_table, id_bytes, tl.minimum(first_block * ROWS + tl.arange(0, ROWS), n_pages - 1))
-    if LOOP:
-        # This program digests blocks first_block, first_block + step, ... of its
-        # (room, layer), step being the programs per (room, layer) in the grid: the
-        # tables above are read once per program, and each block's page ids are
-        # loaded while the block before it is read.
-        step = tl.num_programs(2).to(tl.int64)
-        for block in range(first_block, n_blocks, step):
-            following = _page_ids(page_table, id_bytes,
-                                  tl.minimum((block + step) * ROWS + tl.arange(0, ROWS), n_pages - 1))
-            _digest_block(block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id,
-                          cells, contents, flags, SLOTS, TOKENS_PER_SLOT, ROW_WORDS, NUM_SEGMENTS,
-                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
-                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, ROWS)
-            physical = following
-    else:
-        _digest_block(first_block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id,
-                      cells, contents, flags, SLOTS, TOKENS_PER_SLOT, ROW_WORDS, NUM_SEGMENTS,
-                          S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
-                          S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, ROWS)
-
-
-@triton.jit
-def _digest_block(block, physical, n_pages, n_tokens, layer_pages, base, cell_base, layer_id, cells, contents, flags,
-                  SLOTS: tl.constexpr, TOKENS_PER_SLOT: tl.constexpr, ROW_WORDS: tl.constexpr,
-                  NUM_SEGMENTS: tl.constexpr,
-                  S0_OFFSET: tl.constexpr, S0_SLOT_WORDS: tl.constexpr, S0_TILE: tl.constexpr,
-                  S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
-                  S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
-                  S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
-                  ROWS: tl.constexpr):
-    """Digest block `block` (ROWS logical pages) of one (room, layer), whose physical
-    page ids are `physical`; store its cells, contents and flags."""
-    PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
-    first_page = block * ROWS
     # Lanes past the room's last page re-read its last page, so the table loads
     # are in bounds and need no mask; only their stores are masked off.
     logical = first_page + tl.arange(0, ROWS)
     valid = logical < n_pages
     page = tl.minimum(logical, n_pages - 1)
+    if id_bytes == 8:
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page)
+    else:
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
     readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
     rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
     n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
@@ -270,7 +225,7 @@ def _digest_block(block, physical, n_pages, n_tokens, layer_pages, base, cell_ba
                                       S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
                                       True)
 
-    row_cell = cell_base + page
+    row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
     content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
     _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
@@ -290,7 +245,7 @@ _ARG_NAMES = (
     "room_table", "layer_table", "cells", "contents", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "LOOP",
+
 )
 
 
@@ -353,18 +308,14 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, programs: int = 0):
+                 base_align: int = 16):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
-        if programs < 0:
-            raise ValueError(f"programs ({programs}) must be 0 (one per block) or positive")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "LOOP": programs > 0}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.num_warps = num_warps
         self.rows = rows
-        # Programs per (room, layer) at most; each loops over its blocks. 0: one per block.
-        self.programs = programs
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
         self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
@@ -379,8 +330,7 @@ class DigestKernel:
         (a raw CUDA stream handle of `device`; None: the current stream)."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
-        blocks = -(-max_pages // self.rows)
-        grid = (n_rooms, self.n_layers, min(blocks, self.programs) if self.programs else blocks)
+        grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
         if device is None or stream is None:
             device, stream = _current_device(), None
         compiled = self.compiled
