@@ -4,9 +4,9 @@
 buffer, launches the Triton kernel on the caller's current stream and
 records a CUDA event right behind it: two device calls, whatever the batch.
 The kernel reads the table straight from pinned host memory and stores its
-cells (and their content digests) into the back of the same buffer. A background thread waits for the
-event (`WAITS`), folds the cells into room digests and hands them to the
-callback. The caller's thread never calls ``.item()``, ``.cpu()``,
+cells (and their content digests) into the back of the same buffer. A
+background thread waits for the event (`WAITS`), folds the cells into room
+digests and hands them to the callback. The caller's thread never calls ``.item()``, ``.cpu()``,
 ``.tolist()`` or a synchronise on this path.
 
 Why the event is recorded on the caller's thread, although that is one more
