@@ -10,8 +10,8 @@ One run measures, in order:
      (and of a buffer as large as each layout's digest); a read-only kernel that
      sums the words of the same gathered rows the digest reads;
   3. the digest of one large room (43 layers x 1024 pages) for fp8, fp4 and bf16
-     rows over a sweep of rows per program and warps, each
-     point checked exact on a sample of its cells; ratios to each ceiling;
+     rows over a sweep of rows per program and warps, each point checked exact
+     on a sample of its cells and contents; ratios to each ceiling;
   4. 64 short rooms (16 pages x 43 layers, fp8) in one launch: GPU time per room,
      beside the launch floor (an empty Triton kernel, and the digest kernel on a
      room with no pages);
@@ -23,6 +23,12 @@ Usage:  python bench/digest_gpu.py [--out DIR]
         python bench/digest_gpu.py --precompile-only   (fill Triton's cache, 16 processes)
         python bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4   (for ncu)
         python bench/digest_gpu.py --smoke      (no GPU: the interpreter, tiny sizes)
+Every ceiling and every digest is timed by each of three methods (`METHODS`), and
+each ratio divides numbers of one method: "steady" (the headline: back-to-back
+launches rotating over two copies of the inputs, per-launch time of the run),
+"flush_read" (each launch alone, after a read of a clean 256 MiB buffer evicts
+L2) and "flush_write" (Triton's do_bench: each launch after zeroing 256 MiB, whose
+dirty lines L2 writes back while the timed kernel runs).
 Prints a table last; writes digest_gpu.json under --out. `--precompile-only` first
 spares the lease a minute of one-at-a-time compiles: the run then loads each
 kernel from Triton's cache.
@@ -58,12 +64,13 @@ from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, la
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
-SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4, 8)]
+SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per program x warps
+METHODS = ("steady", "flush_read", "flush_write")
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
-    """The sweep's points whose threads hold at most 72 words of the tile (more spill)."""
-    return [(r, w) for r, w in sweep if r * layout.row_bytes // 4 <= 72 * 32 * w]
+    """The sweep's points whose threads hold at most 136 words of the tile (more spill)."""
+    return [(r, w) for r, w in sweep if r * layout.row_bytes // 4 <= 136 * 32 * w]
 
 
 class Sizes:
@@ -79,15 +86,71 @@ class Sizes:
         self.sweep = [(1, 2), (2, 4)] if smoke else SWEEP
 
 
-def median_ms(fn, warmup=25, rep=100) -> float:
-    """Median of event-timed calls, each after an L2 flush (Triton's do_bench); on the
-    CPU (--smoke), one timed call."""
-    if not torch.cuda.is_available():
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+class Timer:
+    """Milliseconds per call of `fns` (callables doing the same work on distinct
+    inputs, rotated), by one of `METHODS`; every ceiling and digest goes through
+    the same three, so each ratio compares like with like.
+
+    - steady: `calls` launches back to back between two events, rotating over
+      `fns` (two copies of the inputs, each far larger than L2, so no launch finds
+      the last one's data there); median over `reps` of the time per launch. Each
+      kernel still starts and drains on its own (a stream runs them one after
+      another); only the host's launch latency is hidden.
+    - flush_read: each call alone, event-timed, after a read-only sum over a clean
+      256 MiB buffer has evicted L2 (no dirty line left to write back); median.
+    - flush_write: Triton's do_bench (each call after zeroing a 256 MiB buffer); median.
+    On the CPU (--smoke) every method is one timed call of each input.
+    """
+
+    def __init__(self, device, smoke):
+        self.cuda = device.type == "cuda"
+        n = (256 << 20) // 4 if not smoke else 1024
+        self.flush_words = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=device).view(torch.uint32)
+        self.flush_out = torch.empty(n // 16384 or 1, dtype=torch.uint32, device=device)
+
+    def _flush_read(self):
+        block = 16384 if self.flush_words.numel() >= 16384 else self.flush_words.numel()
+        _contiguous_sum[(self.flush_words.numel() // block,)](self.flush_words, self.flush_out, BLOCK=block, num_warps=8)
+
+    def ms(self, method, fns, calls=20, reps=7, warmup=3) -> float:
+        fns = fns if isinstance(fns, (list, tuple)) else [fns]
+        if not self.cuda:  # each input once (so each stores its outputs), timed
+            t = time.perf_counter()
+            for fn in fns:
+                fn()
+            return (time.perf_counter() - t) * 1e3 / len(fns)
+        if method == "flush_write":
+            return float(triton.testing.do_bench(fns[0], warmup=25, rep=100, return_mode="median"))
+        for i in range(warmup * len(fns)):
+            fns[i % len(fns)]()
+        if method == "steady":
+            times = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self._flush_read()  # ~60 us of GPU work: the launches below queue up behind it
+                start.record()
+                for i in range(calls):
+                    fns[i % len(fns)]()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls)
+            return float(np.median(times))
+        if method == "flush_read":
+            events = []
+            for i in range(calls * 2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self._flush_read()
+                start.record()
+                fns[i % len(fns)]()
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize()
+            return float(np.median([a.elapsed_time(b) for a, b in events]))
+        raise ValueError(method)
+
+    def all(self, fns, **kw) -> dict:
+        """{method: ms} for every method."""
+        return {m: self.ms(m, fns, **kw) for m in METHODS}
 
 
 def random_pool(layout, n_layers, n_pages, device, pin=False):
@@ -135,7 +198,8 @@ def check_exactness(device, sizes) -> list[dict]:
             k, r = got["kernel"], got["reference"]
             same = k.out_of_range == r.out_of_range and all(
                 np.array_equal(a.layer_segment, b.layer_segment) and np.array_equal(a.pages, b.pages)
-                for a, b in zip(k.digests, r.digests, strict=True))
+                for a, b in zip(k.digests, r.digests, strict=True)) and all(
+                np.array_equal(a, b) for a, b in zip(k.contents, r.contents, strict=True))
             results.append({"layout": name, "memory": "pinned host" if pinned else "device", "rooms": len(rooms),
                             "out_of_range_rows": sum(k.out_of_range), "exact": same})
     return results
@@ -175,46 +239,61 @@ def _empty_kernel(x):
     pass
 
 
-def copy_bandwidth(device, nbytes) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * nbytes / (ms * 1e-3)
+def _best(sweep, nbytes) -> dict:
+    """Per method: the sweep's fastest point, as {"point", "ms", "read_TBps"}."""
+    best = {}
+    for m in METHODS:
+        point = min(sweep, key=lambda r: r["ms"][m])
+        best[m] = {"point": {k: v for k, v in point.items() if k not in ("ms", "exact")}, "ms": point["ms"][m],
+                   "read_TBps": nbytes / (point["ms"][m] * 1e-3) / 1e12}
+    return best
 
 
-def contiguous_read(device, nbytes, configs) -> dict:
+def copy_bandwidth(timer, device, nbytes) -> dict:
+    """Bytes read + written per second by a large device-to-device copy, per method."""
+    pairs = []
+    for _ in range(2):
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        pairs.append((src, torch.empty_like(src)))
+    ms = timer.all([lambda s=s, d=d: d.copy_(s) for s, d in pairs], calls=10, reps=5)
+    return {m: 2 * nbytes / (ms[m] * 1e-3) / 1e12 for m in METHODS}
+
+
+def contiguous_read(timer, device, nbytes, configs) -> dict:
     """The fastest contiguous read-only sum over `nbytes` (a sweep of words per program
-    and warps): bytes read per second, and every point of the sweep."""
-    words = torch.randint(-(1 << 31), 1 << 31, (nbytes // 4,), dtype=torch.int32, device=device).view(torch.uint32)
+    and warps), per method: two buffers, which the steady method rotates over."""
+    copies = [torch.randint(-(1 << 31), 1 << 31, (nbytes // 4,), dtype=torch.int32, device=device).view(torch.uint32)
+              for _ in range(2)]
     sweep = []
     for block, warps in configs:
-        out = torch.empty(words.numel() // block, dtype=torch.uint32, device=device)
-        grid = (words.numel() // block,)
-        ms = median_ms(lambda: _contiguous_sum[grid](words, out, BLOCK=block, num_warps=warps))
-        sweep.append({"block": block, "warps": warps, "ms": ms, "read_TBps": nbytes / (ms * 1e-3) / 1e12})
-    best = max(sweep, key=lambda r: r["read_TBps"])
-    return {"bytes": nbytes, "best": best, "sweep": sweep}
+        grid = (copies[0].numel() // block,)
+        out = torch.empty(grid[0], dtype=torch.uint32, device=device)
+        fns = [lambda w=w: _contiguous_sum[grid](w, out, BLOCK=block, num_warps=warps) for w in copies]
+        sweep.append({"block": block, "warps": warps, "ms": timer.all(fns, calls=max(4, min(40, (8 << 30) // nbytes)))})
+    del copies
+    return {"bytes": nbytes, "best": _best(sweep, nbytes), "sweep": sweep}
 
 
-def gathered_read(layout, bufs, table, base_align, pages, device) -> dict:
-    """The fastest read-only sum over the digest's own gathered rows."""
+def gathered_read(timer, layout, bufs, table, base_align, page_tables, device) -> dict:
+    """The fastest read-only sum over the digest's own gathered rows, per method (two
+    page tables over disjoint pages, which the steady method rotates over)."""
     row_words = layout.row_bytes // 4
     head = 1 << (row_words.bit_length() - 1)
     tail = row_words - head
     if tail & (tail - 1):
         return {"skipped": f"row of {row_words} words is not two powers of two"}
-    n_pages = pages.numel()
+    n_pages = page_tables[0].numel()
     out = torch.empty(len(bufs) * n_pages, dtype=torch.uint32, device=device)
+    read = len(bufs) * n_pages * layout.row_bytes
     sweep = []
     for rows in (1, 2):
         for warps in (4, 8):
             grid = (len(bufs), -(-n_pages // rows))
-            ms = median_ms(lambda: _gathered_sum[grid](table, pages, out, n_pages, ROW_WORDS=row_words, HEAD=head,
-                                                        TAIL=tail, BASE_ALIGN=base_align, ROWS=rows, num_warps=warps))
-            read = len(bufs) * n_pages * layout.row_bytes
-            sweep.append({"rows": rows, "warps": warps, "ms": ms, "read_TBps": read / (ms * 1e-3) / 1e12})
-    return {"best": max(sweep, key=lambda r: r["read_TBps"]), "sweep": sweep}
+            fns = [lambda pages=pages: _gathered_sum[grid](table, pages, out, n_pages, ROW_WORDS=row_words, HEAD=head,
+                                                           TAIL=tail, BASE_ALIGN=base_align, ROWS=rows, num_warps=warps)
+                   for pages in page_tables]
+            sweep.append({"rows": rows, "warps": warps, "ms": timer.all(fns)})
+    return {"best": _best(sweep, read), "sweep": sweep}
 
 
 # %% 3. the digest of one large room
@@ -230,6 +309,7 @@ class Launch:
              for r, first in zip(rooms, self.plan.first_cells)], dtype=torch.int64, device=device)
         self.layers, self.base_align = layer_table(bufs, list(range(len(bufs))), device)
         self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, device=device)
+        self.contents = torch.empty_like(self.cells)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, device=device)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
         self.tune(rows, warps)
@@ -239,12 +319,13 @@ class Launch:
                                    base_align=self.base_align)
 
     def __call__(self):
-        self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.flags.data_ptr(), len(self.rooms),
-                           self.plan.max_pages)
+        self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
+                           len(self.rooms), self.plan.max_pages)
 
     def sample_reference(self, rng, n_sample):
-        """(room slot, logical pages, reference cells [layers, pages, segments]) for a
-        random sample of each room's pages: what every tuning must store."""
+        """(room slot, logical pages, reference cells [layers, pages, segments], their
+        content digests) for a random sample of each room's pages: what every tuning
+        must store."""
         samples = []
         for slot, room in enumerate(self.rooms):
             logical = np.sort(rng.choice(room.n_pages, min(n_sample, room.n_pages), replace=False))
@@ -252,65 +333,79 @@ class Launch:
                 logical[-1] = room.n_pages - 1
             physical = room.pages.cpu().numpy()[logical]
             cells = np.zeros((len(self.bufs), len(logical), len(self.layout.segments)), dtype=np.uint64)
+            contents = np.zeros_like(cells)
             frozen = np.array([self.layout.frozen_slots(room.n_tokens, int(k)) for k in logical])
             for li, buf in enumerate(self.bufs):
                 rows = buf[torch.as_tensor(physical, device=buf.device)].cpu().numpy()
-                cells[li] = ref.cell_contributions(ref.segment_digests(rows, frozen, self.layout), [li] * len(logical), logical)
-            samples.append((slot, logical, cells))
+                contents[li] = ref.segment_digests(rows, frozen, self.layout)
+                cells[li] = ref.cell_contributions(contents[li], [li] * len(logical), logical)
+            samples.append((slot, logical, cells, contents))
         return samples
 
     def exact_on(self, samples) -> bool:
         cells = self.cells.cpu().numpy().view(np.uint64)
+        contents = self.contents.cpu().numpy().view(np.uint64)
         flags = self.flags.cpu().numpy()
-        for slot, logical, want in samples:
+        for slot, logical, want, want_contents in samples:
             if not np.array_equal(self.plan.block(cells, slot)[:, logical], want):
+                return False
+            if not np.array_equal(self.plan.block(contents, slot)[:, logical], want_contents):
                 return False
         return not flags.any()
 
 
-def bench_large_room(name, device, sizes, ceilings, rng) -> dict:
+def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
+    """One room of `sizes.layers` x `sizes.pages`, and a second over other pages of the
+    same pool (the steady method rotates over the two)."""
     layout = get_layout(name)
-    bufs = random_pool(layout, sizes.layers, sizes.pages + 64, device)
-    pages = torch.randperm(bufs[0].shape[0], device=device)[: sizes.pages].contiguous()
-    launch = Launch(layout, bufs, [RoomRequest("big", pages, sizes.pages * 256)], device)
+    bufs = random_pool(layout, sizes.layers, 2 * sizes.pages + 64, device)
+    perm = torch.randperm(bufs[0].shape[0], device=device)
+    page_tables = [perm[i * sizes.pages : (i + 1) * sizes.pages].contiguous() for i in range(2)]
+    launches = [Launch(layout, bufs, [RoomRequest(f"big{i}", p, sizes.pages * 256)], device) for i, p in enumerate(page_tables)]
     read_bytes = sizes.layers * sizes.pages * layout.row_bytes
-    samples = launch.sample_reference(rng, sizes.sample_pages)
-    gathered = gathered_read(layout, bufs, launch.layers, launch.base_align, pages, device)
-    same_size = contiguous_read(device, read_bytes, [(ceilings["best_block"], ceilings["best_warps"])])
+    samples = [launch.sample_reference(rng, sizes.sample_pages) for launch in launches]
+    gathered = gathered_read(timer, layout, bufs, launches[0].layers, launches[0].base_align, page_tables, device)
+    same_size = contiguous_read(timer, device, read_bytes, [(b, w) for b, w in ceilings["contiguous_configs"]])
     sweep = []
     for rows, warps in sweep_for(layout, sizes.sweep):
-        launch.tune(rows, warps)
-        launch.cells.fill_(0x5A5A)
-        ms = median_ms(launch)
+        for launch in launches:
+            launch.tune(rows, warps)
+            launch.cells.fill_(0x5A5A)
+            launch.contents.fill_(0x5A5A)
+        ms = timer.all(launches)
         sweep.append({"rows": rows, "warps": warps, "ms": ms,
-                      "read_TBps": read_bytes / (ms * 1e-3) / 1e12, "exact": launch.exact_on(samples)})
-    best = max(sweep, key=lambda r: r["read_TBps"])
+                      "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
+    best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
     default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
-    tbps = best["read_TBps"] * 1e12
+    ratios = {}
+    for m in METHODS:
+        tbps = best[m]["read_TBps"]
+        ratios[m] = {"contiguous": tbps / ceilings["contiguous"][m]["read_TBps"],
+                     "contiguous_same_size": tbps / same_size["best"][m]["read_TBps"],
+                     "gathered": tbps / gathered["best"][m]["read_TBps"] if "best" in gathered else None,
+                     "copy": tbps / ceilings["copy_TBps"][m]}
     return {
-        "layout": name, "row_bytes": layout.row_bytes, "bytes_read": read_bytes, "best": best, "engine_default": default,
-        "gathered_read": gathered, "contiguous_same_size": same_size,
-        "ratio_to_contiguous": tbps / ceilings["contiguous_Bps"],
-        "ratio_to_contiguous_same_size": tbps / (same_size["best"]["read_TBps"] * 1e12),
-        "ratio_to_gathered": tbps / (gathered["best"]["read_TBps"] * 1e12) if "best" in gathered else None,
-        "ratio_to_copy": tbps / ceilings["copy_Bps"],
-        "all_exact": all(r["exact"] for r in sweep),
-        "sweep": sweep,
+        "layout": name, "row_bytes": layout.row_bytes, "bytes_read": read_bytes, "best": best,
+        "engine_default": default and {m: read_bytes / (default["ms"][m] * 1e-3) / 1e12 for m in METHODS},
+        "gathered_read": gathered, "contiguous_same_size": same_size, "ratios": ratios,
+        "all_exact": all(r["exact"] for r in sweep), "sweep": sweep,
     }
 
 
 # %% 4-5. short rooms, launch floor, enqueue cost
 
 
-def launch_floor(device) -> dict:
-    """An empty Triton kernel: GPU time per launch (event-timed, back to back) and the
-    caller's CPU time per launch through the JIT entry point and the C launcher."""
+def launch_floor(timer, device) -> dict:
+    """An empty Triton kernel: GPU time per launch (per method; steady: back to back)
+    and the caller's CPU time per launch through the JIT entry point and the C launcher."""
     if device.type != "cuda":
         return {}
     x = torch.empty(1, device=device)
     compiled = _empty_kernel[(1,)](x)
-    gpu_ms = median_ms(lambda: _empty_kernel[(1,)](x))
+    stream = torch.cuda.current_stream().cuda_stream
+    direct = lambda: compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, x)  # noqa: E731
+    gpu_us = {m: ms * 1e3 for m, ms in timer.all(direct).items()}
     torch.cuda.synchronize()
     n = 2000
     t = time.thread_time()
@@ -318,33 +413,38 @@ def launch_floor(device) -> dict:
         _empty_kernel[(1,)](x)
     jit_us = (time.thread_time() - t) * 1e6 / n
     torch.cuda.synchronize()
-    stream = torch.cuda.current_stream().cuda_stream
     t = time.thread_time()
     for _ in range(n):
         compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, x)
     direct_us = (time.thread_time() - t) * 1e6 / n
     torch.cuda.synchronize()
-    return {"empty_kernel_gpu_us": gpu_ms * 1e3, "empty_kernel_cpu_us_jit": jit_us, "empty_kernel_cpu_us_direct": direct_us}
+    return {"empty_kernel_gpu_us": gpu_us, "empty_kernel_cpu_us_jit": jit_us, "empty_kernel_cpu_us_direct": direct_us}
 
 
-def short_rooms(device, sizes, shape, rng) -> dict:
+def short_rooms(timer, device, sizes, shape, rng) -> dict:
+    """`sizes.short_rooms` rooms in one launch, per method; two such batches over
+    disjoint pages of one pool, which the steady method rotates over."""
     layout = get_layout("fp8")
     n_rooms, n_pages = sizes.short_rooms, sizes.short_pages
-    bufs = random_pool(layout, sizes.layers, n_rooms * n_pages + 64, device)
+    bufs = random_pool(layout, sizes.layers, 2 * n_rooms * n_pages + 64, device)
     perm = torch.randperm(bufs[0].shape[0], device=device)
-    rooms = [RoomRequest(f"s{i}", perm[i * n_pages : (i + 1) * n_pages].contiguous(), n_pages * 256 - 37)
-             for i in range(n_rooms)]
-    launch = Launch(layout, bufs, rooms, device, shape["rows"], shape["num_warps"])
-    samples = launch.sample_reference(rng, 2)
-    kernel_ms = median_ms(launch)
-    exact = launch.exact_on(samples)
+    batches = [[RoomRequest(f"s{i}", perm[i * n_pages : (i + 1) * n_pages].contiguous(), n_pages * 256 - 37)
+                for i in range(k * n_rooms, (k + 1) * n_rooms)] for k in range(2)]
+    rooms = batches[0]
+    launches = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"]) for batch in batches]
+    samples = [launch.sample_reference(rng, 2) for launch in launches]
+    kernel_ms = timer.all(launches)
+    exact = all(launch.exact_on(sample) for launch, sample in zip(launches, samples))
+    launch = launches[0]
     no_pages = torch.tensor([[perm.data_ptr(), 8, 0, 0, 0]], dtype=torch.int64, device=device)  # every program returns
-    empty_ms = median_ms(lambda: launch.kernel.launch(no_pages.data_ptr(), launch.cells.data_ptr(),
-                                                      launch.flags.data_ptr(), 1, 1))
+    empty_ms = timer.all(lambda: launch.kernel.launch(no_pages.data_ptr(), launch.cells.data_ptr(),
+                                                      launch.contents.data_ptr(), launch.flags.data_ptr(), 1, 1))
+    read = n_rooms * n_pages * sizes.layers * layout.row_bytes
     result = {"rooms": n_rooms, "pages": n_pages, "layers": sizes.layers, "shape": shape, "exact": exact,
-              "kernel_us": kernel_ms * 1e3, "kernel_us_per_room": kernel_ms * 1e3 / n_rooms,
-              "read_TBps": n_rooms * n_pages * sizes.layers * layout.row_bytes / (kernel_ms * 1e-3) / 1e12,
-              "digest_kernel_no_pages_gpu_us": empty_ms * 1e3}
+              "kernel_us": {m: ms * 1e3 for m, ms in kernel_ms.items()},
+              "kernel_us_per_room": {m: ms * 1e3 / n_rooms for m, ms in kernel_ms.items()},
+              "read_TBps": {m: read / (ms * 1e-3) / 1e12 for m, ms in kernel_ms.items()},
+              "digest_kernel_no_pages_gpu_us": {m: ms * 1e3 for m, ms in empty_ms.items()}}
     if device.type != "cuda":
         return result
 
@@ -391,21 +491,30 @@ def short_rooms(device, sizes, shape, rng) -> dict:
 
 
 def profile_one(name, device, sizes, shapes) -> None:
-    """Two launches of each (rows, warps) shape on the large room, for Nsight
-    Compute (run under `ncu -k regex:_digest_rooms_kernel`)."""
+    """Two launches of each (rows, warps) shape on the large room, then a
+    contiguous read of the same bytes and of 2 GiB (16384 words per program, 8 warps),
+    for Nsight Compute (run under `ncu -k regex:"_digest_rooms_kernel|_contiguous_sum"`):
+    kernel times without any host-side timing."""
     layout = get_layout(name)
     bufs = random_pool(layout, sizes.layers, sizes.pages + 64, device)
     pages = torch.randperm(bufs[0].shape[0], device=device)[: sizes.pages].contiguous()
     launch = Launch(layout, bufs, [RoomRequest("big", pages, sizes.pages * 256)], device)
-    for rows, warps in shapes:
-        launch.tune(rows, warps)
+    for shape in shapes:
+        launch.tune(*shape)
         launch()
         launch()
+    del bufs, launch
+    for nbytes in (sizes.layers * sizes.pages * layout.row_bytes, sizes.contiguous_bytes):
+        words = torch.empty(nbytes // 4 // 16384 * 16384, dtype=torch.uint32, device=device)
+        out = torch.empty(words.numel() // 16384, dtype=torch.uint32, device=device)
+        _contiguous_sum[(out.numel(),)](words, out, BLOCK=16384, num_warps=8)
+        del words, out
     torch.cuda.synchronize()
 
 
 def _compile_jobs(sizes) -> list[tuple]:
-    jobs = [("digest", name, rows, warps) for name in LAYOUTS for rows, warps in sweep_for(get_layout(name), sizes.sweep)]
+    shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
+    jobs = [("digest", *shape) for shape in sorted(shapes)]
     jobs += [("contiguous", block, warps) for block in (2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
     jobs += [("gathered", name, rows, warps) for name in LAYOUTS for rows in (1, 2) for warps in (4, 8)]
     return jobs
@@ -421,8 +530,8 @@ def _compile_one(job) -> str:
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
-            _digest_rooms_kernel.warmup(address, table, address, address, **layout_constants(layout, align), ROWS=rows,
-                                        num_warps=warps, grid=(1,))
+            _digest_rooms_kernel.warmup(address, table, address, address, address, **layout_constants(layout, align),
+                                        ROWS=rows, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
@@ -483,54 +592,66 @@ def main() -> int:
     t0 = time.perf_counter()
     report["exactness"] = check_exactness(device, sizes)
     print("exactness:", report["exactness"], f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    copy_bps = copy_bandwidth(device, sizes.contiguous_bytes)
+    timer = Timer(device, sizes.smoke)
+    copy = copy_bandwidth(timer, device, sizes.contiguous_bytes)
     configs = [(b, w) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)] if not sizes.smoke else [(1024, 4)]
-    contiguous = contiguous_read(device, sizes.contiguous_bytes, configs)
-    report["ceilings"] = {"copy_TBps_rw": copy_bps / 1e12, "contiguous_read": contiguous}
-    ceilings = {"copy_Bps": copy_bps, "contiguous_Bps": contiguous["best"]["read_TBps"] * 1e12,
-                "best_block": contiguous["best"]["block"], "best_warps": contiguous["best"]["warps"]}
-    print(f"ceilings: copy {copy_bps / 1e12:.2f} TB/s r+w, contiguous read {contiguous['best']} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    contiguous = contiguous_read(timer, device, sizes.contiguous_bytes, configs)
+    report["ceilings"] = {"copy_TBps_rw": copy, "contiguous_read": contiguous}
+    # the same-size reads: each method's best tiling of the 2 GiB read, and the steady one's
+    same_configs = sorted({tuple(contiguous["best"][m]["point"].values()) for m in METHODS})
+    ceilings = {"copy_TBps": copy, "contiguous": contiguous["best"], "contiguous_configs": same_configs}
+    print(f"ceilings: copy {copy} TB/s r+w, contiguous read {contiguous['best']} ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
     report["large_room"] = []
     for name in args.layouts.split(","):
-        report["large_room"].append(bench_large_room(name, device, sizes, ceilings, rng))
+        report["large_room"].append(bench_large_room(timer, name, device, sizes, ceilings, rng))
         r = report["large_room"][-1]
-        print(f"{name}: best {r['best']} ratio {r['ratio_to_contiguous']:.3f} ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
-    report["launch_floor"] = launch_floor(device)
-    report["short_rooms"] = short_rooms(device, sizes, kernel_shape(get_layout("fp8")), rng)
+        print(f"{name}: best {r['best']} ratios {r['ratios']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    report["launch_floor"] = launch_floor(timer, device)
+    report["short_rooms"] = short_rooms(timer, device, sizes, kernel_shape(get_layout("fp8")), rng)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "digest_gpu.json").write_text(json.dumps(report, indent=1))
-
-    print(f"\n{report['date']}  {report['device']}  torch {report['torch']}  triton {report['triton']}")
-    print("exactness:", ", ".join(f"{r['layout']}/{r['memory']}={'OK' if r['exact'] else 'FAIL'}"
-                                  f" ({r['out_of_range_rows']} rows out of range)" for r in report["exactness"]))
-    c = report["ceilings"]
-    print(f"ceilings: copy {c['copy_TBps_rw']:.2f} TB/s (read+write); contiguous read "
-          f"{c['contiguous_read']['best']['read_TBps']:.2f} TB/s (block {c['contiguous_read']['best']['block']}, "
-          f"warps {c['contiguous_read']['best']['warps']})")
-    for r in report["large_room"]:
-        b, g, s = r["best"], r["gathered_read"].get("best"), r["contiguous_same_size"]["best"]
-        d = r["engine_default"]
-        print(f"{r['layout']} ({r['row_bytes']} B rows, {r['bytes_read'] / 1e6:.0f} MB): digest {b['ms'] * 1e3:.1f} us = "
-              f"{b['read_TBps']:.2f} TB/s (rows {b['rows']}, warps {b['warps']}; sweep exact: "
-              f"{r['all_exact']}); ratio to contiguous {r['ratio_to_contiguous']:.3f}, to same-size contiguous "
-              f"{r['ratio_to_contiguous_same_size']:.3f} ({s['read_TBps']:.2f}), to gathered "
-              f"{(r['ratio_to_gathered'] or 0):.3f} ({(g or {}).get('read_TBps', 0):.2f}), to copy {r['ratio_to_copy']:.3f}"
-              + (f"; engine default {d['read_TBps']:.2f} TB/s" if d else ""))
-    s, f = report["short_rooms"], report["launch_floor"]
-    print(f"{s['rooms']} short rooms ({s['pages']} pages x {s['layers']} layers) in one launch: {s['kernel_us']:.1f} us, "
-          f"{s['kernel_us_per_room']:.2f} us GPU/room ({s['read_TBps']:.2f} TB/s, exact {s['exact']}); digest kernel on "
-          f"a room with no pages {s['digest_kernel_no_pages_gpu_us']:.1f} us")
-    if f:
-        print(f"launch floor: empty Triton kernel {f['empty_kernel_gpu_us']:.1f} us GPU, "
-              f"{f['empty_kernel_cpu_us_jit']:.1f} us CPU (JIT), {f['empty_kernel_cpu_us_direct']:.1f} us CPU (C launcher)")
-    if "zero_syncs" in s:
-        print(f"enqueue CPU {s['enqueue_cpu_us_per_room_batched']:.1f} us/room batched, "
-              f"{s['enqueue_cpu_us_per_room_single']:.1f} us/room single; zero syncs: {s['zero_syncs']}")
+    print_report(report)
+    s = report["short_rooms"]
     ok = (all(r["exact"] for r in report["exactness"]) and all(r["all_exact"] for r in report["large_room"])
           and s["exact"] and s.get("zero_syncs", True))
     return 0 if ok else 1
+
+
+def print_report(report) -> None:
+    print(f"\n{report['date']}  {report['device']}  torch {report['torch']}  triton {report['triton']}")
+    print("exactness (digests, contents, out-of-range counts):", ", ".join(
+        f"{r['layout']}/{r['memory']}={'OK' if r['exact'] else 'FAIL'} ({r['out_of_range_rows']} rows out of range)"
+        for r in report["exactness"]))
+    c = report["ceilings"]
+    for m in METHODS:
+        b = c["contiguous_read"]["best"][m]
+        print(f"[{m}] ceilings: copy {c['copy_TBps_rw'][m]:.2f} TB/s (read+write); contiguous read 2 GiB "
+              f"{b['read_TBps']:.2f} TB/s ({b['point']})")
+    for r in report["large_room"]:
+        for m in METHODS:
+            b, q = r["best"][m], r["ratios"][m]
+            g, same = r["gathered_read"].get("best", {}).get(m, {}), r["contiguous_same_size"]["best"][m]
+            d = r["engine_default"]
+            print(f"[{m}] {r['layout']} ({r['row_bytes']} B rows, {r['bytes_read'] / 1e6:.0f} MB): digest "
+                  f"{b['ms'] * 1e3:.1f} us = {b['read_TBps']:.2f} TB/s ({b['point']}); / contiguous 2 GiB "
+                  f"{q['contiguous']:.3f}, / same bytes {q['contiguous_same_size']:.3f} ({same['read_TBps']:.2f}), "
+                  f"/ gathered {(q['gathered'] or 0):.3f} ({g.get('read_TBps', 0):.2f}), / copy {q['copy']:.3f}"
+                  + (f"; engine default {d[m]:.2f} TB/s" if d else ""))
+        print(f"{r['layout']}: every sweep point exact (cells and contents): {r['all_exact']}")
+    s, f = report["short_rooms"], report["launch_floor"]
+    for m in METHODS:
+        print(f"[{m}] {s['rooms']} short rooms ({s['pages']} pages x {s['layers']} layers) in one launch: "
+              f"{s['kernel_us'][m]:.1f} us, {s['kernel_us_per_room'][m]:.2f} us GPU/room ({s['read_TBps'][m]:.2f} TB/s); "
+              f"digest kernel on a room with no pages {s['digest_kernel_no_pages_gpu_us'][m]:.1f} us"
+              + (f"; empty Triton kernel {f['empty_kernel_gpu_us'][m]:.1f} us GPU" if f else ""))
+    print(f"short rooms exact: {s['exact']}")
+    if f:
+        print(f"launch floor: empty Triton kernel {f['empty_kernel_cpu_us_jit']:.1f} us CPU (JIT), "
+              f"{f['empty_kernel_cpu_us_direct']:.1f} us CPU (C launcher)")
+    if "zero_syncs" in s:
+        print(f"enqueue CPU {s['enqueue_cpu_us_per_room_batched']:.1f} us/room batched, "
+              f"{s['enqueue_cpu_us_per_room_single']:.1f} us/room single; zero syncs: {s['zero_syncs']}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
 layer's buffer and the room's page table, hashes the frozen words of
 each segment into two 32-bit lane sums, and stores each (layer, page,
-segment) cell contribution. Programs past a room's last page return at once.
+segment) cell contribution and, beside it, the cell's segment digest (its
+content digest, docs/digest.md "Content digests"). Programs past a room's
+last page return at once.
 Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
 vector and the room digest (sums mod 2^64, as `reference.py` defines them).
@@ -25,7 +27,7 @@ as 0 and its flag (one byte per (layer, page) row, beside the cells) is set,
 so the engine counts it and never lets such a room match (docs/digest.md).
 
 The room table and the outputs are passed as plain addresses and the layer
-table is the pool's own, so a launch hands Triton four integers and nothing to
+table is the pool's own, so a launch hands Triton five integers and nothing to
 inspect. The same code reads device memory and
 pinned host memory (the engine has the kernel store its cells straight into
 pinned host memory, which spares a download), and runs under
@@ -69,41 +71,40 @@ def _fmix64(k):
 
 
 @triton.jit
+def _salt(OFFSET: tl.constexpr, TILE: tl.constexpr):
+    """Each word's position salt, uint32 [TILE]: j * SALT_MUL + SALT_ADD, j its word in the row."""
+    return (OFFSET + tl.arange(0, TILE)).to(tl.uint32) * _SALT_MUL + _SALT_ADD
+
+
+@triton.jit
 def _load_segment(rows, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
                   SLOTS: tl.constexpr, MASKED: tl.constexpr):
-    """The segment's words of each row, uint32 [ROWS, TILE]; unread words are 0.
+    """The segment's words of each row, uint32 [ROWS, TILE].
     MASKED: only the frozen words of readable rows are read (a tail page, an
-    out-of-range id); otherwise every row is whole and every word is read."""
+    out-of-range id); otherwise every row is whole and every word is read.
+    A word not read is replaced by its own position salt, so it hashes to
+    x = 0, whose lane terms are both 0: it adds nothing to either sum, and no
+    mask is needed after the load."""
     WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
     idx = tl.arange(0, TILE)
     pointers = rows[:, None] + (OFFSET + idx)[None, :]
     if MASKED:
         mask = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
-        return tl.load(pointers, mask=mask, other=0)
+        return tl.load(pointers, mask=mask, other=_salt(OFFSET, TILE)[None, :])
     elif TILE != WORDS:
-        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=0)
+        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=_salt(OFFSET, TILE)[None, :])
     else:
         return tl.load(pointers)
 
 
 @triton.jit
-def _segment_digest(w, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl.constexpr, TILE: tl.constexpr,
-                    SLOTS: tl.constexpr, MASKED: tl.constexpr):
-    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md, "Words")."""
-    WORDS: tl.constexpr = SLOTS * SLOT_WORDS  # TILE: the power of two at or above it
-    idx = tl.arange(0, TILE)
-    j = (OFFSET + idx).to(tl.uint32)  # the word's position in the row
-    x = w ^ (j * _SALT_MUL + _SALT_ADD)[None, :]
+def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
+    """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md,
+    "Words"); the words it did not read are their salt, so x = 0 adds nothing."""
+    x = w ^ _salt(OFFSET, TILE)[None, :]
     a = x * _MIX_A
     a = a ^ (a >> 16)
     b = (x ^ (x >> 15)) * _MIX_B
-    if MASKED:
-        keep = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
-        a = tl.where(keep, a, 0)
-        b = tl.where(keep, b, 0)
-    elif TILE != WORDS:
-        a = tl.where((idx < WORDS)[None, :], a, 0)
-        b = tl.where((idx < WORDS)[None, :], b, 0)
     sum_a, sum_b = tl.sum(a, axis=1), tl.sum(b, axis=1)  # uint32: mod 2^32, as the definition sums
     return (sum_b.to(tl.uint64) << 32) | sum_a.to(tl.uint64)
 
@@ -124,32 +125,35 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
         w2 = _load_segment(rows, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 3:
         w3 = _load_segment(rows, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
-    d0 = _segment_digest(w0, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
+    d0 = _segment_digest(w0, S0_OFFSET, S0_TILE)
     d1 = tl.zeros_like(d0)
     d2 = tl.zeros_like(d0)
     d3 = tl.zeros_like(d0)
     if NUM_SEGMENTS > 1:
-        d1 = _segment_digest(w1, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
+        d1 = _segment_digest(w1, S1_OFFSET, S1_TILE)
     if NUM_SEGMENTS > 2:
-        d2 = _segment_digest(w2, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
+        d2 = _segment_digest(w2, S2_OFFSET, S2_TILE)
     if NUM_SEGMENTS > 3:
-        d3 = _segment_digest(w3, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
+        d3 = _segment_digest(w3, S3_OFFSET, S3_TILE)
     return d0, d1, d2, d3
 
 
 @triton.jit
-def _store_cell(out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
-    """c = fmix64(d ^ salt(layer id, logical page, segment)); 0 for a row not read."""
+def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
+    """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, d itself (the
+    content digest) into the contents; both 0 for a row not read."""
     salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + SEGMENT * _CELL_SEGMENT
     cell = tl.where(readable, _fmix64(d ^ salt), 0)
     tl.store(out + (SEGMENT - 1), cell, mask=valid)
+    tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
 
 
-@triton.jit(do_not_specialize=["room_table", "cells", "flags"])  # one compiled kernel per layout
+@triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags"])  # one compiled kernel per layout
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
     cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
+    contents,  # address of uint64 [n_cells, n_segments]: each cell's segment digest d (its content digest), same order
     flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
     ROW_WORDS: tl.constexpr,  # 32-bit words per row (the row stride)
     SLOTS: tl.constexpr,
@@ -223,13 +227,14 @@ def _digest_rooms_kernel(
 
     row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    _store_cell(out, d0, readable, valid, layer_id, page, 1)
+    content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
     if NUM_SEGMENTS > 1:
-        _store_cell(out, d1, readable, valid, layer_id, page, 2)
+        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2)
     if NUM_SEGMENTS > 2:
-        _store_cell(out, d2, readable, valid, layer_id, page, 3)
+        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3)
     if NUM_SEGMENTS > 3:
-        _store_cell(out, d3, readable, valid, layer_id, page, 4)
+        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4)
     tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
@@ -237,7 +242,7 @@ def _digest_rooms_kernel(
 
 
 _ARG_NAMES = (
-    "room_table", "layer_table", "cells", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
+    "room_table", "layer_table", "cells", "contents", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
 
@@ -314,14 +319,15 @@ class DigestKernel:
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
         self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
-    def launch_args(self, room_table: int, cells: int, flags: int) -> tuple:
+    def launch_args(self, room_table: int, cells: int, contents: int, flags: int) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
-        return (room_table, self.layer_table_address, cells, flags, *self.meta.values())
+        return (room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
 
-    def launch(self, room_table: int, cells: int, flags: int, n_rooms: int, max_pages: int, *,
+    def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
                device: int | None = None, stream: int | None = None) -> None:
-        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers),
-        on `stream` (a raw CUDA stream handle of `device`; None: the current stream)."""
+        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers:
+        the room table, then the cells, contents and flags it stores), on `stream`
+        (a raw CUDA stream handle of `device`; None: the current stream)."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
@@ -331,11 +337,11 @@ class DigestKernel:
         if compiled is not None and device == self.compiled_on:
             if stream is not None and not _launch_hooks_set():
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                             room_table, self.layer_table_address, cells, flags, *self.meta.values())
+                             room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
             else:
-                compiled[grid](room_table, self.layer_table_address, cells, flags, *self.meta.values())
+                compiled[grid](room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
             return
-        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, flags, **self.meta,
+        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags, **self.meta,
                                               num_warps=self.num_warps)
         if _fits(compiled):
             self.compiled, self.compiled_on = compiled, device
