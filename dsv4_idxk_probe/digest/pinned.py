@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# One size class covers every batch up to 64 KiB (a decode batch of 16 rooms of
-# 30 layers x 9 pages), so the buffers reserved at start-up serve nearly every
+# One size class covers every batch up to 128 KiB (a decode batch of 16 rooms of
+# 30 layers x 9 pages, cells and their contents), so the buffers reserved at start-up serve nearly every
 # batch and the serving thread never waits for a pinned allocation.
-_MIN_BYTES = 64 * 1024
+_MIN_BYTES = 128 * 1024
 
 
 @dataclass
