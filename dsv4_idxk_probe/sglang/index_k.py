@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from .accessors import req_pool_idx
+
 C4 = 4
 
 
@@ -177,7 +179,7 @@ def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPag
         return f"decode prefix {start} is not page aligned"
     if end <= start:
         return "nothing to transfer"
-    rows = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    rows = scheduler.req_to_token_pool.req_to_token[req_pool_idx(req), start:end]
     tokens = allocator.translate_kv_indices_for_transfer(rows)
     return RoomPages(tokens[::page_size] // page_size, end - start, start)
 
