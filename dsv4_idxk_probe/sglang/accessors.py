@@ -110,6 +110,15 @@ def req_pool_idx(req: Any) -> Any:
     return getattr(req, "req_pool_idx", None)
 
 
+def extend_end(req: Any) -> int:
+    """End of the request's extended tokens: ``req.extend_end`` (0.5.22+), else
+    ``req.extend_range.end`` (0.5.18-0.5.21)."""
+    value = getattr(req, "extend_end", None)
+    if value is None:
+        value = req.extend_range.end
+    return int(value)
+
+
 def cache_protected_len(req: Any) -> int:
     """Tokens decode already holds (the prefix it told prefill): ``req.kv.cache_protected_len``
     (0.5.19+), else ``req.cache_protected_len`` (0.5.18)."""

@@ -5,7 +5,8 @@ The only code that knows the pool's attribute names
 
 * ``pool.index_pools[4]`` (alias ``c4_indexer_kv_pool``) is the C4 indexer
   pool; ``contiguous_page_row_buffers()`` gives one uint8 [pages, row_bytes]
-  buffer per C4 layer of this PP stage, in compress-layer order (a buffer of
+  buffer per C4 layer of this PP stage, in compress-layer order (0.5.18-0.5.19:
+  ``index_k_with_scale_buffer``, the same tensors; a buffer of
   another dtype or shape whose pages are contiguous rows, such as a bf16
   [pages, 64, 128] patch, is viewed as those bytes: `page_rows_as_bytes`);
 * the global layer id of compress layer j is the j-th layer of
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .accessors import req_pool_idx
+from .accessors import extend_end, req_pool_idx
 
 C4 = 4
 
@@ -68,7 +69,7 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
     reason = row_layout_refusal(indexer)
     if reason:
         raise IndexKError(reason)
-    buffers = tuple(page_rows_as_bytes(buf, i) for i, buf in enumerate(indexer.contiguous_page_row_buffers()))
+    buffers = tuple(page_rows_as_bytes(buf, i) for i, buf in enumerate(indexer_row_buffers(indexer)))
     ratios = list(pool.compression_ratios)
     start = getattr(pool, "_stage_start", 0)
     end = getattr(pool, "_stage_end", len(ratios))
@@ -90,6 +91,14 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
         row_bytes=int(buffers[0].shape[1]),
         fp4=bool(getattr(indexer, "use_fp4_indexer", False)),
     )
+
+
+def indexer_row_buffers(indexer: Any) -> list:
+    """The indexer's per-layer page-row buffers: ``contiguous_page_row_buffers()``
+    (0.5.20+), else its fused ``index_k_with_scale_buffer`` list (0.5.18-0.5.19,
+    the same uint8 [pages, row_bytes] tensors)."""
+    rows = getattr(indexer, "contiguous_page_row_buffers", None)
+    return list(rows()) if rows is not None else list(indexer.index_k_with_scale_buffer)
 
 
 def page_rows_as_bytes(buf: Any, index: int = 0) -> Any:
@@ -188,7 +197,7 @@ def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPag
     allocator = scheduler.token_to_kv_pool_allocator
     page_size = int(allocator.page_size)
     start = int(req.disagg_decode_prefix_len or 0)
-    end = int(end_idx) if end_idx is not None else min(int(req.extend_end), len(req.origin_input_ids))
+    end = int(end_idx) if end_idx is not None else min(extend_end(req), len(req.origin_input_ids))
     if start % page_size:
         return f"decode prefix {start} is not page aligned"
     if end <= start:

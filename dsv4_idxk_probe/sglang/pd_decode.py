@@ -1,6 +1,6 @@
 """Decode hooks: digest each room when it lands and later in its life.
 
-Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
 * ``DecodePreallocQueue._send_kv_metadata`` (after): remember the room's

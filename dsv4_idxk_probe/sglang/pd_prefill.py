@@ -1,6 +1,6 @@
 """Prefill hooks: digest each room as its last chunk is handed to the transfer.
 
-Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``PrefillBootstrapQueue._init_kv_manager`` (after): build the prefill side
   (digest engine, monitor, exchange server) once SGLang's KV manager exists;

@@ -34,6 +34,7 @@ def test_geometry_of_the_real_pool(prefill):
     assert choose_layout(geometry, "auto", shipped_layouts()).name == "fp8"
 
 
+@pytest.mark.skipif(pdworld.RELEASE < (0, 5, 22), reason="the fp4 indexer with a global page size arrives in SGLang 0.5.22")
 def test_fp4_indexer_pool_picks_the_fp4_layout(published):
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
 
@@ -81,6 +82,9 @@ def _room_digest(side, engine):
 ])
 def test_digest_covers_exactly_the_rooms_frozen_rows(prefill, where, counts):
     geometry = index_k_geometry(dsv4_pool(prefill.allocator), prefill.kv_args)
+    if max(pdworld.PREFILL_PAGES) >= geometry.buffers[0].shape[0]:
+        pytest.skip(f"SGLang {pdworld.RELEASE} sizes this pool's indexer with {geometry.buffers[0].shape[0]} pages; "
+                    "the room's page 9 does not exist")
     engine = DigestEngine(choose_layout(geometry, "auto", shipped_layouts()), geometry.layer_ids, geometry.buffers)
     before = _room_digest(prefill, engine)
     frozen_tail = (pdworld.ROOM_TOKENS - 2 * pdworld.PAGE) // 4  # 25 slots
@@ -128,7 +132,7 @@ def test_rocm_preshuffled_fp8_rows_are_refused_with_the_reason(monkeypatch):
 
 def test_aiter_page8_rows_are_refused_with_the_reason():
     pool, _ = pdworld.make_pool(seed=1)
-    pool.index_pools[4].index_k_page8 = True
+    pdworld.c4_indexer(pool).index_k_page8 = True
     with pytest.raises(IndexKError, match="page-8"):
         index_k_geometry(pool)
 
