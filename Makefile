@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-sglang install-test clean
+.PHONY: demo test install install-sglang install-sglang-releases install-test clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,6 +31,21 @@ $(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-imports.txt re
 	$(PIP) install -q --no-deps -r requirements/sglang-servers.txt
 	touch $@
 
+# The older releases the SGLang-facing tests also run on (tests/sglang_releases/):
+# each wheel --no-deps into build/sglang/<release>/ with the pinned extra
+# modules requirements/sglang-releases.txt names for it. A release is
+# installed once and kept while its stamp is newer than that file (CI caches build/).
+RELEASES_FILE := requirements/sglang-releases.txt
+SGLANG_RELEASES := $(shell awk '!/^\s*(\#|$$)/ {print $$1}' $(RELEASES_FILE))
+RELEASES_DIR := build/sglang
+RELEASE_STAMPS := $(SGLANG_RELEASES:%=$(RELEASES_DIR)/%/.installed)
+
+$(RELEASES_DIR)/%/.installed: $(RELEASES_FILE) | $(VENV)/.installed
+	rm -rf $(@D) && mkdir -p $(@D)
+	$(PIP) install -q --no-deps --no-compile --target $(@D) sglang==$* \
+		$$(awk '$$1 == "$*" {for (i = 2; i <= NF; i++) print $$i}' $(RELEASES_FILE))
+	touch $@
+
 # Then the test extras and the services the tests talk to.
 $(VENV)/.installed-test: $(VENV)/.installed-sglang .ci/install-test-services.sh
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
@@ -43,11 +58,13 @@ install-sglang: $(VENV)/.installed-sglang
 
 install-test: $(VENV)/.installed-test
 
+install-sglang-releases: $(RELEASE_STAMPS)
+
 demo: $(VENV)/.installed-sglang
 	$(PY) -m dsv4_idxk_probe demo
 
-test: $(VENV)/.installed-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: $(VENV)/.installed-test $(RELEASE_STAMPS)
+	DSV4_IDXK_PROBE_RELEASES_DIR=$(RELEASES_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) probe-logs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(RELEASES_DIR) probe-logs .pytest_cache .hypothesis

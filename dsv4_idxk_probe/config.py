@@ -24,7 +24,7 @@ from . import environment_variables as ev
 from .boundedfile import read_bounded
 
 MODES = ("observe", "enforce")
-DEFAULT_TARGETS = ("sglang-0.5.23",)
+DEFAULT_TARGETS = ("sglang",)  # the installed release's entries of configs/targets/sglang.yaml
 MAX_CONFIG_BYTES = 1 << 20  # a probe config is a few hundred bytes; a bigger file is a mistake
 #: Path of the exchange's shared secret; overrides ``exchange.secret_file`` (docs/security.md).
 EXCHANGE_SECRET_FILE_ENV = "DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE"

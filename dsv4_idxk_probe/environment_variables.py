@@ -18,7 +18,7 @@ DSV4_IDXK_PROBE_CONFIG = "DSV4_IDXK_PROBE_CONFIG"
 DSV4_IDXK_PROBE_FAULTS = "DSV4_IDXK_PROBE_FAULTS"
 
 #: Comma-separated patch-target files (shipped names such as
-#: ``sglang-0.5.23`` or paths); overrides the config's ``targets``.
+#: ``sglang``, ``sglang@0.5.21``, ``fork-prefill2-decode2`` or paths); overrides the config's ``targets``.
 DSV4_IDXK_PROBE_TARGETS = "DSV4_IDXK_PROBE_TARGETS"
 
 OFF_VALUES = ("", "0", "off", "false", "no")

@@ -21,10 +21,112 @@ ATTR_DEST = "_dsv4_idxk_dest"  # on a DecodeRequest: RoomPages recorded at _send
 ATTR_RECV = "_dsv4_idxk_recv"  # on a decode Req: (RoomId, PendingDigest, InbandDigest) at receipt
 ATTR_STEPS = "_dsv4_idxk_steps"  # on a decode Req: decode batches seen
 
-#: Metadata row slots (bootstrap_room[idx, :]): 0 is SGLang's room; 1-4 the
-#: in-band digest (pd.InbandDigest); 5 the prefill rank's exchange endpoint.
+#: Metadata row slots (bootstrap_room[idx, :]) when SGLang uses only slot 0
+#: (its room), as every release 0.5.18-0.5.23 does: 1-4 the in-band digest
+#: (pd.InbandDigest), 5 the prefill rank's exchange endpoint. `slot_plan`
+#: steps aside from slots a newer SGLang reserves for itself.
 SLOT_DIGEST = slice(1, 5)
 SLOT_ENDPOINT = 5
+DIGEST_SLOTS = 4
+
+#: Where upstream (after 0.5.23) names the bootstrap_room slots its own KV
+#: checksum writes (ROOM_SLOT_CHECKSUM_SIG / _DIGEST / _TOKENS = 1, 2, 3).
+KV_CHECKSUM_MODULE = "sglang.srt.disaggregation.kv_checksum"
+
+
+def sglang_room_slots(row_width: int) -> set[int]:
+    """Slots of a bootstrap_room row SGLang itself uses: 0 (the room), plus every
+    ``ROOM_SLOT_*`` constant of its kv_checksum module when that module exists."""
+    used = {0}
+    module = sys.modules.get(KV_CHECKSUM_MODULE)
+    if module is None:
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec(KV_CHECKSUM_MODULE) is not None:
+                import importlib
+
+                module = importlib.import_module(KV_CHECKSUM_MODULE)
+        except Exception:  # no such module (every release up to 0.5.23), or it fails to import
+            module = None
+    for name in dir(module) if module is not None else ():
+        value = getattr(module, name, None)
+        if name.startswith("ROOM_SLOT_") and isinstance(value, int) and 0 <= value < row_width:
+            used.add(value)
+    return used
+
+
+class SlotPlan:
+    """Which slots of a bootstrap_room row carry the in-band digest and the endpoint.
+
+    Four consecutive slots SGLang does not use for the digest, the next free one
+    for the endpoint; where the row has no four free consecutive slots the
+    digest goes out of band only (decode fetches it from the exchange), and
+    where no slot is left at all, the endpoint too. Prefill and decode compute
+    the same plan from the same SGLang; a mismatched plan reads no digest (the
+    magic header does not match), never a wrong one.
+    """
+
+    __slots__ = ("digest", "endpoint", "width")
+
+    def __init__(self, width: int, used: set[int]):
+        free = [s for s in range(width) if s not in used]
+        self.width = width
+        self.digest: slice | None = None
+        for start in free:
+            if all(s in free for s in range(start, start + DIGEST_SLOTS)):
+                self.digest = slice(start, start + DIGEST_SLOTS)
+                break
+        taken = set(range(self.digest.start, self.digest.stop)) if self.digest else set()
+        rest = [s for s in free if s not in taken]
+        self.endpoint: int | None = rest[0] if rest else None
+
+    @property
+    def probe_slots(self) -> list[int]:
+        """Every slot the probe writes (and clears on a reused row)."""
+        slots = list(range(self.digest.start, self.digest.stop)) if self.digest else []
+        return slots + ([self.endpoint] if self.endpoint is not None else [])
+
+
+_PLANS: dict[int, SlotPlan] = {}  # by row width; SGLang's own slots do not change in a process
+
+
+def slot_plan(row_width: int) -> SlotPlan:
+    plan = _PLANS.get(row_width)
+    if plan is None:
+        plan = _PLANS[row_width] = SlotPlan(row_width, sglang_room_slots(row_width))
+    return plan
+
+
+def row_slot_plan(row: Any) -> SlotPlan:
+    return slot_plan(int(len(row)))
+
+
+def req_pool_idx(req: Any) -> Any:
+    """A Req's row in req_to_token: ``req.kv.req_pool_idx`` (0.5.19+), else ``req.req_pool_idx`` (0.5.18)."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and getattr(kv, "req_pool_idx", None) is not None:
+        return kv.req_pool_idx
+    return getattr(req, "req_pool_idx", None)
+
+
+def extend_end(req: Any) -> int:
+    """End of the request's extended tokens: ``req.extend_end`` (0.5.22+), else
+    ``req.extend_range.end`` (0.5.18-0.5.21)."""
+    value = getattr(req, "extend_end", None)
+    if value is None:
+        value = req.extend_range.end
+    return int(value)
+
+
+def cache_protected_len(req: Any) -> int:
+    """Tokens decode already holds (the prefix it told prefill): ``req.kv.cache_protected_len``
+    (0.5.19+), else ``req.cache_protected_len`` (0.5.18)."""
+    kv = getattr(req, "kv", None)
+    value = getattr(kv, "cache_protected_len", None) if kv is not None else None
+    if value is None:
+        value = getattr(req, "cache_protected_len", 0)
+    return int(value or 0)
 
 
 def _constant(module: str, name: str, default: Any) -> Any:

@@ -1,6 +1,6 @@
 """Hooks on SGLang's DeepSeek-V4 paged host pool (HiCache L2 copies).
 
-Targets (configs/targets/sglang-0.5.23.yaml, "HiCache host pools"), all on
+Targets (configs/targets/sglang.yaml, "HiCache host pools"), all on
 ``sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool`` and so
 inherited by subclasses such as ``QSAIndexerPoolHost``:
 

@@ -5,7 +5,10 @@ The only code that knows the pool's attribute names
 
 * ``pool.index_pools[4]`` (alias ``c4_indexer_kv_pool``) is the C4 indexer
   pool; ``contiguous_page_row_buffers()`` gives one uint8 [pages, row_bytes]
-  buffer per C4 layer of this PP stage, in compress-layer order;
+  buffer per C4 layer of this PP stage, in compress-layer order (0.5.18-0.5.19:
+  ``index_k_with_scale_buffer``, the same tensors; a buffer of
+  another dtype or shape whose pages are contiguous rows, such as a bf16
+  [pages, 64, 128] patch, is viewed as those bytes: `page_rows_as_bytes`);
 * the global layer id of compress layer j is the j-th layer of
   ``compression_ratios[_stage_start:_stage_end]`` with ratio 4;
 * each buffer sits on the PD wire at ``kv_args.kv_data_ptrs.index(ptr)``,
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+from .accessors import extend_end, req_pool_idx
 
 C4 = 4
 
@@ -64,7 +69,7 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
     reason = row_layout_refusal(indexer)
     if reason:
         raise IndexKError(reason)
-    buffers = tuple(indexer.contiguous_page_row_buffers())
+    buffers = tuple(page_rows_as_bytes(buf, i) for i, buf in enumerate(indexer_row_buffers(indexer)))
     ratios = list(pool.compression_ratios)
     start = getattr(pool, "_stage_start", 0)
     end = getattr(pool, "_stage_end", len(ratios))
@@ -73,9 +78,6 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
         raise IndexKError(f"{len(buffers)} index-K buffers for {len(layer_ids)} C4 layers in [{start}, {end})")
     if not buffers:
         raise IndexKError("no index-K buffers")
-    for layer, buf in zip(layer_ids, buffers):
-        if buf.dim() != 2 or buf.element_size() != 1 or not buf.is_contiguous():
-            raise IndexKError(f"index-K buffer of layer {layer} is {buf.dtype} {tuple(buf.shape)}, not contiguous uint8 rows")
     page_size = int(pool.page_size)
     slots = int(indexer.page_size)
     if slots <= 0 or page_size % slots:
@@ -89,6 +91,29 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
         row_bytes=int(buffers[0].shape[1]),
         fp4=bool(getattr(indexer, "use_fp4_indexer", False)),
     )
+
+
+def indexer_row_buffers(indexer: Any) -> list:
+    """The indexer's per-layer page-row buffers: ``contiguous_page_row_buffers()``
+    (0.5.20+), else its fused ``index_k_with_scale_buffer`` list (0.5.18-0.5.19,
+    the same uint8 [pages, row_bytes] tensors)."""
+    rows = getattr(indexer, "contiguous_page_row_buffers", None)
+    return list(rows()) if rows is not None else list(indexer.index_k_with_scale_buffer)
+
+
+def page_rows_as_bytes(buf: Any, index: int = 0) -> Any:
+    """An index-K buffer of any dtype and shape as uint8 [pages, row_bytes], a view of
+    the same memory: a bf16 [pages, 64, 128] buffer (the bf16 deployment patch) is
+    [pages, 16384]. The layout is then matched by row bytes. Only a buffer whose
+    pages are contiguous rows qualifies; nothing is copied."""
+    import torch
+
+    if buf.dim() < 1 or buf.shape[0] < 1 or not buf.is_contiguous():
+        raise IndexKError(f"index-K buffer {index} is {buf.dtype} {tuple(buf.shape)}, not contiguous page rows")
+    if buf.dtype == torch.uint8 and buf.dim() == 2:
+        return buf
+    flat = buf.reshape(buf.shape[0], -1)  # a view: the buffer is contiguous
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 #: Where SGLang decides that ROCm stores fp8 index-K preshuffled (aiter paged MQA).
@@ -172,12 +197,12 @@ def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPag
     allocator = scheduler.token_to_kv_pool_allocator
     page_size = int(allocator.page_size)
     start = int(req.disagg_decode_prefix_len or 0)
-    end = int(end_idx) if end_idx is not None else min(int(req.extend_end), len(req.origin_input_ids))
+    end = int(end_idx) if end_idx is not None else min(extend_end(req), len(req.origin_input_ids))
     if start % page_size:
         return f"decode prefix {start} is not page aligned"
     if end <= start:
         return "nothing to transfer"
-    rows = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    rows = scheduler.req_to_token_pool.req_to_token[req_pool_idx(req), start:end]
     tokens = allocator.translate_kv_indices_for_transfer(rows)
     return RoomPages(tokens[::page_size] // page_size, end - start, start)
 

@@ -1,6 +1,6 @@
 """Decode hooks: digest each room when it lands and later in its life.
 
-Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
 * ``DecodePreallocQueue._send_kv_metadata`` (after): remember the room's
@@ -35,8 +35,9 @@ from ..exchange.endpoint import unpack_endpoint
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from .accessors import (
-    ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, SLOT_DIGEST, SLOT_ENDPOINT, decode_skip_reason,
-    is_host_destination, metadata_row, prefill_peer_host, rid_of, room_of,
+    ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, cache_protected_len, decode_skip_reason,
+    is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, rid_of, room_of,
+    row_slot_plan,
 )
 from .index_k import decode_room_pages
 from .sides import build_side
@@ -77,14 +78,37 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
     setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, page_size, kwargs))
 
 
-def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], str | None]:
-    """What the commit clears: the probe slots of the metadata row, and the sending rank's address."""
+def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
+    """SGLang 0.5.18-0.5.20 (no `_send_kv_metadata`): the pages each preallocated room
+    published, read back from req_to_token exactly as `pop_preallocated` took them
+    (``[cache_protected_len, len(origin_input_ids))`` of the room's row)."""
+    if not preallocated or decode_side(runtime, getattr(queue, "scheduler", None)) is None:
+        return
+    rows = queue.req_to_token_pool.req_to_token
+    for decode_req in preallocated:
+        req = decode_req.req
+        if getattr(decode_req, ATTR_DEST, None) is not None:
+            continue
+        index, start, end = req_pool_idx(req), cache_protected_len(req), origin_len(req)
+        if index is None or end <= start:
+            setattr(decode_req, ATTR_DEST, "nothing to receive")
+            continue
+        kv_indices = rows[int(index), start:end]
+        setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, int(queue.token_to_kv_pool_allocator.page_size),
+                                                         {"decode_prefix_len": start}))
+
+
+def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], int | None, str | None]:
+    """What the commit clears: the probe's digest and endpoint slots of the metadata
+    row (as `slot_plan` places them), and the sending rank's address."""
     row = metadata_row(getattr(transfer_queue, "metadata_buffers", None), getattr(decode_req, "metadata_buffer_index", None))
-    slots = [int(v) for v in row[: SLOT_ENDPOINT + 1]] if row is not None else []
-    return slots, prefill_peer_host(decode_req)
+    plan = row_slot_plan(row) if row is not None else None
+    digest = [int(v) for v in row[plan.digest]] if plan is not None and plan.digest is not None else []
+    endpoint = int(row[plan.endpoint]) if plan is not None and plan.endpoint is not None else None
+    return digest, endpoint, prefill_peer_host(decode_req)
 
 
-def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], str | None]) -> None:
+def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], int | None, str | None]) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     req = decode_req.req
     if side is None or room_of(req) is None:
@@ -97,9 +121,9 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     if reason is not None:
         side.monitor.room_skipped(room, reason, extra={"rid": rid_of(req)})
         return
-    slots, peer_host = seen
-    inband = InbandDigest.from_slots(slots[SLOT_DIGEST]) if slots else None
-    endpoint = unpack_endpoint(slots[SLOT_ENDPOINT]) if slots else None
+    digest_slots, endpoint_slot, peer_host = seen
+    inband = InbandDigest.from_slots(digest_slots) if digest_slots else None
+    endpoint = unpack_endpoint(endpoint_slot) if endpoint_slot is not None else None
     if endpoint is not None:  # the address the server bound, else the rank SGLang bootstrapped with
         host = endpoint[0] or peer_host
         endpoint = (host, endpoint[1]) if host else None
@@ -326,8 +350,25 @@ def make_send_kv_metadata_wrapper(runtime):
     return wrapper
 
 
+def make_preallocated_wrapper(runtime):
+    """``DecodePreallocQueue.pop_preallocated(self, ...)`` (0.5.18-0.5.20), after: the
+    destination pages of every room it preallocated (what `_send_kv_metadata` gives later releases)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if runtime.enabled and isinstance(result, tuple) and result:
+            safe_invoke("decode.preallocated", on_preallocated, runtime, instance, list(result[0]))
+        return result
+
+    return wrapper
+
+
 def make_commit_transfer_wrapper(runtime):
-    """``_commit_transfer_to_req(self, decode_req)``, around: in-band read, then `decode_recv`."""
+    """``_commit_transfer_to_req(self, decode_req)``, around: in-band read, then `decode_recv`.
+
+    Upstream after 0.5.23 may return False for "not ready, keep it in the
+    queue": the row is then neither cleared nor committed, so the room is
+    digested at the commit that returns anything else (None in 0.5.18-0.5.23)."""
 
     def _pick(decode_req, *_a, **_k):
         return decode_req
@@ -338,7 +379,7 @@ def make_commit_transfer_wrapper(runtime):
         decode_req = _pick(*args, **kwargs)
         seen = safe_invoke("decode.commit_read", before_commit, instance, decode_req)
         result = wrapped(*args, **kwargs)
-        if seen is not None:
+        if seen is not None and result is not False:
             safe_invoke("decode.commit", after_commit, runtime, instance, decode_req, seen)
         return result
 

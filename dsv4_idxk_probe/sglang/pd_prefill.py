@@ -1,6 +1,6 @@
 """Prefill hooks: digest each room as its last chunk is handed to the transfer.
 
-Targets (configs/targets/sglang-0.5.23.yaml, "PD prefill / decode"):
+Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``PrefillBootstrapQueue._init_kv_manager`` (after): build the prefill side
   (digest engine, monitor, exchange server) once SGLang's KV manager exists;
@@ -30,8 +30,8 @@ import numpy as np
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from .accessors import (
-    ATTR_INBAND, ATTR_SENT, SLOT_DIGEST, SLOT_ENDPOINT, metadata_row, prefill_attempt, prefill_skip_reason,
-    rid_of, room_of, sender_is_last_send,
+    ATTR_INBAND, ATTR_SENT, metadata_row, prefill_attempt, prefill_skip_reason, rid_of, room_of,
+    row_slot_plan, sender_is_last_send,
 )
 from .index_k import prefill_room_pages
 from .sides import build_side
@@ -49,9 +49,9 @@ class InbandWrite:
         self.n_tokens = n_tokens
 
     def commit(self) -> None:
-        """Copy the (ready) room digest into slots 1-4."""
+        """Copy the (ready) room digest into the plan's digest slots (1-4 on 0.5.18-0.5.23)."""
         value = InbandDigest(int(self.pending.room_digests[0]), self.signature, self.n_tokens)
-        self.row[SLOT_DIGEST] = np.array(value.to_slots(), dtype=np.uint64)
+        self.row[row_slot_plan(self.row).digest] = np.array(value.to_slots(), dtype=np.uint64)
 
 
 def prefill_side(runtime: Any, scheduler: Any):
@@ -76,8 +76,9 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
 def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -> None:
     """Digest the room whose last chunk is about to be sent; fill what the row can hold now."""
     row = metadata_row(getattr(scheduler, "disagg_metadata_buffers", None), getattr(req, "metadata_buffer_index", None))
-    if row is not None:
-        row[1 : SLOT_ENDPOINT + 1] = 0  # rows are reused and prefill never clears them
+    plan = row_slot_plan(row) if row is not None else None
+    if plan is not None:
+        row[plan.probe_slots] = 0  # rows are reused and prefill never clears them; SGLang's own slots untouched
     side = prefill_side(runtime, scheduler)
     if side is None or prefill_skip_reason(req) is not None:
         return
@@ -95,8 +96,10 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
         return
     if row is None:
         return  # metadata row on a device: the exchange alone carries this room
-    if side.endpoint_slot:
-        row[SLOT_ENDPOINT] = side.endpoint_slot
+    if side.endpoint_slot and plan.endpoint is not None:
+        row[plan.endpoint] = side.endpoint_slot
+    if plan.digest is None:
+        return  # SGLang uses the slots a digest would need: the exchange alone carries it
     write = InbandWrite(pending, row, side.signature, pages.n_tokens)
     sender = getattr(req, "disagg_kv_sender", None)
     if pending.ready():  # host buffers: digested at submit

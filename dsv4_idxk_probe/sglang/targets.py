@@ -3,17 +3,24 @@ installed SGLang, check its signature.
 
 A table (``configs/targets/*.yaml``, format in its header comment) lists
 ``module``, ``qualname``, the leading ``params`` the hook relies on, the hook
-``kind``, the wrapper factory (``hook``), ``required`` and ``role``. A bad
-table raises `TargetFileError` naming the file, line and field. Resolution
-never raises: a target whose module or attribute is missing, or whose
-parameters changed, comes back with that status and a reason, and the caller
-skips it while the others work.
+``kind``, the wrapper factory (``hook``), ``required`` and ``role``, and
+optionally the SGLang releases an entry applies to (``sglang: ">=0.5.21"``,
+in the spirit of OpenTelemetry's instrumentation ranges) and what a missing
+optional target ``cost``s the operator. One table covers every release it
+lists under ``releases``; loading it for a release keeps the entries whose
+range holds that release (`select_table`): ``sglang`` is the installed
+release's table, ``sglang@0.5.21`` (or ``sglang-0.5.21``) a given release's.
+A bad table raises `TargetFileError` naming the file, line and field.
+Resolution never raises: a target whose module or attribute is missing, or
+whose parameters changed, comes back with that status and a reason, and the
+caller skips it while the others work.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -25,7 +32,7 @@ KINDS = ("before", "after", "around")
 ROLES = ("prefill", "decode", "any")
 #: Every status a target can be reported with (metric label values).
 STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_error", "not_applied")
-_FIELDS = {"name", "module", "qualname", "params", "kind", "hook", "required", "role"}
+_FIELDS = {"name", "module", "qualname", "params", "kind", "hook", "required", "role", "sglang", "cost"}
 _LINE = "__line__"
 
 
@@ -44,6 +51,8 @@ class Target:
     required: bool
     role: str
     where: str = ""  # file:line of the entry
+    sglang: str = ""  # the releases it applies to (">=0.5.21, <0.5.23"); "" is all
+    cost: str = ""  # what the operator loses when this (optional) target is missing
 
     @property
     def path(self) -> str:
@@ -81,7 +90,7 @@ class _LineLoader(yaml.SafeLoader):
 
 
 def shipped_target_path(name: str) -> Path:
-    """Path of a shipped table by name (``sglang-0.5.23``)."""
+    """Path of a shipped table by name (``sglang``, ``fork-prefill2-decode2``)."""
     return Path(str(resources.files("dsv4_idxk_probe").joinpath("configs", "targets", f"{name}.yaml")))
 
 
@@ -114,13 +123,96 @@ def _entry(source: str, index: int, raw: Any) -> Target:
         raise TargetFileError(f"{where}: {label}.params must be a list of parameter names, got {params!r}")
     if not isinstance(raw.get("required"), bool):
         raise TargetFileError(f"{where}: {label}.required must be true or false, got {raw.get('required')!r}")
+    for key in ("sglang", "cost"):
+        if key in raw and (not isinstance(raw[key], str) or not raw[key].strip()):
+            raise TargetFileError(f"{where}: {label}.{key} must be a non-empty string, got {raw[key]!r}")
+    releases = raw.get("sglang", "")
+    if releases:
+        try:
+            parse_range(releases)
+        except ValueError as exc:
+            raise TargetFileError(f"{where}: {label}.sglang: {exc}") from None
     return Target(
         raw["name"], raw["module"], raw["qualname"], tuple(params), raw["kind"], raw["hook"],
-        raw["required"], raw["role"], where,
+        raw["required"], raw["role"], where, releases, raw.get("cost", "").strip(),
     )
 
 
-def parse_target_table(text: str, source: str) -> list[Target]:
+# %% releases
+
+_CLAUSE = re.compile(r"^(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)$")
+_OPS = {
+    ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b, ">": lambda a, b: a > b, "<": lambda a, b: a < b,
+}
+
+
+def release_tuple(version: str) -> tuple[int, ...] | None:
+    """(0, 5, 23) for "0.5.23", "0.5.23.post1" or "0.5.23+fork"; None when it has no leading number."""
+    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", str(version))
+    if match is None:
+        return None
+    parts = tuple(int(p) for p in match.group(1).split("."))
+    return (parts + (0, 0, 0))[:3]
+
+
+def parse_range(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """">=0.5.18, <0.5.21" as [(">=", (0, 5, 18)), ("<", (0, 5, 21))]; ValueError naming the clause."""
+    clauses = []
+    for clause in text.split(","):
+        match = _CLAUSE.match(clause.strip())
+        if match is None:
+            raise ValueError(f"{clause.strip()!r} is not a version clause like '>=0.5.21' (in {text!r})")
+        clauses.append((match.group(1), release_tuple(match.group(2))))
+    return clauses
+
+
+def in_range(version: tuple[int, ...], text: str) -> bool:
+    return all(_OPS[op](version, bound) for op, bound in parse_range(text)) if text else True
+
+
+def installed_sglang() -> str | None:
+    """The installed SGLang's version (its distribution metadata, else ``sglang.version``)."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        pass
+    try:
+        from sglang.version import __version__
+
+        return str(__version__)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class TargetTable:
+    """A parsed table: its entries for every release, and the releases it was tested with."""
+
+    source: str
+    targets: tuple[Target, ...]
+    releases: tuple[str, ...]  # "0.5.18", ... (empty: a table without ranges)
+
+
+@dataclass(frozen=True)
+class TableSelection:
+    """A table's entries for one release (what `check` reports and the patcher applies)."""
+
+    source: str
+    release: str | None  # the release the entries were chosen for; None: no ranges, all entries
+    tested: bool  # the release is one the table lists under `releases`
+    targets: list[Target]
+    absent: list[Target]  # entries of other releases whose name this release has no entry for
+
+    @property
+    def label(self) -> str:
+        name = Path(self.source).stem
+        return f"{name}@{self.release}" if self.release else name
+
+
+def parse_table(text: str, source: str) -> TargetTable:
     try:
         document = yaml.load(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
@@ -130,22 +222,96 @@ def parse_target_table(text: str, source: str) -> list[Target]:
     entries = document["targets"] or []
     if not isinstance(entries, list):
         raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: targets must be a list")
+    releases = document.get("releases", [])
+    if not isinstance(releases, list) or not all(isinstance(r, str) and release_tuple(r) for r in releases):
+        raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: releases must be a list of versions "
+                              f"in quotes (\"0.5.23\"), got {releases!r}")
     targets = [_entry(source, i, raw) for i, raw in enumerate(entries)]
-    seen: dict[str, str] = {}
+    seen: dict[str, Target] = {}
     for t in targets:
+        first = seen.get(t.name)
+        if first is not None and not (first.sglang and t.sglang):
+            raise TargetFileError(f"{t.where}: target name {t.name!r} is used twice (first at {first.where}); "
+                                  "entries sharing a name need disjoint `sglang` ranges")
+        seen.setdefault(t.name, t)
+    table = TargetTable(source, tuple(targets), tuple(releases))
+    for release in table.releases:  # each listed release must see each name at most once
+        _entries_for(table, release_tuple(release))
+    return table
+
+
+def _entries_for(table: TargetTable, version: tuple[int, ...] | None) -> list[Target]:
+    chosen = [t for t in table.targets if version is None or in_range(version, t.sglang)]
+    seen: dict[str, str] = {}
+    for t in chosen:
         if t.name in seen:
-            raise TargetFileError(f"{t.where}: target name {t.name!r} is used twice (first at {seen[t.name]})")
+            raise TargetFileError(f"{t.where}: target name {t.name!r} also applies at {seen[t.name]} "
+                                  f"for SGLang {'.'.join(map(str, version or ()))}: overlapping `sglang` ranges")
         seen[t.name] = t.where
-    return targets
+    return chosen
 
 
-def load_target_file(name_or_path: str | Path) -> list[Target]:
-    path = target_file_path(str(name_or_path))
+def parse_target_table(text: str, source: str, release: str | None = None) -> list[Target]:
+    """The entries of a table text (for `release`, when given)."""
+    table = parse_table(text, source)
+    return _entries_for(table, release_tuple(release) if release else None)
+
+
+def _split_name(name_or_path: str) -> tuple[str, str | None]:
+    """("sglang", "0.5.21") for "sglang@0.5.21" or "sglang-0.5.21"; (name, None) otherwise."""
+    if "@" in name_or_path:
+        name, _, release = name_or_path.rpartition("@")
+        return name, release
+    match = re.match(r"^(sglang)-(\d+\.\d+\.\d+)$", name_or_path)
+    if match:
+        return match.group(1), match.group(2)
+    return name_or_path, None
+
+
+def read_table(path: Path) -> TargetTable:
     try:
         text = path.read_text()
     except OSError as exc:
         raise TargetFileError(f"{path}: cannot read target file: {exc.strerror or exc}") from None
-    return parse_target_table(text, str(path))
+    return parse_table(text, str(path))
+
+
+def select_table(name_or_path: str | Path, installed: str | None = "auto") -> TableSelection:
+    """A table's entries for the release it names (``sglang@0.5.21``), else for the
+    installed SGLang (``installed="auto"``), else for its newest listed release.
+
+    An installed release the table does not list is still served (entries whose
+    range holds it), flagged untested; a named release the table does not list
+    is an error, since nobody has looked at that combination.
+    """
+    name, named = _split_name(str(name_or_path))
+    path = target_file_path(name)
+    table = read_table(path)
+    if named is not None:
+        if release_tuple(named) is None or (table.releases and named not in table.releases):
+            raise TargetFileError(f"{path}: no table for SGLang {named!r}; this table lists "
+                                  f"{', '.join(table.releases) or 'no releases'}")
+        release = named
+    elif not table.releases and not any(t.sglang for t in table.targets):
+        return TableSelection(str(path), None, True, list(table.targets), [])
+    else:
+        release = installed_sglang() if installed == "auto" else installed
+        if release is None or release_tuple(release) is None:
+            release = max(table.releases, key=release_tuple) if table.releases else None
+    version = release_tuple(release) if release else None
+    chosen = _entries_for(table, version)
+    names = {t.name for t in chosen}
+    absent, seen = [], set()
+    for t in table.targets:
+        if t.name not in names and t.name not in seen:
+            seen.add(t.name)
+            absent.append(t)
+    tested = release is not None and any(release_tuple(r) == version for r in table.releases)
+    return TableSelection(str(path), release, tested, chosen, absent)
+
+
+def load_target_file(name_or_path: str | Path) -> list[Target]:
+    return select_table(name_or_path).targets
 
 
 def load_targets(names_or_paths: Iterable[str]) -> list[Target]:

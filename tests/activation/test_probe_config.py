@@ -22,7 +22,7 @@ def env(tmp_path=None, text=None, **extra):
 
 def test_defaults_without_a_file():
     config = load_config(env())
-    assert (config.mode, config.layout, config.step_interval, config.targets) == ("observe", "auto", 64, ("sglang-0.5.23",))
+    assert (config.mode, config.layout, config.step_interval, config.targets) == ("observe", "auto", 64, ("sglang",))
     assert (config.exchange.bind, config.exchange.port_base, config.exchange.fetch_always) == ("auto", 0, False)
     assert config.hicache == {}
 

@@ -1,7 +1,7 @@
 """Fixtures for the HiCache host-pool tests: the real SGLang 0.5.23 pool classes on CPU.
 
 * `hicache` installs the probe's wrappers exactly as the target table
-  (configs/targets/sglang-0.5.23.yaml, HiCache section) names them, with
+  (configs/targets/sglang.yaml, HiCache section) names them, with
   wrapt, against a tiny runtime (fresh Prometheus registry, records list),
   and removes them again at teardown.
 * `standins` injects the CPU copy ops of cpu_standins.py into
@@ -41,7 +41,6 @@ def _hicache_errors() -> dict[str, int]:
     return {k: v for k, v in safety.error_counts().items() if k.startswith("hicache.")}
 
 
-TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets" / "sglang-0.5.23.yaml"
 HOOK_MODULE = "dsv4_idxk_probe.sglang.hicache"
 BASE = process_labels(role="test")  # the process labels of ProbeMetrics(role="test")
 
@@ -56,8 +55,10 @@ LAYERS = 2
 
 
 def hicache_targets() -> list[dict]:
-    """The HiCache entries of the target table."""
-    entries = yaml.safe_load(TARGETS.read_text())["targets"]
+    """The HiCache entries of the target table, for the installed SGLang release."""
+    from dsv4_idxk_probe.sglang.targets import load_target_file
+
+    entries = [dict(vars(t), params=list(t.params)) for t in load_target_file("sglang")]
     return [t for t in entries if str(t.get("hook", "")).startswith(HOOK_MODULE + ":")]
 
 

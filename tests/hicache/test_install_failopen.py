@@ -16,7 +16,9 @@ from dsv4_idxk_probe.hicache import HiCacheConfigError, parse_settings
 from .conftest import Env, LAYERS, hicache_targets, page_indices
 
 Pool = mph.DeepSeekV4PagedHostPool
+#: The copy methods the release under test has (backup_tokens_* arrives in SGLang 0.5.23).
 METHODS = ["backup_from_device_all_layer", "load_to_device_per_layer", "backup_tokens_from_device_all_layer"]
+METHODS = [m for m in METHODS if hasattr(Pool, m)]
 
 
 def wrapped(name: str) -> bool:

@@ -25,7 +25,7 @@ def patched():
     records = []
     config = parse_config({"hicache": {"guard": "block", "flush_interval_s": 3600}}, "<test>")
     runtime = Runtime(config, registry=registry, emit=records.append)
-    targets = [t for t in load_target_file("sglang-0.5.23") if t.name.startswith("hicache.")]
+    targets = [t for t in load_target_file("sglang") if t.name.startswith("hicache.")]
     patcher = Patcher(runtime, targets, route="wrapt")
     runtime.patcher = patcher
     status = patcher.patch()
@@ -38,10 +38,10 @@ def patched():
 
 def test_patched_counted_and_blocked_through_the_runtime(patched, make_pool, standins):
     runtime, registry, status, records = patched
-    assert {name: s for name, (s, _) in status.items()} == {
-        "hicache.pool_init": "patched", "hicache.backup": "patched", "hicache.load": "patched",
-        "hicache.backup_tokens": "patched", "hicache.set_page": "patched", "hicache.page_meta": "patched",
-    }  # fmt: skip
+    expected = {"hicache.pool_init", "hicache.backup", "hicache.load", "hicache.set_page", "hicache.page_meta"}
+    if hasattr(mph.DeepSeekV4PagedHostPool, "backup_tokens_from_device_all_layer"):  # SGLang 0.5.23+
+        expected.add("hicache.backup_tokens")
+    assert {name: s for name, (s, _) in status.items()} == dict.fromkeys(expected, "patched")
     pool = make_pool("fp8_indexer")
     pool.backup_from_device_all_layer(None, page_indices([0]), page_indices([1]), "kernel")
     assert torch.equal(pool.kv_buffer[0][0], pool.device_buffers[0][1])

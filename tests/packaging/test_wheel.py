@@ -62,7 +62,7 @@ def test_the_wheel_carries_the_hook_dashboards_rules_and_license(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     for inside in ("dsv4_idxk_probe/hooks/dsv4_idxk_probe.pth", "dsv4_idxk_probe/dashboards/dsv4-idxk-probe.json",
                    "dsv4_idxk_probe/configs/prometheus/alerts.yml", "dsv4_idxk_probe/configs/prometheus/alerts.test.yml",
-                   "dsv4_idxk_probe/configs/grafana/dashboards.yaml", "dsv4_idxk_probe/configs/targets/sglang-0.5.23.yaml"):
+                   "dsv4_idxk_probe/configs/grafana/dashboards.yaml", "dsv4_idxk_probe/configs/targets/sglang.yaml"):
         assert inside in names, inside
     assert not [n for n in names if n.endswith("generate.py")], "the dashboard generator is a dev tool"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()

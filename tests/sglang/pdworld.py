@@ -18,6 +18,32 @@ from types import SimpleNamespace
 
 import torch
 
+from dsv4_idxk_probe.sglang.index_k import indexer_row_buffers
+from dsv4_idxk_probe.sglang.targets import installed_sglang, release_tuple
+
+#: The SGLang release under test (the matrix puts each release first on sys.path).
+RELEASE = release_tuple(installed_sglang() or "0.5.23")
+#: 0.5.18 keeps req_pool_idx / cache_protected_len on the Req itself; 0.5.19+ on req.kv.
+REQ_KV_NAMESPACE = RELEASE >= (0, 5, 19)
+#: `req.extend_end` (0.5.22+); before, `req.extend_range.end`.
+HAS_EXTEND_END = RELEASE >= (0, 5, 22)
+#: `_send_kv_metadata` (0.5.21+); before, `pop_preallocated` publishes the pages inline.
+HAS_SEND_KV_METADATA = RELEASE >= (0, 5, 21)
+
+
+def c4_indexer(pool):
+    """The C4 indexer pool: ``index_pools[4]`` (0.5.20+), ``c4_indexer_kv_pool`` before."""
+    return (getattr(pool, "index_pools", None) or {}).get(4) or pool.c4_indexer_kv_pool
+
+
+def extend_fields(end: int) -> dict:
+    return {"extend_end": end} if HAS_EXTEND_END else {"extend_range": SimpleNamespace(start=0, end=end)}
+
+
+def req_kv(**fields) -> dict:
+    """The Req's KV bookkeeping fields, shaped as the release under test keeps them."""
+    return {"kv": SimpleNamespace(**fields)} if REQ_KV_NAMESPACE else dict(fields)
+
 PAGE = 256
 PREFIX_TOKENS = PAGE
 ROOM_TOKENS = 2 * PAGE + 100  # transferred tokens: 3 pages, the last one partial
@@ -39,7 +65,7 @@ def make_pool(seed: int):
         enable_memory_saver=False, compression_ratios=COMPRESSION_RATIOS,
     )
     g = torch.Generator().manual_seed(seed)
-    for buf in pool.index_pools[4].contiguous_page_row_buffers():
+    for buf in indexer_row_buffers(c4_indexer(pool)):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
     allocator = PagedTokenToKVPoolAllocator(
         size=8 * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu", kvcache=pool, need_sort=False
@@ -68,7 +94,7 @@ class Side:
 
     @property
     def index_k(self) -> list[torch.Tensor]:
-        return self.pool.index_pools[4].contiguous_page_row_buffers()
+        return indexer_row_buffers(c4_indexer(self.pool))
 
 
 def make_side(seed: int, pages: list[int]) -> Side:
@@ -102,8 +128,9 @@ def transfer_index_k(prefill: Side, decode: Side) -> None:
 def prefill_req(room: int, metadata_index: int = 2) -> SimpleNamespace:
     return SimpleNamespace(
         rid=f"req-{room}", bootstrap_room=room, bootstrap_host="10.0.0.1", disagg_decode_prefix_len=PREFIX_TOKENS,
-        extend_end=PREFIX_TOKENS + ROOM_TOKENS, origin_input_ids=list(range(PREFIX_TOKENS + ROOM_TOKENS)),
-        kv=SimpleNamespace(req_pool_idx=1), metadata_buffer_index=metadata_index, finished_reason=None,
+        **extend_fields(PREFIX_TOKENS + ROOM_TOKENS), origin_input_ids=list(range(PREFIX_TOKENS + ROOM_TOKENS)),
+        start_send_idx=PREFIX_TOKENS, multimodal_inputs=None,
+        **req_kv(req_pool_idx=1), metadata_buffer_index=metadata_index, finished_reason=None,
         pending_bootstrap=False, prefill_attempt_count=0, output_ids=[42], cached_tokens=0,
         cached_tokens_device=0, cached_tokens_host=0, cached_tokens_storage=0, return_logprob=False,
         return_sampling_mask=False, hidden_states_tensor=None, get_mm_token_counts=lambda: (0, 0, 0),
@@ -119,7 +146,7 @@ class DecodeReq(SimpleNamespace):
 def decode_req(room: int, metadata_index: int = 1, peer: str = "127.0.0.1") -> SimpleNamespace:
     req = DecodeReq(
         rid=f"req-{room}", bootstrap_room=room, bootstrap_host="10.0.0.1", origin_input_ids=list(range(PREFIX_TOKENS + ROOM_TOKENS)),
-        kv=SimpleNamespace(req_pool_idx=1, cache_protected_len=PREFIX_TOKENS), finished_reason=None, output_ids=[],
+        **req_kv(req_pool_idx=1, cache_protected_len=PREFIX_TOKENS), finished_reason=None, output_ids=[],
         return_logprob=False, return_sampling_mask=False, time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None),
     )
     receiver = SimpleNamespace(
@@ -136,7 +163,12 @@ def aux_transfer(prefill: Side, decode: Side, prefill_index: int, decode_index: 
 
 def standin(cls, **attributes):
     """An instance of SGLang's `cls` made without its __init__, holding only `attributes`:
-    methods are SGLang's own (and the probe's wrappers on them), state is the test's."""
+    methods are SGLang's own (and the probe's wrappers on them), state is the test's.
+    A class with abstract methods (CommonKVSender before 0.5.23) is instantiated
+    through a subclass that only lifts the abstract check: its methods stay SGLang's."""
+    if getattr(cls, "__abstractmethods__", None):
+        cls = type(cls.__name__, (cls,), {})
+        cls.__abstractmethods__ = frozenset()
     obj = object.__new__(cls)
     obj.__dict__.update(attributes)
     return obj
@@ -158,10 +190,27 @@ def prealloc_queue(decode: Side):
     return standin(
         DecodePreallocQueue,
         scheduler=decode.scheduler,
+        req_to_token_pool=decode.req_to_token_pool,
+        token_to_kv_pool_allocator=decode.allocator,
         req_to_metadata_buffer_idx_allocator=SimpleNamespace(alloc=lambda: next(index)),
         transfer_queue=SimpleNamespace(enable_staging=False),
         _num_published_destinations=0,
     )
+
+
+def publish_pages(runtime, decode: Side, dreq, kv_indices, page_size: int = PAGE, **metadata_kwargs) -> None:
+    """Decode publishes the room's pages to prefill: SGLang's real `_send_kv_metadata`
+    (0.5.21+), or before 0.5.21 what `pop_preallocated` leaves for the probe (the
+    metadata row index; the pages in req_to_token) with the probe's hook on it
+    run around a stand-in pop (the real one needs a whole scheduler)."""
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    queue = prealloc_queue(decode)
+    if HAS_SEND_KV_METADATA:
+        queue._send_kv_metadata(dreq, kv_indices, page_size, None, **metadata_kwargs)
+        return
+    dreq.metadata_buffer_index = queue.req_to_metadata_buffer_idx_allocator.alloc()
+    pd_decode.make_preallocated_wrapper(runtime)(lambda *a, **k: ([dreq], []), queue, (), {})
 
 
 def transfer_queue(decode: Side):
@@ -172,6 +221,7 @@ def transfer_queue(decode: Side):
         DecodeTransferQueue,
         scheduler=SimpleNamespace(
             kv_checksum_computer=None,
+            server_args=SimpleNamespace(disaggregation_transfer_backend="nixl"),  # read by 0.5.18-0.5.20
             batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None),
             disagg_decode_prealloc_queue=decode.scheduler.disagg_decode_prealloc_queue,
         ),

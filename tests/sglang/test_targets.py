@@ -11,15 +11,18 @@ import pytest
 import sglang.srt.disaggregation as disaggregation
 from dsv4_idxk_probe.cli import check
 from dsv4_idxk_probe.sglang.targets import (
-    TargetFileError, load_factory, load_target_file, load_targets, parse_target_table, resolve,
+    TargetFileError, installed_sglang, load_factory, load_target_file, load_targets, parse_target_table, resolve,
+    release_tuple, select_table,
 )
 
 FORK_FIXTURE = Path(__file__).resolve().parent / "fork_fixture"
 
 
 def test_every_shipped_target_resolves_with_its_signature():
-    targets = load_target_file("sglang-0.5.23")
-    assert {t.name for t in targets} >= {"pd.send_kv_chunk", "pd.sender_send", "pd.commit_transfer", "pd.send_kv_metadata"}
+    targets = load_target_file("sglang")
+    names = {t.name for t in targets}
+    assert names >= {"pd.send_kv_chunk", "pd.sender_send", "pd.commit_transfer", "hicache.pool_init"}
+    assert len(names & {"pd.send_kv_metadata", "pd.preallocated"}) == 1  # one way to learn decode's pages
     for target in targets:
         resolution = resolve(target)
         assert resolution.ok, f"{target.name}: {resolution.status}: {resolution.detail}"
@@ -107,8 +110,16 @@ def test_check_passes_on_the_installed_sglang(capsys, monkeypatch):
     monkeypatch.delenv("DSV4_IDXK_PROBE_CONFIG", raising=False)
     rc, out = _check(capsys)
     assert rc == 0, out.out
-    assert "SGLang 0.5.23" in out.out and "0 required target(s) missing" in out.out
-    assert out.out.count("\nok ") == len(load_target_file("sglang-0.5.23"))
+    release = installed_sglang()
+    targets = load_target_file("sglang")
+    assert f"SGLang {release} detected" in out.out and f"table sglang@{release} chosen" in out.out
+    assert f"{len(targets)}/{len(targets)} targets resolve; 0 required target(s) missing" in out.out
+    assert out.out.count("\nok ") == len(targets)
+    optional = [t for t in targets if not t.required]
+    assert optional and all(t.cost for t in optional)  # every optional target says what it costs
+    assert out.out.count("  if missing: ") == len(optional)
+    for t in optional:
+        assert f"if missing: {t.cost}\n" in out.out
 
 
 def test_check_fails_when_a_required_target_is_missing(tmp_path, capsys):
