@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from ..boundedfile import read_bounded
+
 KINDS = ("before", "after", "around")
 ROLES = ("prefill", "decode", "any")
 #: Every status a target can be reported with (metric label values).
@@ -268,11 +270,16 @@ def _split_name(name_or_path: str) -> tuple[str, str | None]:
     return name_or_path, None
 
 
+MAX_TABLE_BYTES = 1 << 20  # a table of every target of every release is a few KiB
+
+
 def read_table(path: Path) -> TargetTable:
+    """A table file: a regular file, size-capped before it is read (an operator may name any path)."""
+    data = read_bounded(path, "target file", MAX_TABLE_BYTES, TargetFileError)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise TargetFileError(f"{path}: cannot read target file: {exc.strerror or exc}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TargetFileError(f"{path}: target file is not UTF-8 text (byte {exc.start})") from None
     return parse_table(text, str(path))
 
 

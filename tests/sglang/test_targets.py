@@ -101,6 +101,27 @@ def test_duplicate_target_names_across_tables_are_refused(tmp_path):
         load_targets([str(tmp_path / "one.yaml"), str(tmp_path / "two.yaml")])
 
 
+def test_a_target_path_that_is_no_small_regular_file_is_refused_unread(tmp_path):
+    """An operator may name any path: a FIFO must not hang the reader, a device or a
+    huge file must not be read whole."""
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(TargetFileError, match="fifo.yaml: cannot read target file: not a regular file"):
+        load_target_file(str(fifo))
+    with pytest.raises(TargetFileError, match="/dev/zero: cannot read target file: not a regular file"):
+        load_target_file("/dev/zero")
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate((1 << 20) + 1)
+    with pytest.raises(TargetFileError, match="big.yaml: target file is 1,048,577 bytes, over the"):
+        load_target_file(str(big))
+    (tmp_path / "latin.yaml").write_bytes(b"targets: [\xff]\n")
+    with pytest.raises(TargetFileError, match="latin.yaml: target file is not UTF-8 text"):
+        load_target_file(str(tmp_path / "latin.yaml"))
+
+
 def _check(capsys, *targets):
     rc = check.main(argparse.Namespace(targets=list(targets) or None, json=False))
     return rc, capsys.readouterr()
