@@ -105,6 +105,8 @@ class DecodeSide(_Side):
             fetch_always=config.exchange.fetch_always,
             step_interval=config.step_interval,
             max_rooms=config.exchange.table_size,
+            diagnosis=_diagnosis(runtime, layout, geometry.layer_ids),
+            snapshot_on_allocation=config.diagnosis.snapshot_on_allocation,
         )
 
     def remember_peer(self, key: str, endpoint: tuple[str, int] | None) -> None:
@@ -125,6 +127,18 @@ class DecodeSide(_Side):
         self.engine.close()
         if self.client is not None:
             self.client.close()
+
+
+def _diagnosis(runtime: Any, layout: Any, layer_ids) -> Any:
+    """Decode's diagnosis (content index + the process's page journal), or None when off."""
+    cfg = runtime.config.diagnosis
+    if not cfg.enabled:
+        return None
+    from ..diagnosis import ContentIndex
+    from ..diagnosis.tracker import DecodeDiagnosis
+
+    return DecodeDiagnosis(layout, layer_ids, runtime.journal, ContentIndex(cfg.index_cells),
+                           max_cells=cfg.max_cells_per_room)
 
 
 def _bind_address(exchange: Any, host: str | None) -> str | None:
