@@ -230,6 +230,7 @@ class Launch:
              for r, first in zip(rooms, self.plan.first_cells)], dtype=torch.int64, device=device)
         self.layers, self.base_align = layer_table(bufs, list(range(len(bufs))), device)
         self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, device=device)
+        self.contents = torch.empty_like(self.cells)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, device=device)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
         self.tune(rows, warps)
@@ -239,12 +240,13 @@ class Launch:
                                    base_align=self.base_align)
 
     def __call__(self):
-        self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.flags.data_ptr(), len(self.rooms),
-                           self.plan.max_pages)
+        self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
+                           len(self.rooms), self.plan.max_pages)
 
     def sample_reference(self, rng, n_sample):
-        """(room slot, logical pages, reference cells [layers, pages, segments]) for a
-        random sample of each room's pages: what every tuning must store."""
+        """(room slot, logical pages, reference cells [layers, pages, segments], their
+        content digests) for a random sample of each room's pages: what every tuning
+        must store."""
         samples = []
         for slot, room in enumerate(self.rooms):
             logical = np.sort(rng.choice(room.n_pages, min(n_sample, room.n_pages), replace=False))
@@ -252,18 +254,23 @@ class Launch:
                 logical[-1] = room.n_pages - 1
             physical = room.pages.cpu().numpy()[logical]
             cells = np.zeros((len(self.bufs), len(logical), len(self.layout.segments)), dtype=np.uint64)
+            contents = np.zeros_like(cells)
             frozen = np.array([self.layout.frozen_slots(room.n_tokens, int(k)) for k in logical])
             for li, buf in enumerate(self.bufs):
                 rows = buf[torch.as_tensor(physical, device=buf.device)].cpu().numpy()
-                cells[li] = ref.cell_contributions(ref.segment_digests(rows, frozen, self.layout), [li] * len(logical), logical)
-            samples.append((slot, logical, cells))
+                contents[li] = ref.segment_digests(rows, frozen, self.layout)
+                cells[li] = ref.cell_contributions(contents[li], [li] * len(logical), logical)
+            samples.append((slot, logical, cells, contents))
         return samples
 
     def exact_on(self, samples) -> bool:
         cells = self.cells.cpu().numpy().view(np.uint64)
+        contents = self.contents.cpu().numpy().view(np.uint64)
         flags = self.flags.cpu().numpy()
-        for slot, logical, want in samples:
+        for slot, logical, want, want_contents in samples:
             if not np.array_equal(self.plan.block(cells, slot)[:, logical], want):
+                return False
+            if not np.array_equal(self.plan.block(contents, slot)[:, logical], want_contents):
                 return False
         return not flags.any()
 
@@ -281,6 +288,7 @@ def bench_large_room(name, device, sizes, ceilings, rng) -> dict:
     for rows, warps in sweep_for(layout, sizes.sweep):
         launch.tune(rows, warps)
         launch.cells.fill_(0x5A5A)
+        launch.contents.fill_(0x5A5A)
         ms = median_ms(launch)
         sweep.append({"rows": rows, "warps": warps, "ms": ms,
                       "read_TBps": read_bytes / (ms * 1e-3) / 1e12, "exact": launch.exact_on(samples)})
@@ -340,7 +348,7 @@ def short_rooms(device, sizes, shape, rng) -> dict:
     exact = launch.exact_on(samples)
     no_pages = torch.tensor([[perm.data_ptr(), 8, 0, 0, 0]], dtype=torch.int64, device=device)  # every program returns
     empty_ms = median_ms(lambda: launch.kernel.launch(no_pages.data_ptr(), launch.cells.data_ptr(),
-                                                      launch.flags.data_ptr(), 1, 1))
+                                                      launch.contents.data_ptr(), launch.flags.data_ptr(), 1, 1))
     result = {"rooms": n_rooms, "pages": n_pages, "layers": sizes.layers, "shape": shape, "exact": exact,
               "kernel_us": kernel_ms * 1e3, "kernel_us_per_room": kernel_ms * 1e3 / n_rooms,
               "read_TBps": n_rooms * n_pages * sizes.layers * layout.row_bytes / (kernel_ms * 1e-3) / 1e12,

@@ -125,11 +125,11 @@ def host_ops(engine: DigestEngine, args) -> dict:
 
         empty = torch.zeros(64, dtype=torch.int64, pin_memory=True).data_ptr()
         grid = (1, kernel.n_layers, 1)
-        launch_args = kernel.launch_args(empty, empty, empty)
+        launch_args = kernel.launch_args(empty, empty, empty, empty)
 
         def engine_launch():
             device, stream = current_stream()
-            kernel.launch(empty, empty, empty, 1, 1, device=device, stream=stream)
+            kernel.launch(empty, empty, empty, empty, 1, 1, device=device, stream=stream)
 
         ops["Triton launch, CompiledKernel[grid](...)"] = lambda: kernel.compiled[grid](*launch_args)
         ops["Triton launch, the engine's (C launcher, device and stream looked up)"] = engine_launch

@@ -4,7 +4,7 @@
 buffer, launches the Triton kernel on the caller's current stream and
 records a CUDA event right behind it: two device calls, whatever the batch.
 The kernel reads the table straight from pinned host memory and stores its
-cells into the back of the same buffer. A background thread waits for the
+cells (and their content digests) into the back of the same buffer. A background thread waits for the
 event (`WAITS`), folds the cells into room digests and hands them to the
 callback. The caller's thread never calls ``.item()``, ``.cpu()``,
 ``.tolist()`` or a synchronise on this path.
@@ -66,6 +66,11 @@ class BatchResult:
     # that layer's buffer, so they were not read. A room with any has a digest that
     # compares equal to none (docs/digest.md, "Page ids out of range").
     out_of_range: tuple[int, ...] = ()
+    # Per room, in submit order: each cell's content digest, uint64 [layers, pages,
+    # segments] (the segment digest d of docs/digest.md, "Content digests"; 0 where a
+    # row was not read), computed in the same kernel pass as the digests. A copy the
+    # callback may keep.
+    contents: tuple[np.ndarray, ...] = ()
 
 
 @dataclass
@@ -96,6 +101,7 @@ class PendingDigest:
     counted: bool = True  # False for the engine's own warm-up batch
     error: str | None = None  # recording `done` failed: the collector drops the batch
     flags: np.ndarray | None = None  # uint8 [n_cells]: 1 where the row's page id was out of range
+    contents: np.ndarray | None = None  # uint64 [n_cells, n_segments]: each cell's content digest
 
     def ready(self) -> bool:
         """Whether `room_digests` is readable now; never, for a batch whose event failed."""
@@ -267,19 +273,20 @@ class DigestEngine:
     def _launch(self, rooms: list[RoomRequest], callback) -> PendingDigest:
         plan = plan_cells(rooms, len(self.layer_ids))
         if self.backend == "reference":
-            cells, flags = self._reference_cells(plan, rooms)
-            return PendingDigest(plan, rooms, callback, cells, flags=flags)
+            cells, contents, flags = self._reference_cells(plan, rooms)
+            return PendingDigest(plan, rooms, callback, cells, flags=flags, contents=contents)
         return self._launch_triton(plan, rooms, callback)
 
-    def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> tuple[np.ndarray, np.ndarray]:
-        """The cells and out-of-range flags the kernel stores, computed with the reference."""
+    def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cells, contents and out-of-range flags the kernel stores, computed with the reference."""
         cells = np.zeros((plan.n_cells, len(self.layout.segments)), dtype=np.uint64)
+        contents = np.zeros_like(cells)
         flags = np.zeros(plan.n_cells, dtype=np.uint8)
         for slot, room in enumerate(rooms):
             pages = room.pages.cpu().numpy() if isinstance(room.pages, torch.Tensor) else room.pages
             checked_room_cells(self.buffers, pages, room.n_tokens, self.layout, self.layer_ids,
-                               plan.block(cells, slot), flag_block(plan, flags, slot))
-        return cells, flags
+                               plan.block(cells, slot), flag_block(plan, flags, slot), plan.block(contents, slot))
+        return cells, contents, flags
 
     def _device_pages(self, pages: Any) -> torch.Tensor | None:
         """The room's page table where it already lives on the kernel's device, read in
@@ -294,7 +301,7 @@ class DigestEngine:
         """Two device calls per batch, whatever its size: the launch, and the batch's
         event right behind it (why here: the module's docstring). The kernel reads the
         room table (and the page tables that live on the host) from pinned memory and
-        stores cells into the back of the same buffer, so nothing is copied."""
+        stores cells, contents and flags into the back of the same buffer, so nothing is copied."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):
@@ -320,9 +327,12 @@ class DigestEngine:
             row = ROOM_COLUMNS * slot
             words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
         cells_end = input_words + plan.n_cells * n_segments
+        contents_end = cells_end + plan.n_cells * n_segments
         cells = words[input_words:cells_end].view(np.uint64).reshape(-1, n_segments)
-        flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + plan.n_cells]  # then a byte per row
-        cells_address, flags_address = staging.host_address + 8 * input_words, staging.host_address + 8 * cells_end
+        contents = words[cells_end:contents_end].view(np.uint64).reshape(-1, n_segments)
+        flags = staging.host.numpy()[8 * contents_end : 8 * contents_end + plan.n_cells]  # then a byte per row
+        cells_address, contents_address = staging.host_address + 8 * input_words, staging.host_address + 8 * cells_end
+        flags_address = staging.host_address + 8 * contents_end
 
         started = None
         if self.time_kernels:
@@ -330,16 +340,18 @@ class DigestEngine:
             started.record()
         keepalive = [d for d in on_device if d is not None]
         if self.device.type != "cuda":  # the interpreter runs it now
-            self._kernel.launch(read_base, cells_address, flags_address, n_rooms, plan.max_pages)
-            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags)
+            self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages)
+            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
+                                 contents=contents)
         device, raw_stream = self._current_stream()
-        self._kernel.launch(read_base, cells_address, flags_address, n_rooms, plan.max_pages,
+        self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                             device=device, stream=raw_stream)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)
         done = self._events.take(self.time_kernels)
-        ticket = PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive, flags=flags)
+        ticket = PendingDigest(plan, rooms, callback, cells, done, started, staging, keepalive, flags=flags,
+                               contents=contents)
         try:
             done.record(stream)
         except Exception as exc:  # the serving thread goes on; the collector drops the batch
@@ -443,6 +455,8 @@ class DigestEngine:
         """Fold each room's cells (the event has completed), then recycle the buffers."""
         plan, digests, room_bytes = ticket.plan, [], []
         out_of_range = out_of_range_counts(plan, ticket.flags)
+        # One copy out of the staging buffer (recycled below); each room's block is a view of it.
+        contents = ticket.contents.copy() if ticket.contents is not None else None
         for slot, room in enumerate(ticket.rooms):
             layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
             digests.append(
@@ -473,9 +487,11 @@ class DigestEngine:
             self._count_out_of_range(ticket.rooms, out_of_range)
         ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) if not n else secrets.randbits(64)
                                        for d, n in zip(digests, out_of_range)], dtype=np.uint64)
+        ticket.contents = contents
         self._release(ticket)
+        room_contents = () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
-                           out_of_range=tuple(out_of_range))
+                           out_of_range=tuple(out_of_range), contents=room_contents)
 
     def _count_out_of_range(self, rooms: list[RoomRequest], out_of_range: list[int]) -> None:
         """A page id outside a registered buffer is a probe failure (a wrong page table):
@@ -501,15 +517,17 @@ def flag_block(plan: CellPlan, flags: np.ndarray, slot: int) -> np.ndarray:
 
 
 def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
-    """A batch's staging buffer: its tables, then its cells, then a flag byte per cell row."""
-    return 8 * (input_words + n_cells * n_segments) + n_cells
+    """A batch's staging buffer: its tables, then its cells, then their contents, then a
+    flag byte per cell row."""
+    return 8 * (input_words + 2 * n_cells * n_segments) + n_cells
 
 
 def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int],
-                       cells: np.ndarray, flags: np.ndarray) -> None:
+                       cells: np.ndarray, flags: np.ndarray, contents: np.ndarray | None = None) -> None:
     """`reference.room_cells`, with page ids checked as the kernel checks them: a row whose
-    id lies outside its layer's buffer is not read, its cells are 0 and its flag 1.
-    `cells` (uint64 [layers, pages, segments]) and `flags` (uint8 [layers, pages]) are filled."""
+    id lies outside its layer's buffer is not read, its cells (and contents) are 0 and its
+    flag 1. `cells` (uint64 [layers, pages, segments]), `flags` (uint8 [layers, pages])
+    and, when given, `contents` (each cell's content digest, like `cells`) are filled."""
     pages = np.asarray(pages).reshape(-1).astype(np.int64)
     n_pages = len(pages)
     frozen = frozen_slots_per_page(layout, n_pages, n_tokens)
@@ -517,11 +535,15 @@ def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayou
         readable = (pages >= 0) & (pages < buf.shape[0])
         flags[li] = ~readable
         cells[li] = 0
+        if contents is not None:
+            contents[li] = 0
         if readable.any():
             rows = reference._as_rows(buf)[pages[readable]]
             logical = np.flatnonzero(readable)
-            cells[li, readable] = reference.cell_contributions(
-                reference.segment_digests(rows, frozen[readable], layout), [layer_id] * len(logical), logical)
+            digests = reference.segment_digests(rows, frozen[readable], layout)
+            cells[li, readable] = reference.cell_contributions(digests, [layer_id] * len(logical), logical)
+            if contents is not None:
+                contents[li, readable] = digests
 
 
 # Rows per program and warps per program, fastest on an H200

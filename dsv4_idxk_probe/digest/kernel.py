@@ -5,7 +5,8 @@ room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
 layer's buffer and the room's page table, hashes the frozen words of
 each segment into two 32-bit lane sums, and stores each (layer, page,
-segment) cell contribution. Programs past a room's last page return at once.
+segment) cell contribution and, beside it, the cell's segment digest (its
+content digest, docs/digest.md "Content digests"). Programs past a room's last page return at once.
 Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
 vector and the room digest (sums mod 2^64, as `reference.py` defines them).
@@ -25,7 +26,7 @@ as 0 and its flag (one byte per (layer, page) row, beside the cells) is set,
 so the engine counts it and never lets such a room match (docs/digest.md).
 
 The room table and the outputs are passed as plain addresses and the layer
-table is the pool's own, so a launch hands Triton four integers and nothing to
+table is the pool's own, so a launch hands Triton five integers and nothing to
 inspect. The same code reads device memory and
 pinned host memory (the engine has the kernel store its cells straight into
 pinned host memory, which spares a download), and runs under
@@ -138,18 +139,21 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
 
 
 @triton.jit
-def _store_cell(out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
-    """c = fmix64(d ^ salt(layer id, logical page, segment)); 0 for a row not read."""
+def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
+    """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, d itself (the
+    content digest) into the contents; both 0 for a row not read."""
     salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + SEGMENT * _CELL_SEGMENT
     cell = tl.where(readable, _fmix64(d ^ salt), 0)
     tl.store(out + (SEGMENT - 1), cell, mask=valid)
+    tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
 
 
-@triton.jit(do_not_specialize=["room_table", "cells", "flags"])  # one compiled kernel per layout
+@triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags"])  # one compiled kernel per layout
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
     cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
+    contents,  # address of uint64 [n_cells, n_segments]: each cell's segment digest d (its content digest), same order
     flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
     ROW_WORDS: tl.constexpr,  # 32-bit words per row (the row stride)
     SLOTS: tl.constexpr,
@@ -223,13 +227,14 @@ def _digest_rooms_kernel(
 
     row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    _store_cell(out, d0, readable, valid, layer_id, page, 1)
+    content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
     if NUM_SEGMENTS > 1:
-        _store_cell(out, d1, readable, valid, layer_id, page, 2)
+        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2)
     if NUM_SEGMENTS > 2:
-        _store_cell(out, d2, readable, valid, layer_id, page, 3)
+        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3)
     if NUM_SEGMENTS > 3:
-        _store_cell(out, d3, readable, valid, layer_id, page, 4)
+        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4)
     tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
@@ -237,7 +242,7 @@ def _digest_rooms_kernel(
 
 
 _ARG_NAMES = (
-    "room_table", "layer_table", "cells", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
+    "room_table", "layer_table", "cells", "contents", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
 
@@ -314,14 +319,15 @@ class DigestKernel:
         self.compiled = None  # the compiled kernel, launched directly once it is known to fit
         self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
 
-    def launch_args(self, room_table: int, cells: int, flags: int) -> tuple:
+    def launch_args(self, room_table: int, cells: int, contents: int, flags: int) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
-        return (room_table, self.layer_table_address, cells, flags, *self.meta.values())
+        return (room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
 
-    def launch(self, room_table: int, cells: int, flags: int, n_rooms: int, max_pages: int, *,
+    def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
                device: int | None = None, stream: int | None = None) -> None:
-        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers),
-        on `stream` (a raw CUDA stream handle of `device`; None: the current stream)."""
+        """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers:
+        the room table, then the cells, contents and flags it stores), on `stream`
+        (a raw CUDA stream handle of `device`; None: the current stream)."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
@@ -331,11 +337,11 @@ class DigestKernel:
         if compiled is not None and device == self.compiled_on:
             if stream is not None and not _launch_hooks_set():
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                             room_table, self.layer_table_address, cells, flags, *self.meta.values())
+                             room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
             else:
-                compiled[grid](room_table, self.layer_table_address, cells, flags, *self.meta.values())
+                compiled[grid](room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
             return
-        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, flags, **self.meta,
+        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags, **self.meta,
                                               num_warps=self.num_warps)
         if _fits(compiled):
             self.compiled, self.compiled_on = compiled, device

@@ -13,11 +13,15 @@ Arithmetic, per row:
   * lane sums are taken mod 2^32 (order-free, so any tiling gives the same
     value) and the segment digest is d = (sum_b << 32) | sum_a;
   * the cell (layer id, logical page, segment) contributes
-    c = fmix64(d ^ cell_salt), folded by sums mod 2^64.
+    c = fmix64(d ^ cell_salt), folded by sums mod 2^64;
+  * d itself is the cell's content digest: it depends on the frozen bytes
+    only, not on the room, layer or logical page, so equal contents are
+    found wherever they sit (docs/digest.md, "Content digests").
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -113,17 +117,40 @@ def fold_cells(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return by_layer, by_page
 
 
-def room_cells(buffers: Sequence, physical_pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int]) -> np.ndarray:
-    """Every cell contribution of one room: uint64 [layers, pages, segments]."""
+def room_contents(buffers: Sequence, physical_pages, n_tokens: int, layout: RowLayout) -> np.ndarray:
+    """Every cell's content digest of one room: uint64 [layers, pages, segments], the
+    segment digest d of each (layer, logical page, segment), unsalted."""
     pages = np.asarray(physical_pages, dtype=np.int64).reshape(-1)
     n_pages = len(pages)
     frozen = np.array([layout.frozen_slots(n_tokens, k) for k in range(n_pages)], dtype=np.int64)
-    cells = np.zeros((len(layer_ids), n_pages, len(layout.segments)), dtype=np.uint64)
-    for li, (buf, layer_id) in enumerate(zip(buffers, layer_ids)):
+    contents = np.zeros((len(buffers), n_pages, len(layout.segments)), dtype=np.uint64)
+    for li, buf in enumerate(buffers):
         if n_pages:
-            rows = _as_rows(buf)[pages]
-            cells[li] = cell_contributions(segment_digests(rows, frozen, layout), [layer_id] * n_pages, np.arange(n_pages))
+            contents[li] = segment_digests(_as_rows(buf)[pages], frozen, layout)
+    return contents
+
+
+def room_cells(buffers: Sequence, physical_pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int]) -> np.ndarray:
+    """Every cell contribution of one room: uint64 [layers, pages, segments]."""
+    contents = room_contents(buffers, physical_pages, n_tokens, layout)
+    cells = np.zeros_like(contents)
+    for li, layer_id in enumerate(layer_ids[: len(buffers)]):
+        n_pages = contents.shape[1]
+        cells[li] = cell_contributions(contents[li], [layer_id] * n_pages, np.arange(n_pages))
     return cells
+
+
+@lru_cache(maxsize=None)
+def zero_content_digest(layout: RowLayout, segment: int, frozen_slots: int) -> int:
+    """The content digest of an all-zero cell: segment `segment` (its index in
+    `layout.segments`, the last axis of a contents array) of a row of zero bytes with
+    `frozen_slots` frozen slots. A page that was zeroed shows this value."""
+    if not 0 <= segment < len(layout.segments):
+        raise ValueError(f"layout {layout.name!r} has {len(layout.segments)} segments, no segment {segment}")
+    if not 0 <= frozen_slots <= layout.slots:
+        raise ValueError(f"frozen_slots must be 0..{layout.slots}, got {frozen_slots}")
+    row = np.zeros((1, layout.row_bytes), dtype=np.uint8)
+    return int(segment_digests(row, [frozen_slots], layout)[0, segment])
 
 
 def digest_room(

@@ -25,8 +25,9 @@ def _engines(layout, layer_ids, buffers, rows=4):
 
 
 def _kernel_cells(layout, buffers, layer_ids, rooms, **shape):
-    """Launch the kernel directly on `rooms`: (cells uint64 [n_cells, segments], flags
-    uint8 [n_cells], plan). Both outputs start as a sentinel, so an unwritten entry shows."""
+    """Launch the kernel directly on `rooms`: (cells uint64 [n_cells, segments], contents
+    (the same shape), flags uint8 [n_cells], plan). Every output starts as a sentinel,
+    so an unwritten entry shows."""
     from dsv4_idxk_probe.digest.kernel import DigestKernel, layer_table
     from dsv4_idxk_probe.digest.room_table import plan_cells
 
@@ -36,23 +37,26 @@ def _kernel_cells(layout, buffers, layer_ids, rooms, **shape):
          for r, first in zip(rooms, plan.first_cells)], dtype=torch.int64, device=DEVICE)
     table, base_align = layer_table(buffers, layer_ids, DEVICE)
     cells = torch.full((plan.n_cells, len(layout.segments)), 0x5A5A5A5A, dtype=torch.int64, device=DEVICE)
+    contents = torch.full_like(cells, 0x3C3C3C3C)
     flags = torch.full((plan.n_cells,), 0x5A, dtype=torch.uint8, device=DEVICE)
     kernel = DigestKernel(table, len(buffers), layout, base_align=base_align, **shape)
-    kernel.launch(room_table.data_ptr(), cells.data_ptr(), flags.data_ptr(), len(rooms), plan.max_pages)
-    return cells.cpu().numpy().view(np.uint64), flags.cpu().numpy(), plan
+    kernel.launch(room_table.data_ptr(), cells.data_ptr(), contents.data_ptr(), flags.data_ptr(), len(rooms),
+                  plan.max_pages)
+    return cells.cpu().numpy().view(np.uint64), contents.cpu().numpy().view(np.uint64), flags.cpu().numpy(), plan
 
 
 def _reference_cells(layout, buffers, layer_ids, rooms, plan):
-    """What the kernel must store: cells and flags by the engine's checked reference."""
+    """What the kernel must store: cells, contents and flags by the engine's checked reference."""
     from dsv4_idxk_probe.digest.engine import checked_room_cells, flag_block
 
     cells = np.zeros((plan.n_cells, len(layout.segments)), dtype=np.uint64)
+    contents = np.zeros_like(cells)
     flags = np.zeros(plan.n_cells, dtype=np.uint8)
     host = [b.cpu() for b in buffers]
     for slot, room in enumerate(rooms):
         checked_room_cells(host, room.pages.cpu().numpy(), room.n_tokens, layout, layer_ids,
-                           plan.block(cells, slot), flag_block(plan, flags, slot))
-    return cells, flags
+                           plan.block(cells, slot), flag_block(plan, flags, slot), plan.block(contents, slot))
+    return cells, contents, flags
 
 
 def _assert_same(kernel_digests, reference_digests):
@@ -89,9 +93,10 @@ def test_tiling_does_not_change_the_cells(rows, num_warps, layout, random_buffer
     rooms = [RoomRequest("a", torch.tensor([4, 0, 2], device=DEVICE), 2 * 256 + 9),
              RoomRequest("b", torch.tensor([1, 3, 2, 0, 4], device=DEVICE), 5 * 256),
              RoomRequest("c", torch.tensor([3], dtype=torch.int32, device=DEVICE), 7)]
-    cells, flags, plan = _kernel_cells(layout, buffers, [0, 7], rooms, rows=rows, num_warps=num_warps)
-    want_cells, want_flags = _reference_cells(layout, buffers, [0, 7], rooms, plan)
+    cells, contents, flags, plan = _kernel_cells(layout, buffers, [0, 7], rooms, rows=rows, num_warps=num_warps)
+    want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [0, 7], rooms, plan)
     assert np.array_equal(cells, want_cells) and np.array_equal(flags, want_flags) and not flags.any()
+    assert np.array_equal(contents, want_contents)
 
 
 def test_split_across_launches_gives_the_same_digests(random_buffers):
@@ -159,11 +164,13 @@ def test_kernel_stores_every_cell_of_every_room_once(random_buffers):
         RoomRequest("a", torch.tensor([1, 2], dtype=torch.int64, device=DEVICE), 256 + 20),
         RoomRequest("b", torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE), 2 * 256 + 3),
     ]
-    cells, flags, plan = _kernel_cells(layout, buffers, [10, 20], rooms, rows=2)
+    cells, contents, flags, plan = _kernel_cells(layout, buffers, [10, 20], rooms, rows=2)
     host = [b.cpu() for b in buffers]
     for slot, room in enumerate(rooms):
         expected = ref.room_cells(host, room.pages.cpu().numpy(), room.n_tokens, layout, [10, 20])
         assert np.array_equal(plan.block(cells, slot), expected), room.key
+        expected = ref.room_contents(host, room.pages.cpu().numpy(), room.n_tokens, layout)
+        assert np.array_equal(plan.block(contents, slot), expected), room.key
     assert np.array_equal(flags, np.zeros(plan.n_cells, dtype=np.uint8))
 
 
@@ -179,9 +186,10 @@ def test_out_of_range_page_ids_are_flagged_not_read_and_stored_as_zero(layout, r
         RoomRequest("clean", torch.tensor([2, 1], device=DEVICE), 2 * 256),
     ]
     for rows in (1, 4):
-        cells, flags, plan = _kernel_cells(layout, buffers, [3, 8], rooms, rows=rows)
-        want_cells, want_flags = _reference_cells(layout, buffers, [3, 8], rooms, plan)
+        cells, contents, flags, plan = _kernel_cells(layout, buffers, [3, 8], rooms, rows=rows)
+        want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [3, 8], rooms, plan)
         assert np.array_equal(flags, want_flags) and np.array_equal(cells, want_cells), rows
+        assert np.array_equal(contents, want_contents), rows
     from dsv4_idxk_probe.digest.engine import flag_block
 
     # layer 0 has 6 pages, layer 1 has 4: page 5 and 4 are in range for layer 0 only
@@ -189,6 +197,7 @@ def test_out_of_range_page_ids_are_flagged_not_read_and_stored_as_zero(layout, r
     assert flag_block(plan, flags, 1).tolist() == [[0, 1, 0], [0, 1, 0]]
     assert not flag_block(plan, flags, 2).any()
     assert (plan.block(cells, 0)[flag_block(plan, flags, 0) == 1] == 0).all()
+    assert (plan.block(contents, 0)[flag_block(plan, flags, 0) == 1] == 0).all()
 
 
 _GUARD_SCRIPT = r"""

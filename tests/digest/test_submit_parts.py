@@ -75,13 +75,13 @@ _FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16
 def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(monkeypatch):
     signature = {name: "i64" for name in kernel_module._ARG_NAMES}
     fake, kernel = _kernel(monkeypatch, signature)
-    kernel.launch(1000, 2000, 3000, n_rooms=4, max_pages=5)
-    kernel.launch(1001, 2001, 3001, n_rooms=2, max_pages=1)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=4, max_pages=5)
+    kernel.launch(1001, 2001, 2501, 3001, n_rooms=2, max_pages=1)
     assert len(fake.jit_launches) == 1 and fake.jit_launches[0][0] == (4, 3, 3)
     grid, args = fake.direct_launches[0]
     assert grid == (2, 3, 1)
-    assert args == (1001, 111, 2001, 3001, *_FP8_CONSTANTS)
-    assert kernel.launch_args(1001, 2001, 3001) == args
+    assert args == (1001, 111, 2001, 2501, 3001, *_FP8_CONSTANTS)
+    assert kernel.launch_args(1001, 2001, 2501, 3001) == args
 
 
 @pytest.mark.parametrize("signature", [
@@ -91,15 +91,15 @@ def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(mo
 ])
 def test_a_compiled_kernel_that_does_not_fit_keeps_the_jit_entry_point(monkeypatch, signature):
     fake, kernel = _kernel(monkeypatch, signature)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)
     assert len(fake.jit_launches) == 2 and fake.direct_launches == []
 
 
 def test_nothing_is_launched_for_empty_batches(monkeypatch):
     fake, kernel = _kernel(monkeypatch, {name: "i64" for name in kernel_module._ARG_NAMES})
-    kernel.launch(1000, 2000, 3000, n_rooms=0, max_pages=3)
-    kernel.launch(1000, 2000, 3000, n_rooms=2, max_pages=0)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=0, max_pages=3)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=2, max_pages=0)
     assert fake.jit_launches == [] and fake.direct_launches == []
 
 
@@ -113,9 +113,9 @@ def test_a_launch_on_another_device_goes_through_the_jit(monkeypatch):
     signature = {name: "i64" for name in kernel_module._ARG_NAMES}
     fake, kernel = _kernel(monkeypatch, signature)
     monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)
     monkeypatch.setattr(kernel_module, "_current_device", lambda: 1)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)
     assert len(fake.jit_launches) == 2 and fake.direct_launches == []
 
 
@@ -124,10 +124,10 @@ def test_a_launch_given_its_device_and_stream_calls_the_c_launcher_directly(monk
     fake, kernel = _kernel(monkeypatch, signature)
     monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
     monkeypatch.setattr(kernel_module, "_launch_hooks_set", lambda: False)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)  # the JIT compiles and loads it
-    kernel.launch(1001, 2001, 3001, n_rooms=2, max_pages=3, device=0, stream=0xABC)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)  # the JIT compiles and loads it
+    kernel.launch(1001, 2001, 2501, 3001, n_rooms=2, max_pages=3, device=0, stream=0xABC)
     assert fake.run_launches == [(2, 3, 2, 0xABC, "cu-function", ("packed",), None, None, None,
-                                  1001, 111, 2001, 3001, *_FP8_CONSTANTS)]
+                                  1001, 111, 2001, 2501, 3001, *_FP8_CONSTANTS)]
     assert fake.direct_launches == []
 
 
@@ -137,8 +137,8 @@ def test_a_launch_hook_keeps_launches_on_tritons_own_path(monkeypatch):
     fake, kernel = _kernel(monkeypatch, signature)
     monkeypatch.setattr(kernel_module, "_current_device", lambda: 0)
     monkeypatch.setattr(kernel_module, "_launch_hooks_set", lambda: True)
-    kernel.launch(1000, 2000, 3000, n_rooms=1, max_pages=1)
-    kernel.launch(1001, 2001, 3001, n_rooms=1, max_pages=1, device=0, stream=0xABC)
+    kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)
+    kernel.launch(1001, 2001, 2501, 3001, n_rooms=1, max_pages=1, device=0, stream=0xABC)
     assert fake.run_launches == [] and len(fake.direct_launches) == 1
 
 

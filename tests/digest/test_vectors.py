@@ -60,3 +60,35 @@ def test_hex_words_are_16_digit_lowercase_per_value(values):
     if values:
         matrix = np.array(values * 2, dtype=np.uint64).reshape(2, len(values))
         assert _hex_rows(matrix) == [[f"{v:016x}" for v in values]] * 2
+
+
+def test_zero_cell_content_vectors():
+    for v in _vectors()["zero_cells"]:
+        layout = get_layout(v["layout"])
+        for s, seg in enumerate(layout.segments):
+            assert f"{ref.zero_content_digest(layout, s, v['frozen_slots']):016x}" == v[seg.name], (v, seg.name)
+
+
+def test_zero_cell_content_by_the_words_definition_written_out():
+    """One zero-cell vector recomputed word by word with Python integers, apart from
+    the reference's NumPy: docs/digest.md "Words" with w = 0."""
+    v = next(v for v in _vectors()["zero_cells"] if v["layout"] == "fp4" and v["frozen_slots"] == 7)
+    layout, m = get_layout("fp4"), 0xFFFFFFFF
+    for seg in layout.segments:
+        sum_a = sum_b = 0
+        for j in range(seg.word_offset, seg.word_offset + 7 * seg.slot_words):
+            x = (j * 0x9E3779B1 + 0x7F4A7C15) & m  # 0 XOR the position salt
+            a = (x * 0x85EBCA6B) & m
+            sum_a += a ^ (a >> 16)
+            sum_b += ((x ^ (x >> 15)) * 0xC2B2AE35) & m
+        assert f"{((sum_b & m) << 32) | (sum_a & m):016x}" == v[seg.name], seg.name
+
+
+def test_room_contents_vector():
+    v = _vectors()["room"]
+    layout = get_layout(v["layout"])
+    buffers = [
+        (np.arange(4 * layout.row_bytes).reshape(4, -1) * (l + 1) % 256).astype(np.uint8) for l in range(2)
+    ]
+    contents = ref.room_contents(buffers, v["physical_pages"], v["n_tokens"], layout)
+    assert [[[f"{int(x):016x}" for x in seg] for seg in page] for page in contents] == v["contents"]
