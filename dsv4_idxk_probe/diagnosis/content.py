@@ -5,17 +5,14 @@ it depends on the bytes, the segment and the number of frozen slots, not on
 the room, the layer or the logical page. The same bytes found in another
 room's page, or left by a page's previous occupant, give the same `d`.
 
-`content_digests` reads `d` back from the cell contributions the digest
-engine already stores, `c = fmix64(d XOR salt(layer, page, segment))`:
-fmix64 is a bijection with a known inverse and the salt is known, so `d` is
-exact and costs no extra pass over the bytes. Where the engine hands out `d`
-itself (the kernel stores it beside `c`), callers pass that instead; both
-are the same number.
+The digest engine hands out `d` per room (`BatchResult.contents`, stored by
+the kernel beside each cell's contribution). `content_digests` reads the
+same `d` back from contributions alone, `c = fmix64(d XOR salt(layer, page,
+segment))` (fmix64 is a bijection with a known inverse, the salt is known):
+for tools that hold only cells, and as a check of the engine's contents.
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import numpy as np
 
@@ -54,17 +51,11 @@ def content_digests(cells: np.ndarray, layer_ids) -> np.ndarray:
     return unfmix64(cells) ^ salt
 
 
-@lru_cache(maxsize=256)
-def _zero_row_digests(layout: RowLayout, frozen: int) -> tuple[int, ...]:
-    row = np.zeros((1, layout.row_bytes), dtype=np.uint8)
-    return tuple(int(v) for v in reference.segment_digests(row, [frozen], layout)[0])
-
-
 def zero_cell_digests(layout: RowLayout, frozen_slots) -> np.ndarray:
     """Content digest of an all-zero cell, uint64 [pages, segments], for each page's
-    frozen slot count (a page with no frozen slot has d = 0, like any other)."""
+    frozen slot count (`reference.zero_content_digest`, the definition)."""
     frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1)
     out = np.zeros((len(frozen), len(layout.segments)), dtype=np.uint64)
     for n in np.unique(frozen):
-        out[frozen == n] = np.array(_zero_row_digests(layout, int(n)), dtype=np.uint64)
+        out[frozen == n] = [reference.zero_content_digest(layout, s, int(n)) for s in range(len(layout.segments))]
     return out

@@ -147,14 +147,15 @@ def summarise(diagnoses: Sequence[dict]) -> list[str]:
     counts: Counter = Counter()
     for d in diagnoses:
         counts[(d.get("kind", "unknown"), culprit(d.get("events") or ()))] += 1
-    phrases = {
-        "zeroed": "zeroed",
-        "other_room": "hold another room's page",
-        "previous_occupant": "hold the page's previous occupant",
-        "unknown": "changed to bytes no known page holds",
+    phrases = {  # (one cell, several cells)
+        "zeroed": ("zeroed", "zeroed"),
+        "other_room": ("holds another room's page", "hold another room's page"),
+        "previous_occupant": ("holds the page's previous occupant", "hold the page's previous occupant"),
+        "unknown": ("changed to bytes no known page holds", "changed to bytes no known page holds"),
     }
     lines = []
     for (kind, last), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or "")):
         after = f" after a {last}" if last else ""
-        lines.append(f"{n} cell{'s' if n != 1 else ''} {phrases.get(kind, kind)}{after}")
+        phrase = phrases.get(kind, (kind, kind))[n != 1]
+        lines.append(f"{n} cell{'s' if n != 1 else ''} {phrase}{after}")
     return lines
