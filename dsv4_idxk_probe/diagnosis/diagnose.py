@@ -142,6 +142,12 @@ def culprit(events: Sequence[dict]) -> str | None:
     return events[-1]["event"] if events else None
 
 
+EVENT_PHRASES = {
+    "allocated": "an allocation", "transfer_landed": "the transfer landed", "hicache_load": "a HiCache load",
+    "hicache_backup": "a HiCache backup", "freed": "a free",
+}
+
+
 def summarise(diagnoses: Sequence[dict]) -> list[str]:
     """Lines such as "12 cells zeroed after a hicache_load; 3 cells hold another room's page"."""
     counts: Counter = Counter()
@@ -155,7 +161,36 @@ def summarise(diagnoses: Sequence[dict]) -> list[str]:
     }
     lines = []
     for (kind, last), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or "")):
-        after = f" after a {last}" if last else ""
+        after = f" after {EVENT_PHRASES.get(last, last)}" if last else ""
         phrase = phrases.get(kind, (kind, kind))[n != 1]
         lines.append(f"{n} cell{'s' if n != 1 else ''} {phrase}{after}")
     return lines
+
+
+def describe_room(cells: Sequence[dict], width: int = 60) -> str:
+    """One room's diagnosis in a table cell: "zeroed x2 after transfer_landed; other_room 11/0 P0"."""
+    if not cells:
+        return "-"
+    parts = []
+    by_kind: dict[str, list[dict]] = {}
+    for cell in cells:
+        by_kind.setdefault(cell.get("kind", "unknown"), []).append(cell)
+    for kind in KINDS:
+        group = by_kind.get(kind)
+        if not group:
+            continue
+        text = f"{kind} x{len(group)}" if len(group) > 1 else kind
+        names = sorted({_name(r) for c in group for r in c.get("rooms") or ()})
+        if names:
+            text += " " + ",".join(names[:3]) + ("..." if len(names) > 3 else "")
+        last = {culprit(c.get("events") or ()) for c in group} - {None}
+        if last:
+            text += " after " + "/".join(sorted(last))
+        parts.append(text)
+    line = "; ".join(parts)
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _name(room: dict) -> str:
+    name = str(room.get("room", "?"))
+    return f"{name} P{room['page']}" if room.get("page") is not None else name

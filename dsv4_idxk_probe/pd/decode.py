@@ -140,13 +140,18 @@ class DecodeMonitor:
             if state is not None:
                 state.finished = True
                 jobs.append((state, "decode_finish", None))
-                if self.diagnosis is not None:
-                    self.diagnosis.freed(room.key, state.pages)
         for room, step in stepped:
             state = self._get(room)
             if state is not None:
                 jobs.append((state, "decode_step", step))
-        return self._submit_jobs(jobs) if jobs else None
+        if not jobs:
+            return None
+        pending = self._submit_jobs(jobs)
+        if self.diagnosis is not None:  # after their last digest: the pages are freed now
+            for state, stage, _ in jobs:
+                if stage == "decode_finish":
+                    self.diagnosis.freed(state.room.key, state.pages)
+        return pending
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None) -> None:
         """Aborted, retracted or health-check rooms: record `skipped` and forget them.

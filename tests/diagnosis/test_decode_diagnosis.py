@@ -164,3 +164,34 @@ def test_diagnosis_off_leaves_records_without_it(bed):
     record = decode.emit.wait_for(1)[0]
     decode.engine.close()
     assert "diagnosis" not in record and record["verdict"] == "unverified"
+
+
+def test_diff_and_report_show_the_diagnosis_beside_the_localisation(bed, tmp_path):
+    import io
+
+    from dsv4_idxk_probe.cli.diff import print_summary
+    from dsv4_idxk_probe.roomlog.analysis import analyse
+    from dsv4_idxk_probe.roomlog.html import render
+    from dsv4_idxk_probe.roomlog.lineformat import encode_line
+
+    a, b = RoomId(60), RoomId(61)
+    bed.receive(a, [1, 2, 3], [4, 5, 6])
+    bed.receive(b, [7, 8, 9], [10, 11, 12])
+    bed.records(a, 1), bed.records(b, 1)
+    bed.journal.record("hicache_load", [4, 10], host_rows=[7, 8], layer=0)  # as the HiCache hooks record one
+    bed.dec[0][4].zero_()
+    bed.dec[1][10].zero_()
+    bed.decode.batch_done([a, b], [])
+    bed.records(a, 2), bed.records(b, 2)
+    (tmp_path / "prefill.jsonl").write_bytes(b"".join(encode_line(r) for r in bed.pre_sink.records))
+    (tmp_path / "decode.jsonl").write_bytes(b"".join(encode_line(r) for r in bed.sink.records))
+    analysis = analyse([tmp_path / "prefill.jsonl", tmp_path / "decode.jsonl"])
+    out = io.StringIO()
+    print_summary(analysis, 10, out)
+    text = out.getvalue()
+    assert "diagnosis: 4 cells zeroed after a HiCache load" in text, text
+    assert analysis.summary()["diagnosis"]["cells"] == {"zeroed": 4}
+    row = next(line for line in text.splitlines() if line.startswith("60/0"))
+    assert "zeroed x2 after hicache_load" in row and "decode_finish" in row
+    page = render(analysis)
+    assert 'class="diagnosis"' in page and "zeroed" in page

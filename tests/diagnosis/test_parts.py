@@ -69,7 +69,7 @@ def test_summary_lines_count_kinds_with_their_last_event():
         {"kind": "zeroed", "events": [{"event": "hicache_load"}]},
         {"kind": "other_room", "events": []},
     ])
-    assert lines == ["2 cells zeroed after a hicache_load", "1 cell holds another room's page"]
+    assert lines == ["2 cells zeroed after a HiCache load", "1 cell holds another room's page"]
 
 
 def test_metric_kinds_are_the_diagnosis_kinds():
