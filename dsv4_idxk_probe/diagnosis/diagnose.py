@@ -28,7 +28,7 @@ from .content_index import ContentIndex
 from .journal import PageJournal
 
 KINDS = ("zeroed", "other_room", "previous_occupant", "unknown")
-MAX_CANDIDATES = 4  # other rooms named for one cell (identical prompts give identical pages)
+MAX_CANDIDATES = 8  # other rooms named for one cell (identical prompts give identical pages)
 
 
 @dataclass

@@ -123,3 +123,15 @@ class DecodeDiagnosis:
         with self._lock:
             self._tracks.pop(key, None)
         self.index.forget(key)
+
+
+def decode_diagnosis(config: Any, layout: RowLayout, layer_ids: Sequence[int],
+                     journal: PageJournal | None = None) -> DecodeDiagnosis | None:
+    """Decode's diagnosis from the probe config's `diagnosis` section; None when it is off.
+    `journal`: the process's page journal (one is made when the caller has none)."""
+    cfg = getattr(config, "diagnosis", None)
+    if cfg is None or not cfg.enabled:
+        return None
+    if journal is None:
+        journal = PageJournal(cfg.journal_events, cfg.journal_per_page)
+    return DecodeDiagnosis(layout, layer_ids, journal, ContentIndex(cfg.index_cells), max_cells=cfg.max_cells_per_room)

@@ -131,14 +131,9 @@ class DecodeSide(_Side):
 
 def _diagnosis(runtime: Any, layout: Any, layer_ids) -> Any:
     """Decode's diagnosis (content index + the process's page journal), or None when off."""
-    cfg = runtime.config.diagnosis
-    if not cfg.enabled:
-        return None
-    from ..diagnosis import ContentIndex
-    from ..diagnosis.tracker import DecodeDiagnosis
+    from ..diagnosis.tracker import decode_diagnosis
 
-    return DecodeDiagnosis(layout, layer_ids, runtime.journal, ContentIndex(cfg.index_cells),
-                           max_cells=cfg.max_cells_per_room)
+    return decode_diagnosis(runtime.config, layout, layer_ids, runtime.journal)
 
 
 def _bind_address(exchange: Any, host: str | None) -> str | None:
