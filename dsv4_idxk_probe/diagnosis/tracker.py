@@ -81,8 +81,12 @@ class DecodeDiagnosis:
         self.index.before(key, track.pages, content, track.frozen)
 
     def observe(self, key: str, pages: Any, n_tokens: int, digested_ns: int, content: np.ndarray | None,
-                verdict: str, comparison: Any) -> list[dict] | None:
-        """A digest of room `key` was judged: remember verified content, diagnose a mismatch."""
+                verdict: str, comparison: Any) -> tuple[list[dict], dict | None] | None:
+        """A digest of room `key` was judged: remember verified content, diagnose a mismatch.
+
+        Returns (cells, page events) for a mismatch, else None. Page events (logical page ->
+        its journal events) come only with a mismatch decode could not localise: the
+        diff, which localises from the logs, then names the cells and shows their events."""
         if content is None:
             return None
         track = self._track(key, pages, n_tokens)
@@ -103,7 +107,7 @@ class DecodeDiagnosis:
                 segs.append(names[segment])
             pages_bad = list(comparison.pages)
         elif reference is None:
-            return []  # not localised, no verified content: nothing to name
+            return self._unlocalised(key, track, content, digested_ns)
         cells, exact = bad_cells(content, reference, rows, pages_bad, segs)
         cells = cells[: self.max_cells]
         found = diagnose_cells(
@@ -111,7 +115,30 @@ class DecodeDiagnosis:
             self.index, self.journal, since_ns=track.last_good_ns, until_ns=digested_ns, exact=exact,
             frozen=track.frozen,
         )
-        return [d.to_record() for d in found]
+        return [d.to_record() for d in found], None
+
+    def _unlocalised(self, key: str, track: _Track, content: np.ndarray, digested_ns: int):
+        """No localisation and no verified content (the prefill vectors did not come): the
+        cells whose bytes are zero or what the page held before the transfer are suspects
+        (`exact` false); the diff names the rest from its own localisation."""
+        before = self.index.before_content(key)
+        frozen = (track.frozen > 0)[None, :, None]
+        suspect = frozen & (content == track.zero[None, :, :])
+        if before is not None and before.content.shape == content.shape:
+            suspect |= frozen & (content == before.content)
+        cells = [tuple(int(v) for v in ix) for ix in np.argwhere(suspect)][: self.max_cells]
+        found = diagnose_cells(
+            key, cells, content, track.zero, track.pages, self.layer_ids, self.layout.segment_names,
+            self.index, self.journal, since_ns=track.last_good_ns, until_ns=digested_ns, exact=False,
+            frozen=track.frozen,
+        )
+        events = {}
+        if self.journal is not None:
+            for page in range(min(len(track.pages), self.max_cells)):
+                found_events = self.journal.events_for(int(track.pages[page]), track.last_good_ns, digested_ns)
+                if found_events:
+                    events[str(page)] = found_events
+        return [d.to_record() for d in found], events
 
     def retired(self, key: str) -> None:
         """The room's pages were released (finished) or it stopped being tracked."""

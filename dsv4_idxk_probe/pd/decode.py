@@ -251,15 +251,17 @@ class DecodeMonitor:
             state.first_divergence = stage
             if self.metrics is not None:
                 self.metrics.first_divergence.labels(stage=stage).inc()
-        diagnosis = None
+        diagnosis = page_events = None
         if content is not None:
-            diagnosis = safe_invoke("decode.diagnose", self.diagnosis.observe, state.room.key, state.pages,
-                                    state.n_tokens, enqueued_ns, content, verdict, comparison)
+            found = safe_invoke("decode.diagnose", self.diagnosis.observe, state.room.key, state.pages,
+                                state.n_tokens, enqueued_ns, content, verdict, comparison)
+            if found is not None:
+                diagnosis, page_events = found
             if first and diagnosis and self.metrics is not None:
                 for cell in diagnosis:
                     self.metrics.diagnoses.labels(stage=stage, kind=cell["kind"]).inc()
         self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued,
-                      diagnosis=diagnosis)
+                      diagnosis=diagnosis, page_events=page_events)
         self._forget_if_done(state)
 
     def _on_failure(self, state: _Room, stage: str, step: int | None, error: str) -> None:
@@ -308,7 +310,7 @@ class DecodeMonitor:
             return None
 
     def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None,
-                 extra=None, diagnosis=None):
+                 extra=None, diagnosis=None, page_events=None):
         record = room_record(
             role="decode", stage=stage, room=room.room, attempt=room.attempt, digest=digest,
             layout=self.engine.layout.name, step=step, verdict=verdict, reason=reason,
@@ -317,7 +319,7 @@ class DecodeMonitor:
             first_divergence=state.first_divergence if state is not None else None,
             extra=extra if extra is not None else (state.extra if state is not None and state.extra else None),
             tokens=state.n_tokens if state is not None else None,
-            diagnosis=diagnosis,
+            diagnosis=diagnosis, page_events=page_events,
         )
         safe_invoke("decode.emit", self.emit, record)
         if self.on_verdict is not None:

@@ -108,6 +108,9 @@ class StageResult:
     tokens: int | None = None  # tokens of the transfer this stage judged (None: no digest, no tokens field)
     transfer: int = 0  # which transfer of the room: 0, then 1 after a rebootstrap, ...
     diagnosis: list | None = None  # per bad cell, what decode found its bytes became (docs/diagnosis.md)
+    # decode could not localise live: its suspects and each page's journal events, completed
+    # here from the localisation of the logs (`complete_diagnosis`)
+    page_events: dict | None = None
 
     @property
     def where(self) -> str:
@@ -350,6 +353,44 @@ def _plain(source: Any, fields: dict, where: str) -> dict:
     return out
 
 
+def complete_diagnosis(suspects: list[dict], comparison: Comparison, page_events: dict) -> list[dict]:
+    """Decode's diagnosis of a mismatch it could not localise, made per cell of the logs'
+    localisation: a suspect decode named keeps its diagnosis; any other cell of the bound
+    is `unknown`, with its page's journal events; suspects outside the bound are dropped."""
+    named = {(c.get("layer"), c.get("page"), c.get("segment")): c for c in suspects}
+    out = []
+    for layer, segment in comparison.layer_segments:
+        for page in comparison.pages:
+            cell = named.get((layer, page, segment))
+            if cell is None:
+                cell = {"layer": layer, "page": page, "segment": segment, "kind": "unknown"}
+                events = page_events.get(str(page))
+                if events:
+                    cell["events"] = events
+            cell = dict(cell)
+            cell.pop("exact", None)
+            if not comparison.exact:
+                cell["exact"] = False
+            out.append(cell)
+            if len(out) >= MAX_DIAGNOSED_CELLS:
+                return out
+    return out
+
+
+def _page_events(value: Any) -> dict:
+    """A record's `page_events` (logical page -> journal events), checked like `diagnosis`."""
+    if value is None:
+        return {}
+    if type(value) is not dict or len(value) > MAX_DIAGNOSED_CELLS:
+        raise RecordError(f"page_events must be an object of at most {MAX_DIAGNOSED_CELLS} pages")
+    out = {}
+    for page, events in value.items():
+        if not page.isdigit() or type(events) is not list or len(events) > 64:
+            raise RecordError("page_events must map page numbers to lists of at most 64 events")
+        out[page] = [_plain(e, _EVENT_FIELDS, f"page_events[{page}][{j}]") for j, e in enumerate(events)]
+    return out
+
+
 def _diagnosis(cells: Any) -> list[dict]:
     """A record's `diagnosis`, checked: known kinds, plain fields, bounded lengths."""
     if type(cells) is not list or len(cells) > MAX_DIAGNOSED_CELLS:
@@ -532,6 +573,8 @@ class _Joiner:
         result = StageResult(stage, step, "", "", verdict, ts, file, line, tokens=tokens)
         if rec.get("diagnosis") is not None:
             result.diagnosis = _diagnosis(rec["diagnosis"])
+            if rec.get("localisation") is None:
+                result.page_events = _page_events(rec.get("page_events"))
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])
@@ -584,6 +627,8 @@ class _Joiner:
             name = f"{key[0]}/{key[1]}"
             comparison = compare(expected.unpack(name), observed.unpack(name))
             result.verdict, result.reason, result.comparison = comparison.verdict, comparison.reason, comparison
+            if result.page_events is not None and comparison.verdict == "mismatch":
+                result.diagnosis = complete_diagnosis(result.diagnosis or [], comparison, result.page_events)
         live = result.live_verdict
         if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
             self.a.live_disagreements += 1

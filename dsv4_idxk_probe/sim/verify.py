@@ -189,6 +189,9 @@ def _diagnosis_check(effect: dict, cells: list[dict] | None) -> tuple[str, str]:
     rooms = [r.get("room") for r in cell.get("rooms") or ()]
     said = cell["kind"] + (f" {rooms[0]}" if rooms and want.get("room") not in rooms else
                            f" {want['room']}" if want.get("room") in rooms else "")
+    events = cell.get("events") or ()
+    if events:  # the last operation on the page before the bad digest
+        said += f" after {events[-1].get('event')}"
     if cell["kind"] != want["kind"]:
         return said, f"{label}: diagnosed {cell['kind']}, expected {want['kind']}"
     if want.get("room") is not None and want["room"] not in rooms:

@@ -195,3 +195,39 @@ def test_diff_and_report_show_the_diagnosis_beside_the_localisation(bed, tmp_pat
     assert "zeroed x2 after hicache_load" in row and "decode_finish" in row
     page = render(analysis)
     assert 'class="diagnosis"' in page and "zeroed" in page
+
+
+def test_without_live_localisation_decode_names_suspects_and_the_diff_completes_the_cells(bed, tmp_path):
+    """The prefill vectors did not come (exchange down): decode knows only that the room
+    digest differs. Its record carries the zeroed suspects and each page's events; the diff,
+    which localises from prefill's log, names every bad cell."""
+    from dsv4_idxk_probe.roomlog.analysis import analyse
+    from dsv4_idxk_probe.roomlog.lineformat import encode_line
+
+    bed.decode.fetch_vectors = None
+    room = RoomId(70)
+    bed.receive(room, [1, 2, 3], [4, 5, 6])  # lands, then is hit before decode looks
+    record = bed.records(room, 1)[0]
+    assert record["verdict"] == "match"
+    other = RoomId(71)
+    bed.decode.room_allocated(other, [7, 8, 9], FULL)
+    pending = bed.prefill.room_sent(other, [10, 11, 12], FULL)
+    bed.sent += 1
+    bed.pre_sink.wait_for(bed.sent)
+    for a, b in zip(bed.pre, bed.dec):
+        b[[7, 8, 9]] = a[[10, 11, 12]]
+    bed.dec[0][8].zero_()  # layer 0, logical page 1: zeroed
+    bed.dec[2][9][17] ^= 1  # layer 4, logical page 2: a flipped bit
+    inband = InbandDigest(int(pending.room_digests[0]), bed.prefill.engine.signature, FULL)
+    bed.decode.room_received(other, [7, 8, 9], FULL, inband)
+    live = bed.records(other, 1)[0]
+    assert live["localisation"] is None and live["verdict"] == "mismatch"
+    assert {(c["layer"], c["page"], c["kind"]) for c in live["diagnosis"]} == {(0, 1, "zeroed")}
+    assert set(live["page_events"]) == {"0", "1", "2"}
+    (tmp_path / "p.jsonl").write_bytes(b"".join(encode_line(r) for r in bed.pre_sink.records))
+    (tmp_path / "d.jsonl").write_bytes(b"".join(encode_line(r) for r in bed.sink.records))
+    stage = analyse([tmp_path / "p.jsonl", tmp_path / "d.jsonl"]).rooms[("71", 0)].first_divergence
+    got = {(c["layer"], c["page"], c["segment"]): c for c in stage.diagnosis}
+    assert {k: c["kind"] for k, c in got.items() if c.get("exact", True)} == {}  # 2 pages x 2 layer-segments: a bound
+    assert got[(0, 1, "payload")]["kind"] == "zeroed" and got[(4, 2, "payload")]["kind"] == "unknown"
+    assert [e["event"] for e in got[(4, 2, "payload")]["events"]] == ["allocated", "transfer_landed"]

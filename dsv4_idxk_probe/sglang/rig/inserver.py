@@ -238,7 +238,8 @@ class InServer:
 
     def _partner(self, fault, track: Track) -> Track | None:
         with self.lock:
-            others = [t for t in self.tracks.values() if t is not track and t.tokens is not None and not t.released]
+            others = [t for t in self.tracks.values()  # a room of the run decode holds now (no health check)
+                      if t is not track and t.tokens is not None and not t.released and t.rig_room is not None]
         if fault.with_room is not None:
             others = [t for t in others if t.rig_room == fault.with_room]
         return others[0] if others else None
