@@ -117,6 +117,8 @@ class DecodeMonitor:
             while self.max_rooms is not None and len(self._rooms) > self.max_rooms:
                 evicted.append(self._rooms.pop(next(iter(self._rooms))))
         for old in evicted:
+            if self.diagnosis is not None:
+                safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, old.room.key)
             self._publish(old.room, "decode_step", None, "skipped", "evicted: tracking table full", None, None, old)
         return self._submit_jobs([(state, "decode_recv", None)])
 
