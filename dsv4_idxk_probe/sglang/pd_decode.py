@@ -78,10 +78,9 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
         return
     dest = decode_room_pages(kv_indices, page_size, kwargs)
     setattr(decode_req, ATTR_DEST, dest)
-    side = runtime.sides.get("decode")
     room = room_of(getattr(decode_req, "req", None))
     if not isinstance(dest, str) and room is not None:  # diagnosis: a journal event, the pages' bytes before
-        side.monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens)
+        runtime.sides["decode"].monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens)
 
 
 def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], str | None]:
