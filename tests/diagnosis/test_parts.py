@@ -74,3 +74,27 @@ def test_summary_lines_count_kinds_with_their_last_event():
 
 def test_metric_kinds_are_the_diagnosis_kinds():
     assert DIAGNOSIS_KINDS == KINDS
+
+
+def test_a_log_line_with_a_malformed_diagnosis_is_skipped_naming_the_field(tmp_path):
+    from dsv4_idxk_probe.pd.records import room_record
+    from dsv4_idxk_probe.roomlog.analysis import analyse
+    from dsv4_idxk_probe.roomlog.lineformat import encode_line
+
+    def record(room, diagnosis):
+        r = room_record(role="decode", stage="decode_recv", room=room, attempt=0, digest=None, layout="fp8",
+                        verdict="mismatch")
+        r["diagnosis"] = diagnosis
+        return encode_line(r)
+
+    good = [{"layer": 1, "page": 0, "segment": "payload", "kind": "zeroed", "events": [{"event": "freed", "t_ns": 5}]}]
+    lines = [record(1, good), record(2, [{"layer": 1, "page": 0, "segment": "payload", "kind": "gone"}]),
+             record(3, [{"layer": "x", "page": 0, "segment": "payload", "kind": "zeroed"}]),
+             record(4, [{"layer": 1, "page": 0, "segment": "payload", "kind": "zeroed", "events": [{"event": 7}]}]),
+             record(5, "nope")]
+    (tmp_path / "d.jsonl").write_bytes(b"".join(lines))
+    analysis = analyse([tmp_path / "d.jsonl"])
+    assert set(analysis.rooms) == {("1", 0)} and analysis.n_errors == 4
+    text = "\n".join(analysis.errors)
+    for field in ("diagnosis[0].kind", "diagnosis[0].layer", "diagnosis[0].events[0].event", "diagnosis must be a list"):
+        assert field in text, text
