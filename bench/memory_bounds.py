@@ -336,7 +336,7 @@ def part_flood(args, work: Path) -> dict:
         if args.flood_finish_every and i % args.flood_finish_every == 0:
             pair.finish(room)  # its pages freed: its content stays in the index as their last occupant's
         if i % 256 == 255:
-            pair.drain(lag=1024)
+            pair.drain(lag=512)  # a room costs decode up to three batches (snapshot, receipt, finish)
         if (i + 1) % args.sample_every == 0:
             sizes = pair.diagnosis_sizes()
             most = {k: max(v, sizes[k]) for k, v in most.items()}

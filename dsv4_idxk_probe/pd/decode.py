@@ -88,7 +88,9 @@ class DecodeMonitor:
         if diagnosis is None:
             return
         diagnosis.allocated(room.key, pages)
-        if self.snapshot_on_allocation:
+        # the verdicts' digests come first: with the collector's queue half full, no snapshot
+        # (the room is then diagnosed without its pages' earlier bytes)
+        if self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
             key = room.key
             self.engine.submit([RoomRequest(key, pages, n_tokens)],
                                lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages,
