@@ -95,7 +95,7 @@ class Pair:
 
     def __init__(self, layout, layers: int, pool_pages: int, table_size: int, log_dir: Path, *,
                  max_bytes: int, max_files: int, gzip_rotated: bool, seed: int = 1, step_interval: int = 0,
-                 separate_buffers: bool = False):
+                 separate_buffers: bool = False, diagnosis=None):
         import torch
         from prometheus_client import CollectorRegistry
 
@@ -117,15 +117,24 @@ class Pair:
         self.sinks = {role: Counting(w) for role, w in self.writers.items()}
         self.prefill = PrefillMonitor(DigestEngine(layout, ids, self.pre_buffers), self.sinks["prefill"],
                                       self.metrics["prefill"], table_size=table_size)
+        # diagnosis as decode runs it by default (config.DiagnosisConfig): its own page journal
+        # and content index, and a digest of each room's pages when they are allocated
+        from dsv4_idxk_probe.config import DiagnosisConfig, ProbeConfig
+        from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis
+
+        self.diagnosis_config = diagnosis or DiagnosisConfig()
+        self.diagnosis = decode_diagnosis(ProbeConfig(diagnosis=self.diagnosis_config), layout, ids)
         self.decode = DecodeMonitor(DigestEngine(layout, ids, self.dec_buffers), self.sinks["decode"],
                                     self.metrics["decode"], fetch_vectors=self.prefill.lookup,
-                                    step_interval=step_interval, max_rooms=table_size)
+                                    step_interval=step_interval, max_rooms=table_size, diagnosis=self.diagnosis,
+                                    snapshot_on_allocation=self.diagnosis_config.snapshot_on_allocation)
         self.submitted = 0  # digests asked for (each ends in one record)
 
     def send_and_receive(self, room: int, pages, n_tokens: int) -> None:
         from dsv4_idxk_probe.pd import InbandDigest, RoomId
 
         rid = RoomId(room)
+        self.decode.room_allocated(rid, pages, n_tokens)
         pending = self.prefill.room_sent(rid, pages, n_tokens)
         inband = None
         if pending is not None:
@@ -134,6 +143,19 @@ class Pair:
             inband = InbandDigest(int(pending.room_digests[0]), self.prefill.engine.signature, n_tokens)
         self.decode.room_received(rid, pages.clone(), n_tokens, inband)
         self.submitted += 2
+
+    def finish(self, room: int) -> None:
+        from dsv4_idxk_probe.pd import RoomId
+
+        self.decode.room_finished(RoomId(room))
+        self.submitted += 1
+
+    def diagnosis_sizes(self) -> dict:
+        d = self.diagnosis
+        if d is None:
+            return {"journal_events": 0, "journal_bytes": 0, "index_cells": 0, "index_bytes": 0, "tracks": 0}
+        return {"journal_events": len(d.journal), "journal_bytes": d.journal.nbytes(), "index_cells": d.index.cells,
+                "index_bytes": d.index.nbytes(), "tracks": len(d._tracks)}
 
     def emitted(self) -> int:
         return sum(s.count for s in self.sinks.values())
@@ -290,8 +312,12 @@ def part_flood(args, work: Path) -> dict:
     table = defaults.table_size
     rng = np.random.default_rng(1)
     log_dir = work / "logs"
+    from dsv4_idxk_probe.config import DiagnosisConfig
+
+    diagnosis = DiagnosisConfig(index_cells=args.flood_index_cells)
     pair = Pair(small_layout(), args.flood_layers, 64, table, log_dir, max_bytes=args.flood_log_bytes,
-                max_files=args.flood_log_files, gzip_rotated=True, step_interval=0)
+                max_files=args.flood_log_files, gzip_rotated=True, step_interval=0, diagnosis=diagnosis)
+    most = {"journal_events": 0, "journal_bytes": 0, "index_cells": 0, "index_bytes": 0, "tracks": 0}
     exchange = ExchangeLoad(pair.prefill.lookup, defaults.max_request_bytes)
     sampler = Sampler(pair, log_dir)
     samples = []
@@ -307,11 +333,15 @@ def part_flood(args, work: Path) -> dict:
         room = 1_000_000 + i
         pair.send_and_receive(room, room_pages(rng, 64, args.flood_pages), n_tokens)
         exchange.latest = room
+        if args.flood_finish_every and i % args.flood_finish_every == 0:
+            pair.finish(room)  # its pages freed: its content stays in the index as their last occupant's
         if i % 256 == 255:
-            pair.drain(lag=1024)
+            pair.drain(lag=512)  # a room costs decode up to three batches (snapshot, receipt, finish)
         if (i + 1) % args.sample_every == 0:
+            sizes = pair.diagnosis_sizes()
+            most = {k: max(v, sizes[k]) for k, v in most.items()}
             samples.append({"rooms": i + 1, "rss_mib": rss_bytes() / MIB, "table": len(pair.prefill.recent),
-                            "tracked": pair.decode.tracked()})
+                            "tracked": pair.decode.tracked(), **sizes})
     pair.drain()
     seconds = time.monotonic() - started
     exchange.stop()
@@ -331,6 +361,9 @@ def part_flood(args, work: Path) -> dict:
         "rss_flat_after_table_full": growth <= args.flat_tolerance_mib,
         "exchange_answered": exchange.found > 0 and exchange.errors == 0,
         "no_digest_batch_dropped": closed["digest_batches_dropped"] == 0,
+        "journal_within_capacity": most["journal_events"] <= diagnosis.journal_events,
+        "index_within_cell_bound": most["index_cells"] <= diagnosis.index_cells,
+        "diagnosis_tracks_within_tracked_rooms": most["tracks"] <= table,
     }
     return {
         "rooms": args.flood_rooms, "layers": args.flood_layers, "pages_per_room": args.flood_pages,
@@ -344,6 +377,10 @@ def part_flood(args, work: Path) -> dict:
         "exchange": {"lookups": exchange.lookups, "found": exchange.found, "not_found": exchange.not_found,
                      "bad_requests": exchange.bad, "bad_refused": exchange.server_refused(),
                      "errors": exchange.errors},
+        "diagnosis": {"journal_capacity": diagnosis.journal_events, "index_cells_bound": diagnosis.index_cells,
+                      "finish_every": args.flood_finish_every, "max_seen": most,
+                      "journal_bytes_per_event": most["journal_bytes"] / max(most["journal_events"], 1),
+                      "index_bytes_per_cell": most["index_bytes"] / max(most["index_cells"], 1)},
         "sampler_samples": sampler.count, "seconds": seconds, **closed, "checks": checks, "ok": all(checks.values()),
     }
 
@@ -486,6 +523,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flood-log-bytes", type=int, default=1 * MIB)
     p.add_argument("--flood-log-files", type=int, default=4)
     p.add_argument("--sample-every", type=int, default=5000)
+    p.add_argument("--flood-finish-every", type=int, default=2,
+                   help="finish every Nth flood room (0: none), so freed rooms fill the diagnosis index")
+    p.add_argument("--flood-index-cells", type=int, default=20_000,
+                   help="diagnosis.index_cells for the flood: small, so the bound is reached and held")
     p.add_argument("--flat-tolerance-mib", type=float, default=8.0,
                    help="RSS growth allowed from twice the table size to the end of the flood")
     return p.parse_args(argv)
@@ -524,6 +565,13 @@ def print_tables(report: dict) -> None:
               f"tracked {fl['max_tracked_seen']}; RSS {fl['rss_base_mib']:.1f} -> {fl['rss_end_mib']:.1f} MiB, growth after "
               f"table full {fl['rss_growth_after_table_full_mib']:+.1f} MiB; log disk max {dict(fl['log']['max_disk_seen'])} "
               f"(bound {fl['log']['bound_bytes']} B per writer); exchange {fl['exchange']}")
+        dg = fl.get("diagnosis")
+        if dg:
+            seen = dg["max_seen"]
+            print(f"  diagnosis: journal max {seen['journal_events']} events (capacity {dg['journal_capacity']}), "
+                  f"{seen['journal_bytes'] / MIB:.2f} MiB ({dg['journal_bytes_per_event']:.0f} B/event); index max "
+                  f"{seen['index_cells']} cells (bound {dg['index_cells_bound']}), {seen['index_bytes'] / MIB:.2f} MiB "
+                  f"({dg['index_bytes_per_cell']:.0f} B/cell incl. per-room overhead); tracks max {seen['tracks']}")
         for name, ok in fl["checks"].items():
             print(f"  {'ok  ' if ok else 'FAIL'} {name}")
     for name, part in report.items():

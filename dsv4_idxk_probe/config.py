@@ -74,6 +74,18 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class DiagnosisConfig:
+    """What a mismatch's bad cells became, and the page events behind them (docs/diagnosis.md)."""
+
+    enabled: bool = True
+    journal_events: int = 16384  # page events kept per process (the oldest go first)
+    journal_per_page: int = 8  # events shown per bad cell
+    index_cells: int = 4_000_000  # content digests kept on decode (8 bytes each)
+    max_cells_per_room: int = 64  # bad cells diagnosed per room record
+    snapshot_on_allocation: bool = True  # digest a room's pages when decode allocates them (one launch)
+
+
+@dataclass(frozen=True)
 class ProbeConfig:
     mode: str = "observe"
     layout: str = "auto"
@@ -84,6 +96,7 @@ class ProbeConfig:
     roomlog: RoomLogConfig = field(default_factory=RoomLogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     digest: DigestConfig = field(default_factory=DigestConfig)
+    diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     hicache: Mapping[str, Any] = field(default_factory=dict)  # owned by dsv4_idxk_probe.hicache
     source: str = "<defaults>"
 
@@ -177,8 +190,17 @@ _CHECKS = {
     },
     "metrics": {"port": _port, "addr": _str},
     "digest": {"collector_wait": _choice("block", "poll")},  # digest.engine.WAITS (a test keeps them equal)
+    "diagnosis": {
+        "enabled": _bool,
+        "journal_events": _bounded(1, 10_000_000),
+        "journal_per_page": _bounded(1, 64),
+        "index_cells": _bounded(1, 1_000_000_000),
+        "max_cells_per_room": _bounded(1, 100_000),
+        "snapshot_on_allocation": _bool,
+    },
 }
-_SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig, "digest": DigestConfig}
+_SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig, "digest": DigestConfig,
+                  "diagnosis": DiagnosisConfig}
 _TOP_KEYS = {"mode", "layout", "layouts", "step_interval", "targets", "hicache", *_SECTION_TYPES}
 
 

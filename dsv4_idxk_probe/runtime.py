@@ -121,6 +121,7 @@ class Runtime:
         self._registry = registry
         self._emit = emit
         self._writer = None
+        self._journal = None
         self._identity = identity or (lambda: {})
         self._lock = threading.RLock()
         self._closers: list[Callable[[], Any]] = []
@@ -151,6 +152,21 @@ class Runtime:
                         self._metrics.errors.labels(component=error_component(site)).inc(n)
                     self._early_errors.clear()
         return self._metrics
+
+    @property
+    def journal(self):
+        """This process's page journal (docs/diagnosis.md), shared by the PD and HiCache
+        hooks; None when diagnosis is off."""
+        cfg = getattr(self.config, "diagnosis", None)
+        if cfg is None or not cfg.enabled:
+            return None
+        if self._journal is None:
+            with self._lock:
+                if self._journal is None:
+                    from .diagnosis.journal import PageJournal
+
+                    self._journal = PageJournal(cfg.journal_events, cfg.journal_per_page)
+        return self._journal
 
     def emit(self, record: dict) -> None:
         """Hand one record to the room log; never raises, never blocks."""

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any, BinaryIO, TextIO
 
+from ..diagnosis.diagnose import describe_room
 from ..pd.records import DECODE_STAGES, VERDICTS
 from ..roomlog.analysis import SEVERITY, Analysis, RoomResult, analyse
 from ..roomlog.reader import InputError, expand_inputs
@@ -128,6 +129,8 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
     _table(rows, out)
     first = ", ".join(f"{stage} {s['first_divergence'].get(stage, 0):,}" for stage in DECODE_STAGES)
     print(f"first divergence: {first}", file=out)
+    if s["diagnosis"]["lines"]:
+        print(f"diagnosis: {'; '.join(s['diagnosis']['lines'])}", file=out)
     print(
         f"prefill-only rooms {s['prefill_only_rooms']:,}; rooms without decode_finish "
         f"{s['rooms_without_decode_finish']:,}; live verdict disagreements "
@@ -143,7 +146,8 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
     shown = bad[: max(0, max_rooms)]
     what = "selected rooms" if selected else "rooms that did not match"
     print(f"\n{what} ({len(shown)} of {len(bad):,}, worst first):", file=out)
-    rows = [["room/attempt", "rid", "verdict", "first divergence", "intact at", "layers", "pages", "segments", "reason"]]
+    rows = [["room/attempt", "rid", "verdict", "first divergence", "intact at", "layers", "pages", "segments",
+             "diagnosis", "reason"]]
     rows += [_room_row(room) for room in shown]
     _table(rows, out)
 
@@ -162,6 +166,7 @@ def _room_row(room: RoomResult) -> list[str]:
         _ranges(c.layers) if c else "-",
         _ranges(c.pages) if c else "-",
         ",".join(c.segments) if c else "-",
+        describe_room(first.diagnosis or ()) if first else "-",
         worst.reason or "-",
     ]
 

@@ -252,6 +252,10 @@ class DigestEngine:
         self.stats.submitted_rooms += len(ticket.rooms)
         return ticket
 
+    def backlog(self) -> int:
+        """Batches submitted whose results the collector has not delivered yet."""
+        return len(self._tickets.items)
+
     def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
         """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
         ticket = self._launch(list(rooms), lambda _: None)

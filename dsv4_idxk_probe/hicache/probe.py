@@ -26,6 +26,7 @@ from ..pd.records import SCHEMA_VERSION  # one room-log schema for every record 
 from .branches import DIRECTIONS, MOVING, NO_IO_BACKEND, classify, label_sets, moved
 from .geometry import INVARIANTS, PoolGeometry, describe, invariant_failures, token_row_mismatches
 from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker
+from ..diagnosis.journal import PageGroups
 from .roundtrip import LEG_NAMES, LEGS, VERDICTS, RoundTrip, RowViews
 from .settings import HiCacheSettings, settings_from_config
 from ..safety import safe_invoke
@@ -63,7 +64,7 @@ class PoolState:
 class Call:
     """One wrapped copy between `begin` and `end`."""
 
-    __slots__ = ("state", "direction", "branch", "numel", "layer", "host", "device", "refusal", "roundtrip")
+    __slots__ = ("state", "direction", "branch", "numel", "layer", "host", "device", "refusal", "roundtrip", "checks")
 
     def __init__(self, state, direction, branch, numel, layer, host, device):
         self.state = state
@@ -75,13 +76,16 @@ class Call:
         self.device = device
         self.refusal: str | None = None
         self.roundtrip = None
+        self.checks: dict | None = None  # round trip, loads: host row -> what its checks found
 
 
 class HiCacheProbe:
     """One per probe runtime; shared by every host-pool wrapper."""
 
-    def __init__(self, metrics, settings: HiCacheSettings, emit: Callable[[dict], None] | None = None, log=None):
+    def __init__(self, metrics, settings: HiCacheSettings, emit: Callable[[dict], None] | None = None, log=None,
+                 journal=None):
         self.metrics = metrics
+        self.journal = journal  # diagnosis.PageJournal: backups and loads are page events (docs/diagnosis.md)
         self.settings = settings
         self.active = settings.enabled
         self.log = log or _log
@@ -254,6 +258,20 @@ class HiCacheProbe:
             self._submit_indices(call)
         if ok and call.roundtrip is not None:
             safe_invoke("hicache.roundtrip", self._roundtrip_after, call)
+        if ok and self.journal is not None and branch == "page" and not call.layer:
+            safe_invoke("hicache.journal", self._journal_event, call)
+
+    def _journal_event(self, call: Call) -> None:
+        """A backup from device pages, or a load into them (recorded once per load: at its
+        first layer), naming the host rows; O(1): the index tensors are held, not read."""
+        size = call.state.geom.page_size
+        kind = "hicache_backup" if call.direction == "d2h" else "hicache_load"
+        detail = {"pool": call.state.geom.name}
+        checks = getattr(call, "checks", None)
+        if checks:
+            detail["host_rows"] = checks
+        self.journal.record(kind, PageGroups(call.device, size), host_rows=PageGroups(call.host, size),
+                            layer=call.layer, detail=detail)
 
     def _submit_indices(self, call: Call) -> None:
         state = call.state
@@ -332,7 +350,7 @@ class HiCacheProbe:
         if call.direction == "d2h":
             self.roundtrip.after_backup(call.state, call.roundtrip)
         else:
-            self.roundtrip.after_load(call.state, call.roundtrip)
+            call.checks = self.roundtrip.after_load(call.state, call.roundtrip)
 
     def invalidate_rows(self, state: PoolState, host_rows: list[int]) -> None:
         """A host page was written from elsewhere (storage tier): forget its digests."""
@@ -357,7 +375,8 @@ def probe_for(runtime: Any) -> HiCacheProbe:
         if entry is not None and entry[0] is runtime:
             return entry[1]
         settings = settings_from_config(getattr(runtime, "config", None))
-        probe = HiCacheProbe(runtime.metrics, settings, getattr(runtime, "emit", None), getattr(runtime, "log", None))
+        probe = HiCacheProbe(runtime.metrics, settings, getattr(runtime, "emit", None), getattr(runtime, "log", None),
+                             journal=getattr(runtime, "journal", None))
         _probes[id(runtime)] = (runtime, probe)
         return probe
 

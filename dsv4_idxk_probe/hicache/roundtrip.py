@@ -84,6 +84,9 @@ class RoundTrip:
         self._on_evict = on_evict
         self._max = max_entries
         self._table: dict[tuple[int, int, int], int] = {}
+        # (pool, host row, layer) -> the d2h verdict of the backup that stored it, so a
+        # load can say whether the row it reads matched when it was backed up
+        self._at_backup: dict[tuple[int, int, int], str] = {}
         self._lock = threading.Lock()
         self._digesters: dict[int, _Digester] = {}
 
@@ -102,13 +105,15 @@ class RoundTrip:
                 bad.append({"host_row": host_row, "device_row": device_row, "layer": layer})
         self._report(pool, leg, counts, bad)
 
-    def _store(self, key: tuple[int, int, int], value: int) -> None:
+    def _store(self, key: tuple[int, int, int], value: int, at_backup: str = "unverified") -> None:
         with self._lock:
             self._table.pop(key, None)
             self._table[key] = value
+            self._at_backup[key] = at_backup
             evicted = 0
             while len(self._table) > self._max:
-                self._table.pop(next(iter(self._table)))
+                self._at_backup.pop(gone := next(iter(self._table)), None)
+                self._table.pop(gone)
                 evicted += 1
         if evicted:
             self._on_evict(evicted)
@@ -131,8 +136,8 @@ class RoundTrip:
             host = digest(pool.views.host_layer(layer), host_rows)
             cells = [(h, d, layer) for h, d in zip(host_rows, device_rows)]
             self._compare(pool, "d2h", device[layer], host, cells)
-            for host_row, value in zip(host_rows, host):
-                self._store((pool.key, host_row, layer), value)
+            for host_row, value, want in zip(host_rows, host, device[layer]):
+                self._store((pool.key, host_row, layer), value, "match" if want == value else "mismatch")
 
     # -- load ---------------------------------------------------------------------
 
@@ -142,16 +147,24 @@ class RoundTrip:
         host = self._digester(pool.geom.item_bytes)(pool.views.host_layer(layer), host_rows)
         with self._lock:
             kept = [self._table.get((pool.key, row, layer)) for row in host_rows]
+            at_backup = [self._at_backup.get((pool.key, row, layer), "unverified") for row in host_rows]
         cells = [(h, d, layer) for h, d in zip(host_rows, device_rows)]
         self._compare(pool, "host", kept, host, cells)
-        return host_rows, device_rows, layer, host
+        return host_rows, device_rows, layer, host, kept, at_backup
 
-    def after_load(self, pool, context) -> None:
-        host_rows, device_rows, layer, host = context
+    def after_load(self, pool, context) -> dict[int, dict[str, str]]:
+        """The h2d comparison; returns, per host row, what each leg found for this layer
+        (the page journal shows it beside the load: docs/diagnosis.md)."""
+        host_rows, device_rows, layer, host, kept, at_backup = context
         layer_rows = pool.views.device_layer(layer)
         _sync(layer_rows)
         device = self._digester(pool.geom.item_bytes)(layer_rows, device_rows)
         self._compare(pool, "h2d", host, device, [(h, d, layer) for h, d in zip(host_rows, device_rows)])
+        return {
+            row: {"d2h": backed, "host": "unverified" if want is None else ("match" if want == now else "mismatch"),
+                  "h2d": "match" if now == landed else "mismatch"}
+            for row, backed, want, now, landed in zip(host_rows, at_backup, kept, host, device)
+        }
 
     # -- host writes from elsewhere -----------------------------------------------
 
@@ -162,6 +175,7 @@ class RoundTrip:
             for row in host_rows:
                 for layer in range(pool.geom.layers):
                     dropped += self._table.pop((pool.key, row, layer), None) is not None
+                    self._at_backup.pop((pool.key, row, layer), None)
         return dropped
 
     def __len__(self) -> int:

@@ -36,6 +36,7 @@ UNKNOWN = "unknown"  # a label value SGLang has not published (never an empty va
 STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
 DECODE_STAGES = STAGES[1:]
 VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
+DIAGNOSIS_KINDS = ("zeroed", "other_room", "previous_occupant", "unknown")  # diagnosis.KINDS (a test keeps them equal)
 # Patch-target statuses (the values sglang/targets.py reports; a test keeps them equal):
 # patched: wrapped and verified; pending: waiting for its module's import or for
 # SGLang's hook registry; missing: not in the installed SGLang; signature_changed:
@@ -197,6 +198,10 @@ class ProbeMetrics:
         self.first_divergence = counter(
             "first_divergence", "Mismatching rooms by the first stage that saw the difference", ("stage",)
         )
+        self.diagnoses = counter(
+            "diagnoses", "Bad cells by what their bytes became, at the room's first mismatching stage "
+            "(docs/diagnosis.md)", ("stage", "kind"),
+        )
         self.digest_bytes = counter("digest_bytes", "Index-K bytes digested", ("stage",))
         self.digest_gpu_seconds = histogram("digest_gpu_seconds", "GPU time of one digest launch", ("stage",))
         self.verify_latency_seconds = histogram(
@@ -272,6 +277,8 @@ class ProbeMetrics:
         if decode:
             for stage in DECODE_STAGES:
                 self.first_divergence.labels(stage=stage)
+                for kind in DIAGNOSIS_KINDS:
+                    self.diagnoses.labels(stage=stage, kind=kind)
                 for verdict in VERDICTS:
                     self.rooms_verified.labels(stage=stage, verdict=verdict)
         self.zero_health_series()

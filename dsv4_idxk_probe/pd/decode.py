@@ -61,6 +61,8 @@ class DecodeMonitor:
         step_interval: int = 0,
         on_verdict: Callable[[RoomId, str, str, Comparison | None], Any] | None = None,
         max_rooms: int | None = None,
+        diagnosis: Any = None,
+        snapshot_on_allocation: bool = False,
     ):
         self.engine = engine
         self.emit = emit
@@ -70,10 +72,34 @@ class DecodeMonitor:
         self.step_interval = step_interval
         self.on_verdict = on_verdict
         self.max_rooms = max_rooms  # rooms tracked at once; the oldest is dropped (as `skipped`) beyond it
+        # diagnosis.DecodeDiagnosis, or None: what a mismatch's bad cells became (docs/diagnosis.md)
+        self.diagnosis = diagnosis
+        self.snapshot_on_allocation = snapshot_on_allocation and diagnosis is not None
         self._rooms: dict[str, _Room] = {}
         self._lock = threading.Lock()
 
     # %% events from the serving side (scheduler thread: enqueue only)
+
+    def room_allocated(self, room: RoomId, pages: Any, n_tokens: int) -> None:
+        """Decode allocated `pages` to the room and told prefill where to write: a journal
+        event and, with `snapshot_on_allocation`, a digest of what the pages hold before
+        the transfer writes them (one launch; its content goes to the diagnosis only)."""
+        diagnosis = self.diagnosis
+        if diagnosis is None:
+            return
+        diagnosis.allocated(room.key, pages)
+        # the verdicts' digests come first: with the collector's queue half full, no snapshot
+        # (the room is then diagnosed without its pages' earlier bytes)
+        if self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
+            key = room.key
+            self.engine.submit([RoomRequest(key, pages, n_tokens)],
+                               lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages,
+                                                         n_tokens, batch))
+
+    def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult) -> None:
+        contents = getattr(batch, "contents", ())
+        if batch.error is None and contents and not (batch.out_of_range and batch.out_of_range[0]):
+            self.diagnosis.before(key, pages, n_tokens, contents[0])
 
     def room_received(
         self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None,
@@ -84,6 +110,8 @@ class DecodeMonitor:
         request id) becomes the records' ``rid``.
         """
         state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
+        if self.diagnosis is not None:
+            self.diagnosis.landed(room.key, pages)
         evicted = []
         with self._lock:
             self._rooms.pop(room.key, None)
@@ -91,6 +119,8 @@ class DecodeMonitor:
             while self.max_rooms is not None and len(self._rooms) > self.max_rooms:
                 evicted.append(self._rooms.pop(next(iter(self._rooms))))
         for old in evicted:
+            if self.diagnosis is not None:
+                safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, old.room.key)
             self._publish(old.room, "decode_step", None, "skipped", "evicted: tracking table full", None, None, old)
         return self._submit_jobs([(state, "decode_recv", None)])
 
@@ -118,7 +148,14 @@ class DecodeMonitor:
             state = self._get(room)
             if state is not None:
                 jobs.append((state, "decode_step", step))
-        return self._submit_jobs(jobs) if jobs else None
+        if not jobs:
+            return None
+        pending = self._submit_jobs(jobs)
+        if self.diagnosis is not None:  # after their last digest: the pages are freed now
+            for state, stage, _ in jobs:
+                if stage == "decode_finish":
+                    self.diagnosis.freed(state.room.key, state.pages)
+        return pending
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None) -> None:
         """Aborted, retracted or health-check rooms: record `skipped` and forget them.
@@ -134,6 +171,10 @@ class DecodeMonitor:
                 state.retired = reason
                 state.unsafe = {key for key, p in state.pending.items() if not p.ready()}
         extras = {**(state.extra if state is not None else {}), **(extra or {})}
+        if self.diagnosis is not None:
+            if state is not None:
+                self.diagnosis.freed(room.key, state.pages)
+            safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, room.key)
         self._publish(room, stage, None, "skipped", reason, None, None, state, extra=extras or None)
 
     def tracked(self) -> int:
@@ -155,9 +196,10 @@ class DecodeMonitor:
     def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
         self._count_in_flight(jobs, +1)
         enqueued = time.monotonic()
+        enqueued_ns = time.monotonic_ns() if self.diagnosis is not None else None
         requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
         holder: list = []  # the batch's PendingDigest, for results of rooms retired meanwhile
-        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch, holder))
+        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch, holder, enqueued_ns))
         if pending is None:
             self._count_in_flight(jobs, -1)
             if self.metrics is not None:
@@ -171,7 +213,7 @@ class DecodeMonitor:
         return pending
 
     def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult,
-                    holder: list | None = None) -> None:
+                    holder: list | None = None, enqueued_ns: int | None = None) -> None:
         batch_id = id(holder[0]) if holder else None
         with self._lock:  # results are back: no longer a digest a retirement must wait for
             for state, _, _ in jobs:
@@ -199,17 +241,31 @@ class DecodeMonitor:
                 self._publish(state.room, stage, step, "skipped", f"{state.retired} before this digest ran",
                               None, None, state)
                 continue
-            safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes)
+            contents = getattr(batch, "contents", ())
+            content = contents[i] if enqueued_ns is not None and i < len(contents) else None
+            safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes,
+                        content, enqueued_ns)
 
     def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,
-                   room_bytes: int | None) -> None:
+                   room_bytes: int | None, content=None, enqueued_ns: int | None = None) -> None:
         self._count_in_flight([(state, stage, step)], -1)
         verdict, reason, comparison = self._judge(state, digest)
-        if verdict == "mismatch" and state.first_divergence is None:
+        first = verdict == "mismatch" and state.first_divergence is None
+        if first:
             state.first_divergence = stage
             if self.metrics is not None:
                 self.metrics.first_divergence.labels(stage=stage).inc()
-        self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued)
+        diagnosis = page_events = None
+        if content is not None:
+            found = safe_invoke("decode.diagnose", self.diagnosis.observe, state.room.key, state.pages,
+                                state.n_tokens, enqueued_ns, content, verdict, comparison)
+            if found is not None:
+                diagnosis, page_events = found
+            if first and diagnosis and self.metrics is not None:
+                for cell in diagnosis:
+                    self.metrics.diagnoses.labels(stage=stage, kind=cell["kind"]).inc()
+        self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued,
+                      diagnosis=diagnosis, page_events=page_events)
         self._forget_if_done(state)
 
     def _on_failure(self, state: _Room, stage: str, step: int | None, error: str) -> None:
@@ -220,8 +276,11 @@ class DecodeMonitor:
 
     def _forget_if_done(self, state: _Room) -> None:
         with self._lock:
-            if state.finished and state.in_flight <= 0 and self._rooms.get(state.room.key) is state:
+            done = state.finished and state.in_flight <= 0 and self._rooms.get(state.room.key) is state
+            if done:
                 del self._rooms[state.room.key]
+        if done and self.diagnosis is not None:
+            self.diagnosis.retired(state.room.key)  # its content is now its pages' last occupant's
 
     def _judge(self, state: _Room, digest: RoomDigest) -> tuple[str, str, Comparison | None]:
         """Verdict against the best prefill evidence we have."""
@@ -255,7 +314,7 @@ class DecodeMonitor:
             return None
 
     def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None,
-                 extra=None):
+                 extra=None, diagnosis=None, page_events=None):
         record = room_record(
             role="decode", stage=stage, room=room.room, attempt=room.attempt, digest=digest,
             layout=self.engine.layout.name, step=step, verdict=verdict, reason=reason,
@@ -264,6 +323,7 @@ class DecodeMonitor:
             first_divergence=state.first_divergence if state is not None else None,
             extra=extra if extra is not None else (state.extra if state is not None and state.extra else None),
             tokens=state.n_tokens if state is not None else None,
+            diagnosis=diagnosis, page_events=page_events,
         )
         safe_invoke("decode.emit", self.emit, record)
         if self.on_verdict is not None:

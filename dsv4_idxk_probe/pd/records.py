@@ -56,6 +56,8 @@ def room_record(
     extra: dict[str, Any] | None = None,
     tokens: int | None = None,
     rid: str | None = None,
+    diagnosis: list[dict] | None = None,
+    page_events: dict[str, list] | None = None,
 ) -> dict[str, Any]:
     """Build one ``kind: room`` record (plain JSON types only).
 
@@ -84,6 +86,10 @@ def room_record(
         "localisation": comparison.to_record() if comparison is not None and comparison.verdict == "mismatch" else None,
         "first_divergence": first_divergence,
     }
+    if diagnosis is not None:  # per bad cell: what its bytes became (docs/diagnosis.md)
+        record["diagnosis"] = diagnosis
+    if page_events:  # a mismatch decode could not localise: each page's journal events, for the diff
+        record["page_events"] = page_events
     if tokens is not None and digest is None:  # which transfer a record without a digest belongs to
         record["tokens"] = int(tokens)
     if extra and "rid" in extra:

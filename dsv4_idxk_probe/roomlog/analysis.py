@@ -24,6 +24,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
+from ..diagnosis.diagnose import KINDS, summarise
 from ..digest.result import Comparison, RoomDigest, compare
 from ..pd.records import DECODE_STAGES, SCHEMA_VERSION, STAGES, VERDICTS
 from .reader import read_file
@@ -31,6 +32,7 @@ from .reader import read_file
 STAGE_ORDER = {stage: i for i, stage in enumerate(DECODE_STAGES)}
 STAGE_SET = frozenset(STAGES)
 VERDICT_SET = frozenset(VERDICTS)
+KIND_SET = frozenset(KINDS)
 # Worst first: a room's verdict is its worst stage's.
 SEVERITY = {"mismatch": 4, "not_comparable": 3, "unverified": 2, "match": 1, "skipped": 0}
 DECISIVE = ("match", "mismatch", "not_comparable")
@@ -105,6 +107,10 @@ class StageResult:
     comparison: Comparison | None = None
     tokens: int | None = None  # tokens of the transfer this stage judged (None: no digest, no tokens field)
     transfer: int = 0  # which transfer of the room: 0, then 1 after a rebootstrap, ...
+    diagnosis: list | None = None  # per bad cell, what decode found its bytes became (docs/diagnosis.md)
+    # decode could not localise live: its suspects and each page's journal events, completed
+    # here from the localisation of the logs (`complete_diagnosis`)
+    page_events: dict | None = None
 
     @property
     def where(self) -> str:
@@ -138,6 +144,8 @@ class StageResult:
                 "exact": c.exact,
                 "cells_bound": c.cells_bound,
             }
+        if self.diagnosis is not None:
+            out["diagnosis"] = self.diagnosis
         out["where"] = f"{self.file}:{self.line}"
         return out
 
@@ -291,9 +299,20 @@ class Analysis:
         self.prefill_only = len(self.prefill_only_keys)
         self.__dict__.pop("tally", None)
 
+    def diagnoses(self) -> list[dict]:
+        """The diagnosed cells of every mismatching room, at its first mismatching stage."""
+        out = []
+        for room in self.tally.bad_rooms:
+            first = room.first_divergence
+            if first is not None and first.diagnosis:
+                out += [dict(cell, room=room.room, stage=first.label) for cell in first.diagnosis]
+        return out
+
     def summary(self) -> dict[str, Any]:
         t = self.tally
+        cells = self.diagnoses()
         return {
+            "diagnosis": {"cells": dict(Counter(c["kind"] for c in cells)), "lines": summarise(cells)},
             "files": len(self.files),
             "records": dict(self.record_kinds),
             "rooms": len(self.rooms),
@@ -313,6 +332,95 @@ class Analysis:
 
 
 # %% record parsing (hot path: keep it flat)
+
+MAX_DIAGNOSED_CELLS = 4096  # per record; the probe writes at most diagnosis.max_cells_per_room
+_CELL_INTS = ("layer", "page", "physical_page")
+_ROOM_FIELDS = {"room": str, "layer_index": int, "page": int, "physical_page": int, "held": bool}
+_EVENT_FIELDS = {"t_ns": int, "event": str, "page": int, "room": str, "host_row": int, "layer": int, "pool": str}
+
+
+def _plain(source: Any, fields: dict, where: str) -> dict:
+    if type(source) is not dict:
+        raise RecordError(f"{where} must be an object")
+    out = {}
+    for name, kind in fields.items():
+        value = source.get(name)
+        if value is None:
+            continue
+        if type(value) is not kind or (kind is str and len(value) > MAX_ROOM_CHARS):
+            raise RecordError(f"{where}.{name} must be {kind.__name__}, got {_short(value)}")
+        out[name] = value if kind is not str or value.isascii() else _printable(value)
+    return out
+
+
+def complete_diagnosis(suspects: list[dict], comparison: Comparison, page_events: dict) -> list[dict]:
+    """Decode's diagnosis of a mismatch it could not localise, made per cell of the logs'
+    localisation: a suspect decode named keeps its diagnosis; any other cell of the bound
+    is `unknown`, with its page's journal events; suspects outside the bound are dropped."""
+    named = {(c.get("layer"), c.get("page"), c.get("segment")): c for c in suspects}
+    out = []
+    for layer, segment in comparison.layer_segments:
+        for page in comparison.pages:
+            cell = named.get((layer, page, segment))
+            if cell is None:
+                cell = {"layer": layer, "page": page, "segment": segment, "kind": "unknown"}
+                events = page_events.get(str(page))
+                if events:
+                    cell["events"] = events
+            cell = dict(cell)
+            cell.pop("exact", None)
+            if not comparison.exact:
+                cell["exact"] = False
+            out.append(cell)
+            if len(out) >= MAX_DIAGNOSED_CELLS:
+                return out
+    return out
+
+
+def _page_events(value: Any) -> dict:
+    """A record's `page_events` (logical page -> journal events), checked like `diagnosis`."""
+    if value is None:
+        return {}
+    if type(value) is not dict or len(value) > MAX_DIAGNOSED_CELLS:
+        raise RecordError(f"page_events must be an object of at most {MAX_DIAGNOSED_CELLS} pages")
+    out = {}
+    for page, events in value.items():
+        if not page.isdigit() or type(events) is not list or len(events) > 64:
+            raise RecordError("page_events must map page numbers to lists of at most 64 events")
+        out[page] = [_plain(e, _EVENT_FIELDS, f"page_events[{page}][{j}]") for j, e in enumerate(events)]
+    return out
+
+
+def _diagnosis(cells: Any) -> list[dict]:
+    """A record's `diagnosis`, checked: known kinds, plain fields, bounded lengths."""
+    if type(cells) is not list or len(cells) > MAX_DIAGNOSED_CELLS:
+        raise RecordError(f"diagnosis must be a list of at most {MAX_DIAGNOSED_CELLS} cells")
+    out = []
+    for i, cell in enumerate(cells):
+        where = f"diagnosis[{i}]"
+        if type(cell) is not dict or cell.get("kind") not in KIND_SET:
+            raise RecordError(f"{where}.kind must be one of {', '.join(KINDS)}")
+        if type(cell.get("segment")) is not str or len(cell["segment"]) > MAX_ROOM_CHARS:
+            raise RecordError(f"{where}.segment must be a short string")
+        clean = {"kind": cell["kind"], "segment": cell["segment"]}
+        for name in _CELL_INTS:
+            value = cell.get(name)
+            if value is not None and type(value) is not int:
+                raise RecordError(f"{where}.{name} must be an integer")
+            if value is not None:
+                clean[name] = value
+        if cell.get("exact") is False:
+            clean["exact"] = False
+        for name, fields in (("rooms", _ROOM_FIELDS), ("events", _EVENT_FIELDS)):
+            items = cell.get(name)
+            if items is None:
+                continue
+            if type(items) is not list or len(items) > 64:
+                raise RecordError(f"{where}.{name} must be a list of at most 64 entries")
+            clean[name] = [_plain(x, fields, f"{where}.{name}[{j}]") for j, x in enumerate(items)]
+        out.append(clean)
+    return out
+
 
 
 _HEX16 = frozenset({16})  # the lengths a list of 16-digit hex values may have
@@ -463,6 +571,10 @@ class _Joiner:
         if ts is not None and (type(ts) not in (int, float) or not 0 <= ts <= MAX_TS):
             raise RecordError(f"ts must be null or a Unix time in seconds (0 to {MAX_TS:.0f}), got {_short(ts)}")
         result = StageResult(stage, step, "", "", verdict, ts, file, line, tokens=tokens)
+        if rec.get("diagnosis") is not None:
+            result.diagnosis = _diagnosis(rec["diagnosis"])
+            if rec.get("localisation") is None:
+                result.page_events = _page_events(rec.get("page_events"))
         found = self.a.rooms.get(key)
         if found is None:
             found = self.a.rooms[key] = RoomResult(room, attempt, [])
@@ -515,6 +627,8 @@ class _Joiner:
             name = f"{key[0]}/{key[1]}"
             comparison = compare(expected.unpack(name), observed.unpack(name))
             result.verdict, result.reason, result.comparison = comparison.verdict, comparison.reason, comparison
+            if result.page_events is not None and comparison.verdict == "mismatch":
+                result.diagnosis = complete_diagnosis(result.diagnosis or [], comparison, result.page_events)
         live = result.live_verdict
         if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
             self.a.live_disagreements += 1

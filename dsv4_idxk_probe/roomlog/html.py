@@ -15,6 +15,7 @@ import math
 import time
 from collections import Counter
 
+from ..diagnosis.diagnose import describe_room
 from ..metrics.definitions import page_bucket
 from ..pd.records import DECODE_STAGES, VERDICTS
 from .analysis import Analysis, RoomResult, StageResult
@@ -84,7 +85,9 @@ def _summary(a: Analysis) -> str:
         f"{s['prefill_only_rooms']:,} only on prefill; {s['bad_lines']:,} lines skipped; "
         f"{s['live_verdict_disagreements']:,} live verdicts disagree with the logs.</p>"
         f"<table><tr><th>stage</th>{head}</tr>{''.join(rows)}</table>"
-        f"<p>First divergence: {first}.</p></section>"
+        f"<p>First divergence: {first}.</p>"
+        + (f"<p>Diagnosis: {_e('; '.join(s['diagnosis']['lines']))}.</p>" if s["diagnosis"]["lines"] else "")
+        + "</section>"
     )
 
 
@@ -169,6 +172,8 @@ def _room_block(room: RoomResult) -> str:
                  and (s.comparison.layers, s.comparison.pages, s.comparison.segments) != (c.layers, c.pages, c.segments)]
         if moved:
             body.append(f'<p class="note">localised differently at {_e(", ".join(moved))} (see `diff --json`).</p>')
+    if first is not None and first.diagnosis:
+        body.append(_diagnosis_table(first.diagnosis))
     for stage in room.ordered:
         if stage.verdict not in ("match", "mismatch") and stage.reason:
             body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason)} <code>{_e(stage.where)}</code></p>')
@@ -176,6 +181,26 @@ def _room_block(room: RoomResult) -> str:
             body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason or "not localised")}</p>')
     body.append("</div>")
     return "".join(body)
+
+
+MAX_DIAGNOSIS_ROWS = 32
+
+
+def _diagnosis_table(cells: list[dict]) -> str:
+    """What each bad cell's bytes became, and the page's events before it (docs/diagnosis.md)."""
+    rows = []
+    for cell in cells[:MAX_DIAGNOSIS_ROWS]:
+        rooms = ", ".join(_e(str(r.get("room"))) + (f" P{r['page']}" if r.get("page") is not None else "")
+                          for r in cell.get("rooms") or ())
+        events = " &rarr; ".join(_e(e.get("event", "?")) + (f" ({_e(str(e['room']))})" if e.get("room") else "")
+                                 + (f" host row {e['host_row']}" if e.get("host_row") is not None else "")
+                                 for e in cell.get("events") or ())
+        rows.append(f"<tr><td>L{cell.get('layer')} P{cell.get('page')} {_e(cell.get('segment', ''))}</td>"
+                    f"<td>{_e(cell.get('kind', ''))}{'' if cell.get('exact', True) else ' (in bound)'}</td>"
+                    f"<td>{rooms or '-'}</td><td>{cell.get('physical_page', '-')}</td><td>{events or '-'}</td></tr>")
+    more = f'<p class="note">... and {len(cells) - MAX_DIAGNOSIS_ROWS} more cells.</p>' if len(cells) > MAX_DIAGNOSIS_ROWS else ""
+    return ('<table class="diagnosis"><tr><th>cell</th><th>diagnosis</th><th>room(s)</th><th>physical page</th>'
+            f"<th>page events since the last match</th></tr>{''.join(rows)}</table>{more}")
 
 
 def _ranges(values) -> str:
@@ -200,12 +225,13 @@ def _index(bad: list[RoomResult], drawn: int) -> str:
         rows.append(
             f"<tr><td>{link}</td><td>{_e(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
             f"<td>{_e(first.label) if first else '-'}</td><td>{_e(_ranges(c.layers)) if c else '-'}</td>"
-            f"<td>{_e(_ranges(c.pages)) if c else '-'}</td><td>{_e(', '.join(c.segments)) if c else '-'}</td></tr>"
+            f"<td>{_e(_ranges(c.pages)) if c else '-'}</td><td>{_e(', '.join(c.segments)) if c else '-'}</td>"
+            f"<td>{_e(describe_room(first.diagnosis or ())) if first else '-'}</td></tr>"
         )
     more = f'<p class="note">... and {len(bad) - MAX_INDEX_ROWS:,} more (see `diff --json`).</p>' if len(bad) > MAX_INDEX_ROWS else ""
     return (
         '<div class="index"><table><tr><th>room/attempt</th><th>rid</th><th>verdict</th><th>first divergence</th>'
-        f"<th>layers</th><th>pages</th><th>segments</th></tr>{''.join(rows)}</table></div>{more}"
+        f"<th>layers</th><th>pages</th><th>segments</th><th>diagnosis</th></tr>{''.join(rows)}</table></div>{more}"
     )
 
 

@@ -4,7 +4,9 @@ Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
 * ``DecodePreallocQueue._send_kv_metadata`` (after): remember the room's
-  destination pages (the exact list decode publishes to prefill);
+  destination pages (the exact list decode publishes to prefill); with
+  diagnosis on, journal them as allocated to the room and digest what they
+  hold before the transfer writes them (docs/diagnosis.md);
 * ``DecodeTransferQueue._commit_transfer_to_req`` (around): read the in-band
   digest and the prefill's exchange endpoint from the metadata row before
   SGLang clears it, then, unless the commit aborted the request, enqueue the
@@ -75,7 +77,11 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
         # device pages named later by the restore are not known here.
         setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
         return
-    setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, page_size, kwargs))
+    dest = decode_room_pages(kv_indices, page_size, kwargs)
+    setattr(decode_req, ATTR_DEST, dest)
+    room = room_of(getattr(decode_req, "req", None))
+    if not isinstance(dest, str) and room is not None:  # diagnosis: a journal event, the pages' bytes before
+        runtime.sides["decode"].monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens)
 
 
 def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:

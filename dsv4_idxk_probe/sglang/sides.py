@@ -105,6 +105,8 @@ class DecodeSide(_Side):
             fetch_always=config.exchange.fetch_always,
             step_interval=config.step_interval,
             max_rooms=config.exchange.table_size,
+            diagnosis=_diagnosis(runtime, layout, geometry.layer_ids),
+            snapshot_on_allocation=getattr(getattr(config, "diagnosis", None), "snapshot_on_allocation", False),
         )
 
     def remember_peer(self, key: str, endpoint: tuple[str, int] | None) -> None:
@@ -125,6 +127,13 @@ class DecodeSide(_Side):
         self.engine.close()
         if self.client is not None:
             self.client.close()
+
+
+def _diagnosis(runtime: Any, layout: Any, layer_ids) -> Any:
+    """Decode's diagnosis (content index + the process's page journal), or None when off."""
+    from ..diagnosis.tracker import decode_diagnosis
+
+    return decode_diagnosis(runtime.config, layout, layer_ids, getattr(runtime, "journal", None))
 
 
 def _bind_address(exchange: Any, host: str | None) -> str | None:

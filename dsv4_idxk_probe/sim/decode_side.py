@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..digest import DigestEngine, get_layout
+from ..diagnosis.tracker import decode_diagnosis
 from ..pd import DecodeMonitor, InbandDigest, RoomId
 from . import content, expect, inject
 from .faults import load_fault_spec
@@ -92,6 +93,8 @@ class DecodeSide:
             self.monitor = DecodeMonitor(
                 engine, self.sinks.emit, self.sinks.metrics,
                 fetch_vectors=self.fetcher, fetch_always=config.exchange.fetch_always, step_interval=self.interval,
+                diagnosis=decode_diagnosis(config, self.layout, self.layer_ids),
+                snapshot_on_allocation=config.diagnosis.snapshot_on_allocation,
             )
 
     # %% main loop
@@ -126,6 +129,8 @@ class DecodeSide:
             room = _Room(plan, RoomId(plan.room), [self.free_pages.pop() for _ in range(plan.total_pages)], self.free_meta.pop())
             self._resolve_faults(room)
             self.active[plan.room] = room
+            if self.monitor is not None:  # diagnosis: the pages are the room's now, before the WRITE
+                self.monitor.room_allocated(room.rid, room.sent_phys, room.plan.sent_tokens)
             self.peer.send(("transfer", TransferInfo(plan.room, 0, tuple(room.sent_phys), room.meta_row)))
             admitted = True
         return admitted

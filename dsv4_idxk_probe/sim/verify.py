@@ -48,6 +48,7 @@ class FaultCheck:
     expected: list[dict]  # effects with visible changes: room, layers, page, segments, stage, step
     seen: str = "-"
     localised: str = "-"
+    diagnosed: str = "-"  # what the probe said the bytes became, where the rig expects a diagnosis
     ok: bool = False
     note: str = ""
 
@@ -142,7 +143,7 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
         check.ok = not reported
         check.seen = "REPORTED" if reported else "not reported"
         return check
-    problems, seen, where = [], [], []
+    problems, seen, where, diagnosed = [], [], [], []
     for effect in visible:
         room_stages = stages.get(effect["room"], {})
         want = stage_key(effect["stage"], effect["step"], effect.get("transfer", 0))
@@ -152,6 +153,11 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
         hits = sorted(k for k, s in room_stages.items() if cells <= _cells(s.get("localisation")))
         if want not in hits:
             problems.append(f"room {effect['room']}: not reported at {stage_label(effect['stage'], effect['step'])}")
+        elif effect.get("diagnosis") is not None:
+            said, problem = _diagnosis_check(effect, room_stages[want].get("diagnosis"))
+            diagnosed.append(said)
+            if problem:
+                problems.append(f"room {effect['room']}: {problem}")
         if not hits:
             continue
         first = room_stages[hits[0]]
@@ -164,9 +170,33 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
             )
     check.seen = "; ".join(dict.fromkeys(seen)) or "-"
     check.localised = "; ".join(dict.fromkeys(where)) or "-"
+    check.diagnosed = "; ".join(dict.fromkeys(diagnosed)) or "-"
     check.ok = not problems
     check.note = "; ".join(problems)
     return check
+
+
+def _diagnosis_check(effect: dict, cells: list[dict] | None) -> tuple[str, str]:
+    """(what the probe said of the effect's cell, a problem or ""): the kind must be the one
+    the rig's bytes show, and a named culprit room must be among the rooms the probe names."""
+    want = effect["diagnosis"]
+    layer, page, segment = effect["layers"][0], effect["page"], effect["segments"][0]
+    cell = next((c for c in cells or () if (c.get("layer"), c.get("page"), c.get("segment")) == (layer, page, segment)),
+                None)
+    label = f"L{layer} P{page} {segment}"
+    if cell is None:
+        return f"{label} undiagnosed", f"{label}: no diagnosis, expected {want['kind']}"
+    rooms = [r.get("room") for r in cell.get("rooms") or ()]
+    said = cell["kind"] + (f" {rooms[0]}" if rooms and want.get("room") not in rooms else
+                           f" {want['room']}" if want.get("room") in rooms else "")
+    events = cell.get("events") or ()
+    if events:  # the last operation on the page before the bad digest
+        said += f" after {events[-1].get('event')}"
+    if cell["kind"] != want["kind"]:
+        return said, f"{label}: diagnosed {cell['kind']}, expected {want['kind']}"
+    if want.get("room") is not None and want["room"] not in rooms:
+        return said, f"{label}: {cell['kind']} names {rooms or 'no room'}, expected {want['room']}"
+    return said, ""
 
 
 def _earliest(faults: list[dict]) -> dict:
@@ -243,7 +273,7 @@ def as_json(v: Verification) -> dict[str, Any]:
         "diff_json": str(v.diff_json),
         "faults": [
             {"fault": c.label, "room": c.record["room"], "applied": c.record["applied"], "ok": c.ok, "seen": c.seen,
-             "localised": c.localised, "expected": c.expected, "note": c.note}
+             "localised": c.localised, "diagnosed": c.diagnosed, "expected": c.expected, "note": c.note}
             for c in v.checks
         ],
         "unexplained": v.unexplained,

@@ -65,7 +65,7 @@ def hicache_targets() -> list[dict]:
 class Env:
     """An installed probe: runtime, registry, records, and how to read metrics."""
 
-    def __init__(self, settings: dict):
+    def __init__(self, settings: dict, journal=None):
         self.registry = CollectorRegistry()
         self.records: list[dict] = []
         self.runtime = SimpleNamespace(
@@ -73,6 +73,7 @@ class Env:
             config=SimpleNamespace(hicache=dict(settings)),
             emit=self.records.append,
             log=logging.getLogger("dsv4_idxk_probe.test.hicache"),
+            journal=journal,  # diagnosis.PageJournal, or None (diagnosis off)
         )
         self.handles: list[tuple] = []
         self.allow_probe_errors = False  # set by tests that break the probe on purpose
@@ -122,9 +123,9 @@ def hicache():
     """Install the probe with the given ``hicache`` settings; removed at teardown."""
     envs: list[Env] = []
 
-    def install(**settings) -> Env:
+    def install(journal=None, **settings) -> Env:
         settings.setdefault("flush_interval_s", 3600.0)  # tests flush explicitly
-        env = Env(settings)
+        env = Env(settings, journal)
         env.install()
         envs.append(env)
         return env

@@ -116,3 +116,28 @@ def test_pages_handed_to_storage_by_address_are_forgotten_too(hicache, make_pool
     backup_then_load(pool, "kernel", l3_zero_copy_write)
     assert mismatches(env) == []
     assert env.value("hicache_roundtrip", pool=pool.pool_name, leg="host", verdict="unverified") == LAYERS
+
+
+@pytest.mark.parametrize("roundtrip", [False, True])
+def test_backups_and_loads_are_page_journal_events_naming_the_host_row(hicache, make_pool, standins, roundtrip):
+    """What a decode diagnosis shows beside a bad cell: the load into its page, from which
+    host row, and (round-trip mode) whether that row matched at backup and while resident."""
+    from dsv4_idxk_probe.diagnosis import PageJournal
+
+    journal = PageJournal()
+    hicache(roundtrip=roundtrip, journal=journal)
+    pool = make_pool("fp8_indexer")
+
+    def flip():  # host row 5, layer 0, while resident
+        host_row(pool, 5, 0)[99] ^= 0x01
+
+    backup_then_load(pool, "kernel", flip)
+    events = journal.events_for(6)  # device row 6 <- host row 5
+    assert [(e["event"], e["host_row"], e["pool"]) for e in events] == [
+        ("hicache_backup", 5, "deepseek_v4_c4_indexer"), ("hicache_load", 5, "deepseek_v4_c4_indexer")]
+    assert len(journal) == 2  # one event per backup, one per load (its first layer), whatever the layers
+    if roundtrip:
+        assert events[1]["host_row_checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match"}
+        assert journal.events_for(1)[1]["host_row_checks"] == {"d2h": "match", "host": "match", "h2d": "match"}
+    else:
+        assert "host_row_checks" not in events[1]

@@ -336,6 +336,27 @@ def test_change_after_receipt_is_found_at_next_stage(worlds, patched):
     assert len([r for r in sink.records if r["stage"] == "decode_finish"]) == 1
 
 
+def test_the_hooks_journal_the_rooms_pages_and_a_zeroed_page_is_diagnosed(worlds, patched):
+    """docs/diagnosis.md through SGLang's own hook points: `_send_kv_metadata` journals the
+    pages as allocated, the commit as landed; a page zeroed after receipt reads `zeroed`."""
+    runtime, sink, registry = patched
+    prefill, decode = worlds
+    dreq = _decode_flow(worlds, patched)
+    assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "match"
+    room = f"{ROOM}/0"
+    page = pdworld.DECODE_PAGES[2]  # logical page 1
+    assert [(e["event"], e["room"]) for e in runtime.journal.events_for(page)] == [
+        ("allocated", room), ("transfer_landed", room)]
+    decode.index_k[0][page].zero_()
+    step = pd_decode.make_decode_step_wrapper(runtime)
+    batch = SimpleNamespace(reqs=[dreq.req])
+    for _ in range(runtime.config.step_interval):
+        step(lambda *a, **k: "result", None, (batch, None), {})
+    bad = sink.wait_for(1, stage="decode_step")[0]
+    assert {(c["layer"], c["page"], c["segment"], c["kind"], c["physical_page"]) for c in bad["diagnosis"]} == {
+        (pdworld.C4_LAYERS[0], 1, "payload", "zeroed", page), (pdworld.C4_LAYERS[0], 1, "scale", "zeroed", page)}
+
+
 def test_dead_prefill_exchange_makes_a_corrupt_room_unlocalised_not_stuck(worlds, patched):
     runtime, sink, _ = patched
 

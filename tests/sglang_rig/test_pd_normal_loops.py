@@ -19,18 +19,6 @@ OPTIONS = launch.ServerOptions()
 rig = pair_fixture("sglang-normal", OPTIONS)
 
 
-def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):
-    requests = workload.plan("faults", workload.WorkloadOptions(rooms=48, seed=1))
-    phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
-    assert phase.ok, describe(phase)
-    applied = [c for c in phase.verification.checks if c.record["applied"]]
-    kinds = {c.record["kind"] for c in applied}
-    assert kinds == {"bitflip", "byte_set", "zero_page", "swap_pages", "stale_page", "partial_write", "drop_page"}
-    assert {c.record["when"] for c in applied} == {"in_flight", "before_send", "after_recv", "after_step"}
-    assert any(c.expected for c in applied) and any(not c.expected for c in applied)  # seen, and invisible by design
-    assert phase.verification.verdicts.get("mismatch", 0) >= 8
-
-
 def test_500_clean_rooms_all_match_through_chunked_prefill_and_prefill_prefix_hits(rig):
     requests = workload.plan("clean", workload.WorkloadOptions(rooms=500, seed=2, max_new_tokens=24))
     phase = rig.phase("clean", requests, settle_s=120.0)
@@ -41,6 +29,34 @@ def test_500_clean_rooms_all_match_through_chunked_prefill_and_prefill_prefix_hi
     assert oracle and all(not o["cells"] for o in oracle)
     cached = [int(n) for n in re.findall(r"#cached-token: (\d+)", rig.cluster.logs["prefill"].read_text())]
     assert sum(n > 0 for n in cached) >= 10, "prefill's radix cache gave no prefix hits"
+
+
+def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):
+    # after the clean rooms: decode's pages have had occupants, so a stale page or a lost
+    # write shows the previous occupant's bytes (a page never used holds zeros)
+    requests = workload.plan("faults", workload.WorkloadOptions(rooms=48, seed=1))
+    phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
+    assert phase.ok, describe(phase)
+    applied = [c for c in phase.verification.checks if c.record["applied"]]
+    kinds = {c.record["kind"] for c in applied}
+    assert kinds == {"bitflip", "byte_set", "zero_page", "swap_pages", "stale_page", "partial_write", "drop_page"}
+    assert {c.record["when"] for c in applied} == {"in_flight", "before_send", "after_recv", "after_step"}
+    assert any(c.expected for c in applied) and any(not c.expected for c in applied)  # seen, and invisible by design
+    assert phase.verification.verdicts.get("mismatch", 0) >= 8
+    # every seen cell was diagnosed as what the rig's bytes show (phase.ok checks each one):
+    # every kind of diagnosis occurs, and each fault kind gets its own
+    said: dict[str, set] = {}
+    for c in applied:
+        for e in c.expected:
+            if e.get("diagnosis"):
+                said.setdefault(c.record["kind"], set()).add(e["diagnosis"]["kind"])
+    assert said["zero_page"] == {"zeroed"} and said["bitflip"] == {"unknown"}, said
+    assert "other_room" in said["swap_pages"], said
+    assert "previous_occupant" in said.get("stale_page", set()) | said.get("drop_page", set()), said
+    assert "unknown" in said["partial_write"], said
+    # a fault in the transfer's landing names it as the last operation on the page
+    landed = [c for c in applied if c.record["when"] == "in_flight" and c.expected]
+    assert landed and all("after transfer_landed" in c.diagnosed for c in landed), [c.diagnosed for c in landed]
 
 
 def test_aborted_requests_are_skipped_and_serving_goes_on(rig):

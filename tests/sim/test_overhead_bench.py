@@ -34,15 +34,17 @@ def test_each_variant_becomes_the_config_its_children_load(overhead, tmp_path):
 
     assert overhead.parse_args(["--rig-variants", "off, observe-poll"]).rig_variants == ("off", "observe-poll")
     assert overhead.rig_env("off", tmp_path, 8).common == {}
-    waits = {}
-    for variant in ("observe", "observe-poll"):
+    waits, diagnosis = {}, {}
+    for variant in ("observe", "observe-poll", "observe-nodiag"):
         run_dir = tmp_path / variant
         run_dir.mkdir()
         env = overhead.rig_env(variant, run_dir, 8).common
         config = load_config({ev.DSV4_IDXK_PROBE: env[ev.DSV4_IDXK_PROBE], ev.DSV4_IDXK_PROBE_CONFIG: env[ev.DSV4_IDXK_PROBE_CONFIG]})
         assert config.step_interval == 8 and config.roomlog.dir == str(run_dir / "logs")
         waits[variant] = config.digest.collector_wait
-    assert waits == {"observe": "block", "observe-poll": "poll"}
+        diagnosis[variant] = config.diagnosis.enabled
+    assert waits == {"observe": "block", "observe-poll": "poll", "observe-nodiag": "block"}
+    assert diagnosis == {"observe": True, "observe-poll": True, "observe-nodiag": False}  # the serving legs run it
 
 
 def test_a_three_variant_run_reports_each_against_off(overhead, tmp_path):

@@ -112,6 +112,7 @@ class Track:
     points: int = 0  # oracle points so far
     forwards: int = 0  # decode forwards run
     req_pool_idx: int | None = None
+    released: bool = False  # SGLang freed its pages (a swap partner must still hold them)
 
 
 class InServer:
@@ -165,13 +166,15 @@ class InServer:
         return [f for f in self.plan.by_room.get(rig_room, []) if f.when in when]
 
     def record_fault(self, fault, track_or_room: Any, applied: bool, reason: str = "", target: dict | None = None,
-                     cells: list | None = None, point: int = 0, rid: str | None = None) -> None:
+                     cells: list | None = None, point: int = 0, rid: str | None = None,
+                     expect: list | None = None) -> None:
         t = track_or_room
         self.out.write("faults", {
             "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
             "after_step": fault.after_step, "side": self.role, "rid": rid or getattr(t, "rid", None),
             "rig_room": getattr(t, "rig_room", None), "room": getattr(t, "room", None),
             "applied": applied, "reason": reason, "target": target or {}, "cells": cells or [], "point": point,
+            "expect": expect or [],
         })
 
     def apply(self, fault, track: Track, *, replacement_for=None) -> None:
@@ -211,21 +214,41 @@ class InServer:
         else:
             old = apply_in_place(self.buffers, phys, target, rng, replacement=replacement)
         new = self.rows(phys, target.layers)
-        cells = []
+        cells, expect = [], []
+        before = track.before.get(target.page)
+        previous = self._previous_room(track, phys)
         for j, layer in enumerate(target.layer_ids):
             for seg in changed_segments(self.layout, old[j], new[j], target.frozen):
                 cells.append([layer, target.page, seg])
-        self.record_fault(fault, track, True, target=target.describe(), cells=cells, point=track.points)
+                kind = _diagnosis_of(self.layout, new[j], before[target.layers[j]] if before else None,
+                                     target.frozen, seg)
+                expect.append([layer, target.page, seg, kind, previous if kind == "previous_occupant" else None])
+        self.record_fault(fault, track, True, target=target.describe(), cells=cells, point=track.points,
+                          expect=expect)
+
+    def _previous_room(self, track: Track, phys: int) -> str | None:
+        """The probe's key of the room that held physical page `phys` before `track` (tracks
+        are kept in the order decode allocated them), None if none did."""
+        with self.lock:
+            tracks = list(self.tracks.values())
+        for t in reversed(tracks):
+            if t is not track and phys in t.pages:
+                return f"{t.room}/0"
+        return None
 
     def _partner(self, fault, track: Track) -> Track | None:
         with self.lock:
-            others = [t for t in self.tracks.values() if t is not track and t.tokens is not None]
+            others = [t for t in self.tracks.values()  # a room of the run decode holds now (no health check)
+                      if t is not track and t.tokens is not None and not t.released and t.rig_room is not None]
         if fault.with_room is not None:
             others = [t for t in others if t.rig_room == fault.with_room]
         return others[0] if others else None
 
     def _swap(self, fault, track: Track, target, partner: Track, rng) -> None:
-        page_b = int(rng.integers(len(partner.pages)))
+        # a partner page with as many frozen slots as the target's, where it has one: the
+        # swapped bytes then have the same content digest in both rooms (docs/diagnosis.md)
+        alike = [k for k in range(len(partner.pages)) if self.layout.frozen_slots(partner.n_tokens, k) == target.frozen]
+        page_b = int(alike[rng.integers(len(alike))]) if alike else int(rng.integers(len(partner.pages)))
         phys_a, phys_b = track.pages[target.page], partner.pages[page_b]
         old_a, old_b = self.rows(phys_a, target.layers), self.rows(phys_b, target.layers)
         for j, li in enumerate(target.layers):
@@ -236,13 +259,19 @@ class InServer:
         for j, layer in enumerate(target.layer_ids):
             cells_a += [[layer, target.page, s] for s in _changed(self.layout, old_a[j], old_b[j], target.frozen)]
             cells_b += [[layer, page_b, s] for s in _changed(self.layout, old_b[j], old_a[j], frozen_b)]
+        # each room's cell holds the other's page, found as such when the frozen counts agree
+        alike = frozen_b == target.frozen
+        expect_a = [c + (["other_room", f"{partner.room}/0"] if alike else [_diagnosis_of(
+            self.layout, old_b[target.layer_ids.index(c[0])], None, target.frozen, c[2]), None]) for c in cells_a]
+        expect_b = [c + (["other_room", f"{track.room}/0"] if alike else [_diagnosis_of(
+            self.layout, old_a[target.layer_ids.index(c[0])], None, frozen_b, c[2]), None]) for c in cells_b]
         described = dict(target.describe(), partner_rid=partner.rid, partner_page=page_b)
-        self.record_fault(fault, track, True, target=described, cells=cells_a, point=track.points)
+        self.record_fault(fault, track, True, target=described, cells=cells_a, point=track.points, expect=expect_a)
         self.out.write("faults", {
             "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
             "after_step": fault.after_step, "side": self.role, "rid": partner.rid, "rig_room": partner.rig_room,
             "room": partner.room, "applied": True, "reason": "swap partner", "target": described,
-            "cells": cells_b, "point": partner.points, "partner_of": track.rid,
+            "cells": cells_b, "point": partner.points, "partner_of": track.rid, "expect": expect_b,
         })
 
     # %% the oracle
@@ -274,6 +303,18 @@ class InServer:
         self.out.write("oracle", {"room": room, "attempt": attempt, "rid": track.rid, "rig_room": track.rig_room,
                                   "stage": stage, "step": step, "cells": cells, "index": track.points - 1,
                                   "start": track.start, "n_tokens": track.n_tokens})
+
+
+def _diagnosis_of(layout, new: np.ndarray, before: np.ndarray | None, frozen: int, segment: str) -> str:
+    """What the probe must say a changed cell became, from the bytes themselves: its frozen
+    bytes all zero, or those the page held before the WRITE, or neither (docs/diagnosis.md)."""
+    seg = next(s for s in layout.segments if s.name == segment)
+    span = slice(seg.offset, seg.offset + frozen * seg.slot_bytes)
+    if not new[span].any():
+        return "zeroed"
+    if before is not None and np.array_equal(new[span], before[span]):
+        return "previous_occupant"
+    return "unknown"
 
 
 def _changed(layout, old: np.ndarray, new: np.ndarray, frozen: int) -> list[str]:
@@ -385,9 +426,13 @@ def _on_release(wrapped, instance, args, kwargs):
 
 def _scribble(req, *_a, **_k) -> None:
     state = _state
-    if not state.plan.scribble_freed or not req.finished():
+    if not req.finished():
         return
     track = state.tracks.get(int(getattr(req, "bootstrap_room", -1) or -1))
+    if track is not None:
+        track.released = True
+    if not state.plan.scribble_freed:
+        return
     if track is None or _rid(req) not in state.plan.rooms:
         return
     for buf in state.buffers:

@@ -7,7 +7,9 @@ changes). A phase sends its requests through the router, waits until decode has
 taken every room's ``decode_finish`` digest, then judges the phase's rooms:
 
 * every fault that changed frozen bytes is found at the first digest point
-  whose oracle check shows those bytes changed, localised to its cells;
+  whose oracle check shows those bytes changed, localised to its cells, and
+  diagnosed as what the bytes became (docs/diagnosis.md): zeroed, another
+  room's page (the swap partner), the page's previous occupant, or unknown;
 * every mismatch the probe reports is explained by a fault;
 * every probe verdict equals the oracle's, digest point by digest point;
 * every request's output is the stand-in's deterministic continuation (the
@@ -217,11 +219,16 @@ def expectations(fault_records: list[dict], oracle: list[dict]) -> list[dict]:
         })
         if not f.get("partner_of"):
             record.update(room=room, rig_room=f.get("rig_room"), applied=f["applied"], reason=f.get("reason", ""))
+        expect = {(e[0], e[1], e[2]): e[3:] for e in f.get("expect", [])}
         for layer, page, segment in f.get("cells", []):
             stage, step, tokens = _first_seen(points.get(int(room), []) if room is not None else [], f.get("point", 0),
                                               (layer, page, segment))
-            record["effects"].append({"room": room, "layers": [layer], "page": page, "segments": [segment],
-                                      "stage": stage, "step": step, "tokens": tokens})
+            effect = {"room": room, "layers": [layer], "page": page, "segments": [segment],
+                      "stage": stage, "step": step, "tokens": tokens}
+            if (layer, page, segment) in expect:  # what the probe must say the cell became, and whose it is
+                kind, culprit = expect[(layer, page, segment)]
+                effect["diagnosis"] = {"kind": kind, "room": culprit}
+            record["effects"].append(effect)
     return list(merged.values())
 
 

@@ -1,0 +1,167 @@
+"""The page journal: the last operations the hooks saw on each physical index-K page.
+
+One bounded ring of events per process. An event names its pages as the
+hook got them (a list, a NumPy array, a host or device tensor), held by
+reference: recording one is a tuple append and a monotonic clock read, O(1)
+whatever the room's size, no host sync, no per-token work. Pages are turned
+into host numbers only when a mismatch asks which events touched a page (on
+the collector thread, rarely); a device tensor read then is the one copy
+diagnosis costs, off the serving thread.
+
+Bound: `capacity` events. The oldest go first, so a page untouched for a
+long time may have none left; the journal then says nothing rather than
+something wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable
+
+import numpy as np
+
+# What the hooks record (docs/diagnosis.md, "The journal").
+EVENT_KINDS = ("allocated", "transfer_landed", "hicache_load", "hicache_backup", "freed")
+
+
+class PageGroups:
+    """Token indices that come in whole pages (HiCache's page branch): page k is the
+    first index of group k divided by the page size. Held as given, resolved on read."""
+
+    __slots__ = ("indices", "page_size")
+
+    def __init__(self, indices: Any, page_size: int):
+        self.indices, self.page_size = indices, int(page_size)
+
+    def resolve(self) -> np.ndarray:
+        flat = _host_ints(self.indices)
+        usable = flat.size - flat.size % self.page_size if self.page_size > 0 else 0
+        return flat[:usable].reshape(-1, self.page_size)[:, 0] // self.page_size if usable else flat[:0]
+
+
+def _host_ints(values: Any) -> np.ndarray:
+    if values is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(values, PageGroups):
+        return values.resolve()
+    if hasattr(values, "detach"):  # a torch tensor, host or device
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+class _Event:
+    __slots__ = ("t_ns", "kind", "room", "pages", "host_rows", "layer", "detail", "_resolved")
+
+    def __init__(self, t_ns, kind, room, pages, host_rows, layer, detail):
+        self.t_ns, self.kind, self.room, self.pages = t_ns, kind, room, pages
+        self.host_rows, self.layer, self.detail, self._resolved = host_rows, layer, detail, None
+
+    def resolved(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self._resolved is None:  # once per event; the references are dropped then
+            host = _host_ints(self.host_rows) if self.host_rows is not None else None
+            self._resolved = (_host_ints(self.pages), host)
+            self.pages = self.host_rows = None
+        return self._resolved
+
+    def describe(self, page: int) -> dict:
+        pages, host = self.resolved()
+        out = {"t_ns": self.t_ns, "event": self.kind, "page": int(page)}
+        if self.room is not None:
+            out["room"] = self.room
+        if host is not None:
+            at = np.flatnonzero(pages == page)
+            if at.size and at[0] < host.size:
+                out["host_row"] = int(host[at[0]])
+        if self.layer is not None:
+            out["layer"] = self.layer
+        if self.detail:
+            rows = self.detail.get("host_rows")  # round trip: {host row: what it found}
+            out.update({k: v for k, v in self.detail.items() if k != "host_rows"})
+            if rows is not None and "host_row" in out and out["host_row"] in rows:
+                out["host_row_checks"] = rows[out["host_row"]]
+        return out
+
+
+class PageJournal:
+    """Bounded per-process journal of page events (thread-safe appends)."""
+
+    def __init__(self, capacity: int = 16384, per_page: int = 8, clock=time.monotonic_ns):
+        if capacity < 1 or per_page < 1:
+            raise ValueError("journal capacity and per_page must be at least 1")
+        self.capacity = capacity
+        self.per_page = per_page
+        self._clock = clock
+        self._events: deque[_Event] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.recorded = 0
+
+    def now(self) -> int:
+        return self._clock()
+
+    def record(self, kind: str, pages: Any, room: str | None = None, *, host_rows: Any = None,
+               layer: int | None = None, detail: dict | None = None) -> None:
+        """One event on `pages` (physical index-K page ids, in any container, or
+        `PageGroups`): O(1). `detail` is a small dict shown with the event."""
+        event = _Event(self._clock(), kind, room, pages, host_rows, layer, detail)
+        with self._lock:  # deque appends are atomic, but the counter is not
+            self._events.append(event)
+            self.recorded += 1
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def _snapshot(self) -> list[_Event]:
+        with self._lock:
+            return list(self._events)
+
+    def events_for(self, page: int, since_ns: int | None = None, until_ns: int | None = None,
+                   limit: int | None = None) -> list[dict]:
+        """Events that touched physical `page` with since < t <= until, oldest first,
+        at most `limit` (default `per_page`) of the newest of them."""
+        limit = limit or self.per_page
+        found: list[dict] = []
+        for event in reversed(self._snapshot()):
+            if until_ns is not None and event.t_ns > until_ns:
+                continue
+            if since_ns is not None and event.t_ns <= since_ns:
+                break
+            if (event.resolved()[0] == page).any():
+                found.append(event.describe(page))
+                if len(found) >= limit:
+                    break
+        return found[::-1]
+
+    def previous_owner(self, page: int, before_ns: int, not_room: str | None) -> str | None:
+        """The room of the last allocated/freed event on `page` before `before_ns` that is
+        not `not_room`: who held the page before it was handed to `not_room`."""
+        for event in reversed(self._snapshot()):
+            if event.t_ns >= before_ns or event.kind not in ("allocated", "freed") or event.room is None:
+                continue
+            if event.room != not_room and (event.resolved()[0] == page).any():
+                return event.room
+        return None
+
+    def allocated_at(self, room: str, pages: Iterable[int] | None = None) -> int | None:
+        """Time of the last `allocated` event of `room` (None when the journal lost it)."""
+        for event in reversed(self._snapshot()):
+            if event.kind == "allocated" and event.room == room:
+                return event.t_ns
+        return None
+
+    def nbytes(self) -> int:
+        """Approximate host memory held: events, and the page lists they name."""
+        total = 0
+        for event in self._snapshot():
+            total += 120
+            for values in (event.pages, event.host_rows) if event._resolved is None else event._resolved:
+                if values is None:
+                    continue
+                if hasattr(values, "element_size"):
+                    total += values.numel() * values.element_size() if values.device.type == "cpu" else 0
+                elif hasattr(values, "nbytes"):
+                    total += int(values.nbytes)
+                else:
+                    total += 8 * len(values) + 56
+        return total

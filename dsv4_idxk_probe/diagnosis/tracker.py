@@ -1,0 +1,164 @@
+"""Diagnosis for one decode monitor: keeps the content index and reads the journal.
+
+The monitor calls it from two threads. On the serving thread only the
+journal appends happen (`allocated`, `freed`: O(1) each). On the collector
+thread, with each room digest's content digests: a matching digest becomes
+the room's verified content in the index; a mismatching one is diagnosed
+cell by cell (`diagnose_cells`), against the last verified content when the
+room has one (which names exactly the cells that changed), else the
+localisation's bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..digest.layout import RowLayout
+from ..digest.room_table import frozen_slots_per_page
+from .content import zero_cell_digests
+from .content_index import ContentIndex
+from .diagnose import bad_cells, diagnose_cells
+from .journal import PageJournal, _host_ints
+
+
+@dataclass
+class _Track:
+    pages: np.ndarray  # host copy of the room's physical pages
+    frozen: np.ndarray
+    zero: np.ndarray
+    last_good_ns: int | None = None
+    last_seen_ns: int | None = None
+
+
+class DecodeDiagnosis:
+    def __init__(self, layout: RowLayout, layer_ids: Sequence[int], journal: PageJournal | None,
+                 index: ContentIndex, *, max_cells: int = 64, max_tracks: int = 100_000):
+        self.layout = layout
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.journal = journal
+        self.index = index
+        self.max_cells = max_cells
+        self.max_tracks = max_tracks
+        self._tracks: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    # %% serving thread (O(1))
+
+    def allocated(self, key: str, pages: Any) -> None:
+        if self.journal is not None:
+            self.journal.record("allocated", pages, key)
+
+    def landed(self, key: str, pages: Any) -> None:
+        if self.journal is not None:
+            self.journal.record("transfer_landed", pages, key)
+
+    def freed(self, key: str, pages: Any) -> None:
+        if self.journal is not None:
+            self.journal.record("freed", pages, key)
+
+    # %% collector thread
+
+    def _track(self, key: str, pages: Any, n_tokens: int) -> _Track:
+        with self._lock:
+            track = self._tracks.get(key)
+        if track is None:
+            host = _host_ints(pages)
+            frozen = frozen_slots_per_page(self.layout, len(host), n_tokens)
+            track = _Track(host, frozen, zero_cell_digests(self.layout, frozen))
+            with self._lock:
+                self._tracks[key] = track
+                while len(self._tracks) > self.max_tracks:
+                    self._tracks.pop(next(iter(self._tracks)))
+        return track
+
+    def before(self, key: str, pages: Any, n_tokens: int, content: np.ndarray) -> None:
+        """What the room's pages held when they were allocated to it."""
+        track = self._track(key, pages, n_tokens)
+        self.index.before(key, track.pages, content, track.frozen)
+
+    def observe(self, key: str, pages: Any, n_tokens: int, digested_ns: int, content: np.ndarray | None,
+                verdict: str, comparison: Any) -> tuple[list[dict], dict | None] | None:
+        """A digest of room `key` was judged: remember verified content, diagnose a mismatch.
+
+        Returns (cells, page events) for a mismatch, else None. Page events (logical page ->
+        its journal events) come only with a mismatch decode could not localise: the
+        diff, which localises from the logs, then names the cells and shows their events."""
+        if content is None:
+            return None
+        track = self._track(key, pages, n_tokens)
+        if verdict == "match":
+            self.index.hold(key, track.pages, content, track.frozen)
+            track.last_good_ns = digested_ns
+            return None
+        if verdict != "mismatch":
+            return None
+        held = self.index.held_content(key)
+        reference = held.content if held is not None and track.last_good_ns is not None else None
+        rows, segs, pages_bad = [], [], []
+        if comparison is not None and comparison.verdict == "mismatch":
+            where = {layer: i for i, layer in enumerate(self.layer_ids)}
+            names = {name: i for i, name in enumerate(self.layout.segment_names)}
+            for layer, segment in comparison.layer_segments:
+                rows.append(where[int(layer)])
+                segs.append(names[segment])
+            pages_bad = list(comparison.pages)
+        elif reference is None:
+            return self._unlocalised(key, track, content, digested_ns)
+        cells, exact = bad_cells(content, reference, rows, pages_bad, segs)
+        cells = cells[: self.max_cells]
+        found = diagnose_cells(
+            key, cells, content, track.zero, track.pages, self.layer_ids, self.layout.segment_names,
+            self.index, self.journal, since_ns=track.last_good_ns, until_ns=digested_ns, exact=exact,
+            frozen=track.frozen,
+        )
+        return [d.to_record() for d in found], None
+
+    def _unlocalised(self, key: str, track: _Track, content: np.ndarray, digested_ns: int):
+        """No localisation and no verified content (the prefill vectors did not come): the
+        cells whose bytes are zero or what the page held before the transfer are suspects
+        (`exact` false); the diff names the rest from its own localisation."""
+        before = self.index.before_content(key)
+        frozen = (track.frozen > 0)[None, :, None]
+        suspect = frozen & (content == track.zero[None, :, :])
+        if before is not None and before.content.shape == content.shape:
+            suspect |= frozen & (content == before.content)
+        cells = [tuple(int(v) for v in ix) for ix in np.argwhere(suspect)][: self.max_cells]
+        found = diagnose_cells(
+            key, cells, content, track.zero, track.pages, self.layer_ids, self.layout.segment_names,
+            self.index, self.journal, since_ns=track.last_good_ns, until_ns=digested_ns, exact=False,
+            frozen=track.frozen,
+        )
+        events = {}
+        if self.journal is not None:
+            for page in range(min(len(track.pages), self.max_cells)):
+                found_events = self.journal.events_for(int(track.pages[page]), track.last_good_ns, digested_ns)
+                if found_events:
+                    events[str(page)] = found_events
+        return [d.to_record() for d in found], events
+
+    def retired(self, key: str) -> None:
+        """The room's pages were released (finished) or it stopped being tracked."""
+        with self._lock:
+            self._tracks.pop(key, None)
+        self.index.release(key)
+
+    def abandoned(self, key: str) -> None:
+        with self._lock:
+            self._tracks.pop(key, None)
+        self.index.forget(key)
+
+
+def decode_diagnosis(config: Any, layout: RowLayout, layer_ids: Sequence[int],
+                     journal: PageJournal | None = None) -> DecodeDiagnosis | None:
+    """Decode's diagnosis from the probe config's `diagnosis` section; None when it is off.
+    `journal`: the process's page journal (one is made when the caller has none)."""
+    cfg = getattr(config, "diagnosis", None)
+    if cfg is None or not cfg.enabled:
+        return None
+    if journal is None:
+        journal = PageJournal(cfg.journal_events, cfg.journal_per_page)
+    return DecodeDiagnosis(layout, layer_ids, journal, ContentIndex(cfg.index_cells), max_cells=cfg.max_cells_per_room)
