@@ -231,9 +231,9 @@ class DecodeMonitor:
             outside = batch.out_of_range[i] if i < len(getattr(batch, "out_of_range", ())) else 0
             if outside:  # the probe's page list named rows past a buffer: nothing to judge
                 self._count_in_flight([(state, stage, step)], -1)
+                self._forget_if_done(state)
                 self._publish(state.room, stage, step, "not_comparable",
                               f"{outside} page rows outside the index-K buffers (not read)", None, None, state)
-                self._forget_if_done(state)
                 continue
             if batch_id is not None and batch_id in state.unsafe:
                 # the room was retired before this digest ran: its pages may hold another room's bytes
@@ -264,15 +264,15 @@ class DecodeMonitor:
             if first and diagnosis and self.metrics is not None:
                 for cell in diagnosis:
                     self.metrics.diagnoses.labels(stage=stage, kind=cell["kind"]).inc()
+        self._forget_if_done(state)  # first: whoever reads the record finds the room forgotten
         self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued,
                       diagnosis=diagnosis, page_events=page_events)
-        self._forget_if_done(state)
 
     def _on_failure(self, state: _Room, stage: str, step: int | None, error: str) -> None:
         """The digest of this stage could not be taken: say so, and stop waiting for it."""
         self._count_in_flight([(state, stage, step)], -1)
-        self._publish(state.room, stage, step, "skipped", f"digest failed: {error}", None, None, state)
         self._forget_if_done(state)
+        self._publish(state.room, stage, step, "skipped", f"digest failed: {error}", None, None, state)
 
     def _forget_if_done(self, state: _Room) -> None:
         with self._lock:
