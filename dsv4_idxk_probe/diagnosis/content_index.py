@@ -132,7 +132,10 @@ class ContentIndex:
     def find_all(self, digest: int, segment: int, *, skip: tuple[str, int, int] | None = None,
                  limit: int = 4) -> list[Found]:
         """Cells of other rooms (or other cells of the same room) with content `digest` in
-        segment `segment`: held rooms first, newest first, then freed ones; at most `limit`."""
+        segment `segment`: held rooms first, newest first, then freed ones; at most `limit`.
+        Content 0 (a cell with no frozen slot, or one masked out) names nothing."""
+        if int(digest) == 0:
+            return []
         with self._lock:
             tables = [("held", list(self._held.values())), ("freed", list(self._freed.values()))]
         want = np.uint64(digest)

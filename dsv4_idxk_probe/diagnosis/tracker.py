@@ -109,6 +109,14 @@ class DecodeDiagnosis:
         elif reference is None:
             return self._unlocalised(key, track, content, digested_ns)
         cells, exact = bad_cells(content, reference, rows, pages_bad, segs)
+        if held is None and comparison is not None and comparison.verdict == "mismatch":
+            # Never verified, but localised: its other cells match prefill's, so another
+            # room's page that now holds their bytes can still be named (a swap partner
+            # that has a fault of its own). Kept only until the room matches.
+            verified = content.copy()
+            for layer_index, page, segment in cells:
+                verified[layer_index, page, segment] = 0  # 0 is no frozen cell's content: never found
+            self.index.hold(key, track.pages, verified, track.frozen)
         cells = cells[: self.max_cells]
         found = diagnose_cells(
             key, cells, content, track.zero, track.pages, self.layer_ids, self.layout.segment_names,

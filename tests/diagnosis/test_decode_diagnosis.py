@@ -114,6 +114,27 @@ def test_swapped_pages_name_each_other_as_the_other_room(bed):
     assert {(r["room"], r["page"]) for c in cells_b for r in c["rooms"]} == {(a.key, 2)}
 
 
+def test_a_swap_partner_that_never_matched_is_still_named_by_its_good_pages(bed):
+    """The partner's own fault (a zeroed page at receipt) keeps it from ever matching;
+    its other pages were verified by the localisation, so a page of theirs found in
+    another room still names it (as the SGLang rig's shipped faults do)."""
+    a, b = RoomId(12), RoomId(13)
+    bed.receive(a, [1, 2, 3], [4, 5, 6])
+    bed.dec[1][10].zero_()  # B's logical page 0, layer 2: B mismatches at receipt
+    bed.receive(b, [7, 8, 9], [13, 11, 12], drop=(0,))
+    bed.dec[1][13].zero_()
+    assert bed.records(a, 1)[0]["verdict"] == "match"
+    assert _bad(bed.records(b, 1)[0])
+    for buf in bed.dec[:1]:  # layer 0: A's page 2 <-> B's page 1
+        row = buf[6].clone()
+        buf[6] = buf[11]
+        buf[11] = row
+    bed.decode.batch_done([], [(a, 1)])
+    cells_a = _bad(bed.records(a, 2)[1])
+    assert {(c["layer"], c["page"], c["kind"]) for c in cells_a} == {(0, 2, "other_room")}
+    assert {(r["room"], r["page"]) for c in cells_a for r in c["rooms"]} == {(b.key, 1)}
+
+
 def test_a_write_that_never_landed_shows_the_previous_occupant_and_its_events(bed):
     old, new = RoomId(20), RoomId(21)
     bed.receive(old, [1, 2, 3], [4, 5, 6])
