@@ -62,7 +62,7 @@ gpu_wait=$([ "$gpus" -gt 1 ] && echo gpu || echo sleep)
 echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "$log"
 # These legs also run the collector's other way of waiting ("observe-poll"),
 # unless RIG_VARIANTS names others. "observe" has diagnosis on (its default);
-# RIG_VARIANTS=off,observe,observe-nodiag shows what diagnosis adds (docs/diagnosis.md).
+# RIG_VARIANTS=off,observe,observe-diag shows what diagnosis adds (docs/diagnosis.md).
 variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
 step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"

@@ -66,10 +66,10 @@ from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this scrip
 
 # Rig variants: the probe config each one adds ("off": the probe not enabled).
 # "observe-poll" tells the collector's two ways of waiting apart in one run.
-# "observe" runs with diagnosis on (the default: docs/diagnosis.md); "observe-nodiag" without
-# it, so one run shows what diagnosis costs on top of verification.
+# "observe" runs the defaults (diagnosis off: docs/diagnosis.md); "observe-diag" with
+# diagnosis on, so one run shows what diagnosis costs on top of verification.
 RIG_VARIANTS = {"off": None, "observe": {}, "observe-poll": {"digest": {"collector_wait": "poll"}},
-                "observe-nodiag": {"diagnosis": {"enabled": False}}}
+                "observe-diag": {"diagnosis": {"enabled": True}}}
 HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
 HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
 HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale

@@ -73,6 +73,7 @@ def prepare(opts: DemoOptions) -> tuple[Path, RigConfig, RoleEnv, str | None]:
         Path(config).write_text(yaml.safe_dump({
             "step_interval": opts.step_interval,
             "roomlog": {"dir": str(run_dir.resolve())},
+            "diagnosis": {"enabled": True},  # the demo prints what each fault's bytes became
         }))
     faults = None if opts.no_faults else (opts.faults or str(shipped_fault_spec()))
     cfg = RigConfig(

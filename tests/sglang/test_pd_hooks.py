@@ -37,6 +37,18 @@ PREFILL_ROW, DECODE_ROW = 2, 1
 
 @pytest.fixture
 def patched(probe):
+    yield from _patched(probe)
+
+
+@pytest.fixture
+def patched_diagnosing():
+    """`patched` with diagnosis on (it is off by default)."""
+    runtime, sink, registry = make_runtime(diagnosis={"enabled": True})
+    yield from _patched((runtime, sink, registry))
+    runtime.close()
+
+
+def _patched(probe):
     runtime, sink, registry = probe
     targets = [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")]
     patcher = Patcher(runtime, targets, route="wrapt")
@@ -336,9 +348,10 @@ def test_change_after_receipt_is_found_at_next_stage(worlds, patched):
     assert len([r for r in sink.records if r["stage"] == "decode_finish"]) == 1
 
 
-def test_the_hooks_journal_the_rooms_pages_and_a_zeroed_page_is_diagnosed(worlds, patched):
+def test_the_hooks_journal_the_rooms_pages_and_a_zeroed_page_is_diagnosed(worlds, patched_diagnosing):
     """docs/diagnosis.md through SGLang's own hook points: `_send_kv_metadata` journals the
     pages as allocated, the commit as landed; a page zeroed after receipt reads `zeroed`."""
+    patched = patched_diagnosing
     runtime, sink, registry = patched
     prefill, decode = worlds
     dreq = _decode_flow(worlds, patched)

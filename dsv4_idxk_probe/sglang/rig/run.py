@@ -63,7 +63,9 @@ class RigSession:
         self.plan_path = self.run_dir / "rig-plan.json"
         self.config_path = self.run_dir / "probe.yaml"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(f"roomlog:\n  dir: {self.log_dir}\n{probe_config}")
+        # diagnosis on: the rig's faults have known diagnoses (docs/diagnosis.md); a test's own
+        # `diagnosis:` section, later in the file, wins
+        self.config_path.write_text(f"roomlog:\n  dir: {self.log_dir}\ndiagnosis:\n  enabled: true\n{probe_config}")
         self._write_plan({}, None)
         base = dict(os.environ if env is None else env)
         base.update({
