@@ -63,3 +63,23 @@ def alert_rules() -> list[dict]:
 
 def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bdsv4_idxk_probe_[a-z0-9_]+", expr))
+
+
+def dashboard_gaps(prom, skip: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """Ask a live Prometheus (`prom.series`, `prom.query`) every dashboard variable and panel
+    query: (what returned nothing, the panel queries asked). Panels whose title starts with
+    one of `skip` are not asked."""
+    missing, checked = [], []
+    dashboard = load_dashboard()
+    for name, selector, label in variable_queries(dashboard):
+        found = prom.series(substitute(selector))
+        if not found or not all(s["metric"].get(label) for s in found):
+            missing.append(f"variable {name}: no {label} values from {selector}")
+    for where, expr in panel_queries(dashboard):
+        if skip and where.startswith(skip):
+            continue
+        checked.append(where)
+        answer = prom.query(substitute(expr))
+        if answer.get("status") != "success" or not answer["data"]["result"]:
+            missing.append(f"{where}: no series for {substitute(expr)}")
+    return missing, checked

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from promql import load_dashboard, panel_queries, substitute, variable_queries
+from promql import dashboard_gaps
 from test_prometheus_live import LOOPBACK, Prometheus, free_port, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
@@ -66,20 +66,9 @@ def test_the_rigs_metrics_fill_every_variable_and_verification_panel(tmp_path):
             time.sleep(2)
 
     def missing() -> list[str]:
-        out = []
-        for name, selector, label in variable_queries(load_dashboard()):
-            found = prom.series(substitute(selector))
-            if not found or not all(s["metric"].get(label) for s in found):
-                out.append(f"variable {name}: no {label} values from {selector}")
-        checked.clear()
-        for where, expr in panel_queries(load_dashboard()):
-            if where.startswith(NOT_FROM_THE_RIG):
-                continue
-            checked.append(where)
-            answer = prom.query(substitute(expr))
-            if answer.get("status") != "success" or not answer["data"]["result"]:
-                out.append(f"{where}: no series for {substitute(expr)}")
-        return out
+        gaps, asked = dashboard_gaps(prom, NOT_FROM_THE_RIG)
+        checked[:] = asked
+        return gaps
 
     try:
         wait_for("prometheus to be ready", prom.ready)
