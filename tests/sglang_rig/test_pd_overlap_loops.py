@@ -13,7 +13,8 @@ rig = pair_fixture("sglang-overlap", launch.ServerOptions(overlap=True))
 
 
 def test_every_shipped_fault_is_found_with_the_overlap_loops(rig):
-    requests = workload.plan("faults", workload.WorkloadOptions(rooms=32, seed=4))
+    private = workload.prefill_fault_rooms(shipped_fault_spec())
+    requests = workload.plan("faults", workload.WorkloadOptions(rooms=32, seed=4, private=private))
     phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
     assert phase.ok, describe(phase)
     assert sum(1 for c in phase.verification.checks if c.record["applied"] and c.expected) >= 8, describe(phase)

@@ -59,8 +59,9 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
     with session:
         print(f"  up in {session.started_s:.0f}s: {session.cluster.url} (router), "
               f"{session.cluster.server_url('prefill')}, {session.cluster.server_url('decode')}", file=out, flush=True)
+        private = workload.prefill_fault_rooms(faults) if faults else ()
         requests = workload.plan("demo", workload.WorkloadOptions(rooms=opts.rooms, seed=opts.seed,
-                                                                   concurrency=opts.concurrency))
+                                                                   concurrency=opts.concurrency, private=private))
         phase = session.phase("demo", requests, faults=faults, concurrency=opts.concurrency)
         metrics = probe_series(session.cluster.server_url("decode"))
     check = phase.verification

@@ -42,6 +42,10 @@ class WorkloadOptions:
     shared_prefix_share: float = 0.25  # of the prompts, repeat an earlier prompt's first pages
     concurrency: int = 4
     aborts: tuple[int, ...] = ()  # room numbers whose client disconnects early
+    # rooms whose prompts no later prompt repeats: a fault that changes a room's pages in
+    # prefill's memory (`before_send`) would otherwise reach the rooms that share them
+    # through prefill's radix cache, on both sides alike (`prefill_fault_rooms`)
+    private: tuple[int, ...] = ()
 
 
 def plan(run: str, opts: WorkloadOptions) -> list[Request]:
@@ -50,10 +54,12 @@ def plan(run: str, opts: WorkloadOptions) -> list[Request]:
     for n in range(1, opts.rooms + 1):
         length = int(rng.integers(opts.min_prompt, opts.max_prompt + 1))
         ids = rng.integers(2, VOCAB, size=length).tolist()
-        if out and rng.random() < opts.shared_prefix_share:
-            donor = out[int(rng.integers(len(out)))].input_ids
+        donors = [r for r in out if r.number not in opts.private] if opts.private else out
+        if donors and rng.random() < opts.shared_prefix_share:
+            donor = donors[int(rng.integers(len(donors)))].input_ids
             keep = min(len(donor), length) // PAGE_SIZE * PAGE_SIZE
-            ids[:keep] = donor[:keep]
+            if n not in opts.private:  # a private room takes no one's pages either
+                ids[:keep] = donor[:keep]
         steps = int(rng.integers(opts.min_new_tokens, opts.max_new_tokens + 1))
         abort = 0.05 if n in opts.aborts else None
         out.append(Request(n, f"{run}-{n}", tuple(int(i) for i in ids), steps, abort))
@@ -101,3 +107,14 @@ def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: floa
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(one, requests))
+
+
+def prefill_fault_rooms(fault_spec_path) -> tuple[int, ...]:
+    """The rooms a fault spec changes in prefill's memory (`before_send`), named by number
+    (a fraction of rooms is drawn in the servers and cannot be known here): the rooms to
+    keep `private` so no other room shares their pages."""
+    from ...sim.faults import load_fault_spec
+
+    spec = load_fault_spec(fault_spec_path)
+    return tuple(sorted({room for f in spec.faults if f.when == "before_send" for room in (f.room_ids or ())}))
+

@@ -1,0 +1,32 @@
+"""The rig's request plan (no servers): prompts of rooms a prefill-side fault changes are
+never repeated by later prompts, so the fault cannot reach other rooms through prefill's
+radix cache (where both sides would see the same changed bytes and the oracle would not)."""
+
+from __future__ import annotations
+
+from dsv4_idxk_probe.sglang.rig import workload
+from dsv4_idxk_probe.sglang.rig.launch import PAGE_SIZE
+from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+
+
+def donors(plan) -> set[int]:
+    """Rooms whose first page another prompt has too."""
+    return {a.number for a in plan for b in plan
+            if a.number != b.number and a.input_ids[:PAGE_SIZE] == b.input_ids[:PAGE_SIZE]}
+
+
+def test_the_shipped_prefill_faults_rooms_are_kept_private():
+    private = workload.prefill_fault_rooms(shipped_fault_spec())
+    assert private and all(isinstance(r, int) for r in private)
+    shared = workload.plan("x", workload.WorkloadOptions(rooms=48, seed=0))
+    assert donors(shared) & set(private), "seed 0 no longer shares a faulted room: pick a seed that does"
+    for seed in range(6):
+        plan = workload.plan("x", workload.WorkloadOptions(rooms=48, seed=seed, private=private))
+        assert not donors(plan) & set(private), seed
+        assert donors(plan), "prefix sharing must still happen"
+
+
+def test_no_private_rooms_leaves_the_plan_as_it_was():
+    a = workload.plan("x", workload.WorkloadOptions(rooms=32, seed=3))
+    b = workload.plan("x", workload.WorkloadOptions(rooms=32, seed=3, private=()))
+    assert a == b
