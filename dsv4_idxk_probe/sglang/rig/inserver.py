@@ -242,6 +242,8 @@ class InServer:
                       if t is not track and t.tokens is not None and not t.released and t.rig_room is not None]
         if fault.with_room is not None:
             others = [t for t in others if t.rig_room == fault.with_room]
+        else:  # a room no fault names: its own fault would hide what the swap did to it
+            others = [t for t in others if not self.plan.by_room.get(t.rig_room)] or others
         return others[0] if others else None
 
     def _swap(self, fault, track: Track, target, partner: Track, rng) -> None:
