@@ -39,3 +39,12 @@ def read_bounded(path: str | os.PathLike, what: str, max_bytes: int, error: type
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_bounded_text(path: str | os.PathLike, what: str, max_bytes: int, error: type[Exception]) -> str:
+    """`read_bounded`, decoded as UTF-8; text that is not UTF-8 raises `error` naming the byte."""
+    data = read_bounded(path, what, max_bytes, error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: {what} is not UTF-8 text (byte {exc.start})") from None

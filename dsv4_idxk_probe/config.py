@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from . import environment_variables as ev
-from .boundedfile import read_bounded
+from .boundedfile import read_bounded_text
 
 MODES = ("observe", "enforce")
 DEFAULT_TARGETS = ("sglang",)  # the installed release's entries of configs/targets/sglang.yaml
@@ -309,11 +309,7 @@ def _check_layouts(config: ProbeConfig) -> None:
 def read_small_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
     """A regular file's text, UTF-8, size-capped before it is read (`boundedfile`);
     every problem is a `ConfigError` naming the file."""
-    data = read_bounded(path, what, max_bytes, ConfigError)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: {what} is not UTF-8 text (byte {exc.start})") from None
+    return read_bounded_text(path, what, max_bytes, ConfigError)
 
 
 def load_file(path: str | os.PathLike) -> ProbeConfig:

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from ..boundedfile import read_bounded
+from ..boundedfile import read_bounded_text
 
 KINDS = ("before", "after", "around")
 ROLES = ("prefill", "decode", "any")
@@ -275,12 +275,7 @@ MAX_TABLE_BYTES = 1 << 20  # a table of every target of every release is a few K
 
 def read_table(path: Path) -> TargetTable:
     """A table file: a regular file, size-capped before it is read (an operator may name any path)."""
-    data = read_bounded(path, "target file", MAX_TABLE_BYTES, TargetFileError)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TargetFileError(f"{path}: target file is not UTF-8 text (byte {exc.start})") from None
-    return parse_table(text, str(path))
+    return parse_table(read_bounded_text(path, "target file", MAX_TABLE_BYTES, TargetFileError), str(path))
 
 
 def select_table(name_or_path: str | Path, installed: str | None = "auto") -> TableSelection:
