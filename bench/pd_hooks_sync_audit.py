@@ -254,9 +254,10 @@ def assign_pages(scheduler, row: int, pages: list[int], n_tokens: int, device) -
     scheduler.req_to_token_pool.req_to_token[row, :n_tokens] = locs[:n_tokens]
 
 
-def runtime_for(mode: str = "observe", step_interval: int = 4) -> tuple[Runtime, Sink]:
+def runtime_for(mode: str = "observe", step_interval: int = 4, diagnosis: bool = False) -> tuple[Runtime, Sink]:
     sink = Sink()
-    config = parse_config({"mode": mode, "step_interval": step_interval, "exchange": {"enabled": False}}, "<bench>")
+    config = parse_config({"mode": mode, "step_interval": step_interval, "exchange": {"enabled": False},
+                           "diagnosis": {"enabled": diagnosis}}, "<bench>")
     return Runtime(config, metrics=NullMetrics(), emit=sink), sink
 
 
@@ -364,6 +365,7 @@ def main() -> int:
     parser.add_argument("--room-tokens", type=int, default=16 * PAGE + 100, help="tokens per room (partial tail page)")
     parser.add_argument("--faults", type=int, default=8, help="flipped-byte rooms to localise")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--diagnosis", action="store_true", help="diagnosis on (docs/diagnosis.md): its hooks are audited too")
     parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: run the flow on CPU tensors (no sync audit)")
     args = parser.parse_args()
     if args.cpu_smoke:
@@ -383,7 +385,7 @@ def main() -> int:
     total_rooms = args.rooms + args.faults + 1
     assert total_rooms * pages_per_room < args.pages, "--pages too small for the rooms asked"
 
-    runtime, sink = runtime_for()
+    runtime, sink = runtime_for(diagnosis=args.diagnosis)
     pre_pool, pre_bufs = make_pool(args.layers, args.pages, device, seed=1)
     dec_pool, dec_bufs = make_pool(args.layers, args.pages, device, seed=2)
     prefill = make_scheduler(pre_pool, total_rooms, pages_per_room * PAGE, device)

@@ -104,7 +104,7 @@ def step_pd_hooks(args) -> dict:
     pdh = load_bench("pd_hooks_sync_audit")
     _fail_fast(pdh)
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="sync-audit-"))
-    extra = ["--cpu-smoke"] if args.cpu_smoke else []
+    extra = (["--cpu-smoke"] if args.cpu_smoke else []) + (["--diagnosis"] if args.diagnosis else [])
     with argv("--rooms", str(args.rooms), "--layers", str(args.layers), "--out", str(out), *extra):
         rc = pdh.main()
     written = out / "pd_hooks_sync_audit.json"
@@ -130,6 +130,7 @@ def step_hostpool_hooks(args) -> dict:
     import torch
 
     from dsv4_idxk_probe import safety
+    from dsv4_idxk_probe.diagnosis.journal import PageJournal
     from dsv4_idxk_probe.hicache import forget, probe_for
 
     pdh = load_bench("pd_hooks_sync_audit")  # its SyncGuard and tripwires
@@ -148,6 +149,8 @@ def step_hostpool_hooks(args) -> dict:
     try:
         for checks in (True, False):
             inst = hov.Installed(hov.StandalonePool, checks)
+            if args.diagnosis:  # backups and loads become page-journal events
+                inst.runtime.journal = PageJournal()
             installed.append(inst)
             before = sum(safety.error_counts().values())
             calls = 0
@@ -225,6 +228,8 @@ def main(argv_=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: run every step on CPU tensors, without sync checks")
     p.add_argument("--rooms", type=int, default=64, help="rooms through the PD hooks")
+    p.add_argument("--diagnosis", action="store_true",
+                   help="diagnosis on (off by default in the probe): its journal, snapshots and page-id copies are audited too")
     p.add_argument("--layers", type=int, default=30, help="C4 layers of the PD pools")
     p.add_argument("--hp-calls", type=int, default=200, help="call groups per host-pool variant")
     p.add_argument("--hp-rounds", type=int, default=5)

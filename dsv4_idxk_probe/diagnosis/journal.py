@@ -1,12 +1,12 @@
 """The page journal: the last operations the hooks saw on each physical index-K page.
 
 One bounded ring of events per process. An event names its pages as the
-hook got them (a list, a NumPy array, a host or device tensor), held by
+hook got them (a list, a NumPy array, a host tensor, or a device tensor's
+`host_ids.capture`: a copy queued to pinned memory at the hook), held by
 reference: recording one is a tuple append and a monotonic clock read, O(1)
 whatever the room's size, no host sync, no per-token work. Pages are turned
 into host numbers only when a mismatch asks which events touched a page (on
-the collector thread, rarely); a device tensor read then is the one copy
-diagnosis costs, off the serving thread.
+the collector thread, rarely), which waits for the capture's event at most.
 
 Bound: `capacity` events. The oldest go first, so a page untouched for a
 long time may have none left; the journal then says nothing rather than
@@ -22,33 +22,41 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .host_ids import capture, host_ints
+
 # What the hooks record (docs/diagnosis.md, "The journal").
 EVENT_KINDS = ("allocated", "transfer_landed", "hicache_load", "hicache_backup", "freed")
 
 
 class PageGroups:
     """Token indices that come in whole pages (HiCache's page branch): page k is the
-    first index of group k divided by the page size. Held as given, resolved on read."""
+    first index of group k divided by the page size. Captured at the hook
+    (`host_ids.capture`), resolved on read."""
 
     __slots__ = ("indices", "page_size")
 
     def __init__(self, indices: Any, page_size: int):
-        self.indices, self.page_size = indices, int(page_size)
+        self.indices, self.page_size = capture(indices), int(page_size)
 
     def resolve(self) -> np.ndarray:
-        flat = _host_ints(self.indices)
+        flat = host_ints(self.indices)
         usable = flat.size - flat.size % self.page_size if self.page_size > 0 else 0
         return flat[:usable].reshape(-1, self.page_size)[:, 0] // self.page_size if usable else flat[:0]
 
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.indices)
 
-def _host_ints(values: Any) -> np.ndarray:
+
+def _nbytes(values: Any) -> int:
+    """Host bytes `values` holds (a device tensor's: none)."""
     if values is None:
-        return np.zeros(0, dtype=np.int64)
-    if isinstance(values, PageGroups):
-        return values.resolve()
-    if hasattr(values, "detach"):  # a torch tensor, host or device
-        values = values.detach().cpu().numpy()
-    return np.asarray(values, dtype=np.int64).reshape(-1)
+        return 0
+    if hasattr(values, "element_size"):
+        return values.numel() * values.element_size() if values.device.type == "cpu" else 0
+    if hasattr(values, "nbytes"):
+        return int(values.nbytes)
+    return 8 * len(values) + 56
 
 
 class _Event:
@@ -60,8 +68,8 @@ class _Event:
 
     def resolved(self) -> tuple[np.ndarray, np.ndarray | None]:
         if self._resolved is None:  # once per event; the references are dropped then
-            host = _host_ints(self.host_rows) if self.host_rows is not None else None
-            self._resolved = (_host_ints(self.pages), host)
+            host = host_ints(self.host_rows) if self.host_rows is not None else None
+            self._resolved = (host_ints(self.pages), host)
             self.pages = self.host_rows = None
         return self._resolved
 
@@ -103,8 +111,9 @@ class PageJournal:
     def record(self, kind: str, pages: Any, room: str | None = None, *, host_rows: Any = None,
                layer: int | None = None, detail: dict | None = None) -> None:
         """One event on `pages` (physical index-K page ids, in any container, or
-        `PageGroups`): O(1). `detail` is a small dict shown with the event."""
-        event = _Event(self._clock(), kind, room, pages, host_rows, layer, detail)
+        `PageGroups`): O(1); a device tensor is captured (`host_ids.capture`) unless
+        the caller did. `detail` is a small dict shown with the event."""
+        event = _Event(self._clock(), kind, room, capture(pages), capture(host_rows), layer, detail)
         with self._lock:  # deque appends are atomic, but the counter is not
             self._events.append(event)
             self.recorded += 1
@@ -156,12 +165,5 @@ class PageJournal:
         for event in self._snapshot():
             total += 120
             for values in (event.pages, event.host_rows) if event._resolved is None else event._resolved:
-                if values is None:
-                    continue
-                if hasattr(values, "element_size"):
-                    total += values.numel() * values.element_size() if values.device.type == "cpu" else 0
-                elif hasattr(values, "nbytes"):
-                    total += int(values.nbytes)
-                else:
-                    total += 8 * len(values) + 56
+                total += _nbytes(values)
         return total

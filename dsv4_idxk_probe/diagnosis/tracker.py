@@ -1,7 +1,8 @@
 """Diagnosis for one decode monitor: keeps the content index and reads the journal.
 
 The monitor calls it from two threads. On the serving thread only the
-journal appends happen (`allocated`, `freed`: O(1) each). On the collector
+journal appends happen (`allocated`, `landed`, `freed`: O(1) each; the
+room's page ids are queued to the host once, `host_ids.capture`). On the collector
 thread, with each room digest's content digests: a matching digest becomes
 the room's verified content in the index; a mismatching one is diagnosed
 cell by cell (`diagnose_cells`), against the last verified content when the
@@ -22,7 +23,8 @@ from ..digest.room_table import frozen_slots_per_page
 from .content import zero_cell_digests
 from .content_index import ContentIndex
 from .diagnose import bad_cells, diagnose_cells
-from .journal import PageJournal, _host_ints
+from .host_ids import capture, host_ints
+from .journal import PageJournal
 
 
 @dataclass
@@ -44,21 +46,39 @@ class DecodeDiagnosis:
         self.max_cells = max_cells
         self.max_tracks = max_tracks
         self._tracks: dict[str, _Track] = {}
+        self._captured: dict[str, tuple[Any, Any]] = {}  # room -> (its page table, host_ids.capture of it)
         self._lock = threading.Lock()
 
     # %% serving thread (O(1))
 
     def allocated(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("allocated", pages, key)
+            self.journal.record("allocated", self._ids(key, pages), key)
 
     def landed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("transfer_landed", pages, key)
+            self.journal.record("transfer_landed", self._ids(key, pages), key)
 
     def freed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("freed", pages, key)
+            self.journal.record("freed", self._ids(key, pages, last=True), key)
+
+    def _ids(self, key: str, pages: Any, last: bool = False) -> Any:
+        """The room's page ids on their way to the host: captured once per page table
+        (allocation, landing and free hand the hooks the same tensor), so a room costs
+        one device-to-host copy, queued at its first event; `last`: its free, forget it."""
+        with self._lock:
+            known = self._captured.pop(key, None) if last else self._captured.get(key)
+        if known is not None and known[0] is pages:
+            return known[1]
+        ids = capture(pages)
+        if last:
+            return ids
+        with self._lock:
+            self._captured[key] = (pages, ids)
+            while len(self._captured) > self.max_tracks:
+                self._captured.pop(next(iter(self._captured)))
+        return ids
 
     # %% collector thread
 
@@ -66,7 +86,7 @@ class DecodeDiagnosis:
         with self._lock:
             track = self._tracks.get(key)
         if track is None:
-            host = _host_ints(pages)
+            host = host_ints(self._ids(key, pages))
             frozen = frozen_slots_per_page(self.layout, len(host), n_tokens)
             track = _Track(host, frozen, zero_cell_digests(self.layout, frozen))
             with self._lock:
@@ -152,11 +172,13 @@ class DecodeDiagnosis:
         """The room's pages were released (finished) or it stopped being tracked."""
         with self._lock:
             self._tracks.pop(key, None)
+            self._captured.pop(key, None)
         self.index.release(key)
 
     def abandoned(self, key: str) -> None:
         with self._lock:
             self._tracks.pop(key, None)
+            self._captured.pop(key, None)
         self.index.forget(key)
 
 

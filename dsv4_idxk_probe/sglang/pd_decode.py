@@ -3,10 +3,11 @@
 Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
 * ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
-* ``DecodePreallocQueue._send_kv_metadata`` (after): remember the room's
+* ``DecodePreallocQueue._send_kv_metadata`` (before): remember the room's
   destination pages (the exact list decode publishes to prefill); with
   diagnosis on, journal them as allocated to the room and digest what they
-  hold before the transfer writes them (docs/diagnosis.md);
+  hold before the transfer writes them (docs/diagnosis.md): before the call,
+  since prefill may write as soon as the metadata is out;
 * ``DecodeTransferQueue._commit_transfer_to_req`` (around): read the in-band
   digest and the prefill's exchange endpoint from the metadata row before
   SGLang clears it, then, unless the commit aborted the request, enqueue the
@@ -342,16 +343,17 @@ def make_queue_init_wrapper(runtime):
 
 
 def make_send_kv_metadata_wrapper(runtime):
-    """``_send_kv_metadata(self, decode_req, kv_indices, page_size, state_indices=None, **kw)``, after."""
+    """``_send_kv_metadata(self, decode_req, kv_indices, page_size, state_indices=None, **kw)``,
+    before: the pages' bytes before the transfer are digested before prefill can learn
+    where to write (after `send_metadata`, prefill's WRITE can land first)."""
 
     def _pick(decode_req, kv_indices, page_size, state_indices=None, **metadata_kwargs):
         return decode_req, kv_indices, page_size, metadata_kwargs
 
     def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
         if runtime.enabled:
             safe_invoke("decode.send_kv_metadata", on_send_metadata, runtime, instance, *_pick(*args, **kwargs))
-        return result
+        return wrapped(*args, **kwargs)
 
     return wrapper
 

@@ -370,6 +370,30 @@ def test_the_hooks_journal_the_rooms_pages_and_a_zeroed_page_is_diagnosed(worlds
         (pdworld.C4_LAYERS[0], 1, "payload", "zeroed", page), (pdworld.C4_LAYERS[0], 1, "scale", "zeroed", page)}
 
 
+def test_the_pages_bytes_before_the_transfer_are_read_before_prefill_can_write(worlds, patched_diagnosing):
+    """A fast prefill writes as soon as decode's metadata is out (inside `send_metadata`):
+    the snapshot of what the pages held must be the bytes from before that write (decode's
+    own random bytes here), not the landed room, or every bad cell would read
+    `previous_occupant`."""
+    if not pdworld.HAS_SEND_KV_METADATA:
+        pytest.skip("before 0.5.21 no snapshot is taken (no `_send_kv_metadata`)")
+    runtime, sink, _ = patched_diagnosing
+    prefill, decode = worlds
+    send_room(prefill)
+    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+    dreq.kv_receiver.send_metadata = lambda *a, **k: pdworld.transfer_index_k(prefill, decode)
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "match"
+    diagnosis = runtime.sides["decode"].monitor.diagnosis
+    before, landed = diagnosis.index.before_content(f"{ROOM}/0"), diagnosis.index.held_content(f"{ROOM}/0")
+    assert before is not None and landed is not None  # landed: the receipt matched, its content is verified
+    frozen = before.frozen > 0
+    assert (before.content[:, frozen, :] != landed.content[:, frozen, :]).all()
+
+
 def test_dead_prefill_exchange_makes_a_corrupt_room_unlocalised_not_stuck(worlds, patched):
     runtime, sink, _ = patched
 

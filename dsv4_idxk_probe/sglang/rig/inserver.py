@@ -335,12 +335,11 @@ def _rid(req: Any) -> str:
 
 
 def _on_send_metadata(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    try:
+    try:  # before: the pages' bytes before the transfer, which may land once the metadata is out
         _record_room(instance, *args, **kwargs)
     except Exception:
         log.exception("rig: recording a room failed")
-    return result
+    return wrapped(*args, **kwargs)
 
 
 def _record_room(queue, decode_req, kv_indices, page_size, state_indices=None, **metadata):

@@ -1,0 +1,68 @@
+"""Page ids on their way to the host, without a host-device sync.
+
+Hooks get page ids as device tensors, and diagnosis needs them as host
+numbers, rarely and later (on the collector thread). Reading a device tensor
+then (`.cpu()`) would wait for the whole stream, and would read the values as
+they are then, not as they were at the hook. `capture` instead queues a copy
+into pinned host memory on the current stream, at the hook, with an event
+behind it: a few microseconds, no wait. `host_ints` waits for that event
+only, off the serving thread.
+
+Host containers (lists, arrays, CPU tensors) are kept as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class HostIds:
+    """A device tensor's values as the stream had them at `capture`: copied to pinned
+    memory, readable once the copy's event has completed."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, host: torch.Tensor, event: Any):
+        self._host, self._event = host, event
+
+    def numpy(self) -> np.ndarray:
+        """The values (waits for the copy: collector thread only)."""
+        event = self._event
+        if event is not None:
+            event.synchronize()
+            self._event = None
+        return self._host.numpy().reshape(-1)
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.numel() * self._host.element_size()
+
+
+def capture(values: Any) -> Any:
+    """`values` as host memory will hold them: a `HostIds` for a CUDA tensor, else `values`."""
+    if not isinstance(values, torch.Tensor) or values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values.detach(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return HostIds(host, event)
+
+
+def host_ints(values: Any) -> np.ndarray:
+    """Flat int64 host array of `values` (None, a container, a tensor, `HostIds`, or
+    anything with a `resolve()` giving one)."""
+    if values is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(values, HostIds):
+        return values.numpy().astype(np.int64, copy=False)
+    if hasattr(values, "resolve"):
+        return values.resolve()
+    if isinstance(values, torch.Tensor):
+        if values.device.type == "cuda":  # not captured at its hook: the copy and its event now
+            return capture(values).numpy().astype(np.int64, copy=False)
+        values = values.detach().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
