@@ -19,7 +19,7 @@
 # servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,inject,costs,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
+steps=${2:-audit,auditdiag,inject,costs,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -45,6 +45,8 @@ step() {  # name, time limit (s), command...
 }
 
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
+# With diagnosis on (off by default): its journal, snapshots and page-id copies too.
+step auditdiag 45 python3 bench/sync_audit.py --diagnosis --out "$res/sync_audit_diagnosis"
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
 step profile 45 python3 bench/submit_profile.py --calls 200 --out "$res/profile"
@@ -68,7 +70,7 @@ step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_RE
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
-step servinglong $(( 60 + 36 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
+step servinglong $(( 60 + 50 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
     --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
 # Model time closer to a DeepSeek-V4 decode instance at serving batch sizes (30 ms per

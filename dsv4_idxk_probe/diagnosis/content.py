@@ -14,6 +14,8 @@ for tools that hold only cells, and as a check of the engine's contents.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from ..digest import reference
@@ -53,9 +55,14 @@ def content_digests(cells: np.ndarray, layer_ids) -> np.ndarray:
 
 def zero_cell_digests(layout: RowLayout, frozen_slots) -> np.ndarray:
     """Content digest of an all-zero cell, uint64 [pages, segments], for each page's
-    frozen slot count (`reference.zero_content_digest`, the definition)."""
+    frozen slot count (`reference.zero_content_digest`, the definition): a lookup in
+    the layout's table, since every room the collector tracks needs one."""
     frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1)
-    out = np.zeros((len(frozen), len(layout.segments)), dtype=np.uint64)
-    for n in np.unique(frozen):
-        out[frozen == n] = [reference.zero_content_digest(layout, s, int(n)) for s in range(len(layout.segments))]
-    return out
+    return _zero_table(layout)[frozen]
+
+
+@lru_cache(maxsize=16)
+def _zero_table(layout: RowLayout) -> np.ndarray:
+    """uint64 [slots + 1, segments]: row n is the zero cell's content with n frozen slots."""
+    return np.array([[reference.zero_content_digest(layout, s, n) for s in range(len(layout.segments))]
+                     for n in range(layout.slots + 1)], dtype=np.uint64)
