@@ -78,3 +78,24 @@ def describe(diag: dict) -> str:
     if events:
         line += f", last event {events[-1].get('event')}"
     return line
+
+
+def summarise(diagnoses: list[dict]) -> list[str]:
+    """Lines such as "2 host rows changed in host memory while resident (matched at backup),
+    last event hicache_load", by (leg, backup verdict, last event)."""
+    counts: dict[tuple, int] = {}
+    for d in diagnoses:
+        events = d.get("events") or ()
+        key = (d.get("leg"), (d.get("checks") or {}).get("d2h"), events[-1].get("event") if events else None)
+        counts[key] = counts.get(key, 0) + 1
+    what = {"d2h": "written wrong by the backup", "host": "changed in host memory while resident",
+            "h2d": "written wrong by the load"}
+    lines = []
+    for (leg, backup, last), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0]))):
+        line = f"{n} host row{'s' if n != 1 else ''} {what.get(leg, 'with no mismatching leg')}"
+        if leg != "d2h":
+            line += f" ({'matched' if backup == 'match' else 'not compared' if backup != 'mismatch' else 'differed'} at backup)"
+        if last:
+            line += f", last event {last}"
+        lines.append(line)
+    return lines
