@@ -387,7 +387,7 @@ def _hicache_roundtrip(a: Analysis) -> str:
     summary = "; ".join(summarise_roundtrip(a.roundtrip))
     more = f"<p class=note>... {a.roundtrip_n:,} in all (see diff --json).</p>" if a.roundtrip_n > len(rows) else ""
     return (
-        f'<section id="hicache-roundtrip"><h2>HiCache round trip ({a.roundtrip_n:,} broken host row{'s' if a.roundtrip_n != 1 else ''})</h2>'
+        f'<section id="hicache-roundtrip"><h2>HiCache round trip ({a.roundtrip_n:,} broken host row{"s" if a.roundtrip_n != 1 else ""})</h2>'
         f'<p class="note">{_e(summary)}. Checks per host row: d2h (matched its device rows at backup), host '
         "(unchanged while resident), h2d (copied faithfully by the load); the events are the journal's for "
         "the device page the row was loaded into, the last one the load.</p><table><tr><th>pool</th>"
