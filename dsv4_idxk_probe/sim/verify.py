@@ -207,7 +207,7 @@ def _check_roundtrip(check: FaultCheck, record: dict, rows: list[dict], reported
             problems.append(f"{label}: {(hit.get('checks') or {}).get('d2h')} at backup, expected {want['at_backup']}")
         if hit.get("device_page") != want["device_page"]:
             problems.append(f"{label}: loaded into device page {hit.get('device_page')}, expected {want['device_page']}")
-        if (last.get("event"), last.get("host_row")) != ("hicache_load", want["host_row"]) or \
+        if (last.get("event"), last.get("host_row"), last.get("pool")) != ("hicache_load", want["host_row"], want["pool"]) or \
                 (last.get("host_row_checks") or {}).get(want["leg"]) != "mismatch":
             problems.append(f"{label}: the device page's last journal event is not its load with the row's checks")
     check.seen = "; ".join(["round trip"] + [f"host row {w['host_row']}" for w in record["roundtrip"]])

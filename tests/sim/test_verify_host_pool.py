@@ -24,7 +24,7 @@ STAGES = {ROOM: {(0, 0, 0): MATCH, (0, 2, 0): dict(MATCH, stage="decode_finish")
 GOOD = {"pool": "deepseek_v4_c4_indexer", "host_row": 12, "device_page": 40, "layer": 0, "leg": "host",
         "checks": {"d2h": "match", "host": "mismatch", "h2d": "match"},
         "events": [{"event": "hicache_backup", "page": 40, "host_row": 12},
-                   {"event": "hicache_load", "page": 40, "host_row": 12,
+                   {"event": "hicache_load", "page": 40, "host_row": 12, "pool": "deepseek_v4_c4_indexer",
                     "host_row_checks": {"d2h": "match", "host": "mismatch", "h2d": "match", "layers": [0]}}]}
 
 
@@ -61,6 +61,7 @@ def _edit(path, value):
     ([_edit(["device_page"], 41)], "loaded into device page 41, expected 40"),
     ([_edit(["events"], GOOD["events"][:1])], "last journal event is not its load"),
     ([_edit(["events", 1, "host_row_checks", "host"], "match")], "last journal event is not its load"),
+    ([_edit(["events", 1, "pool"], "deepseek_v4_c4")], "last journal event is not its load"),
 ])
 def test_a_wrong_or_missing_round_trip_report_fails_the_fault(rows, problem):
     _, check = judged(rows)

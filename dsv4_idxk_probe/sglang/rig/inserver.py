@@ -245,22 +245,26 @@ class InServer:
         size = int(pool.slot_page_size)
         host_rows = [int(r) for r in (transfer.host_indices.reshape(-1)[::size] // size).tolist()]
         device_rows = [int(r) for r in (transfer.device_indices.reshape(-1)[::size] // size).tolist()]
-        first = int(getattr(req, "prefix_len", 0) or 0) // PAGE_TOKENS  # pages already on the device
-        track = Track(_rid(req), self.plan.rooms.get(_rid(req)), int(req.bootstrap_room), 0,
-                      (first + len(host_rows)) * PAGE_TOKENS, [])
-        plan = RoomPlan(room=track.rig_room, prompt_tokens=track.n_tokens, prefix_pages=0, steps=0)
+        layers = _host_layers(pool)
+        tokens = np.asarray(list(req.origin_input_ids), dtype=np.int64)
+        # which of the room's pages each loaded row is, read from the row's own bytes (the truth)
+        loaded = {}
+        for j, row in enumerate(host_rows):
+            page = _page_of(layers[0][row].numpy(), self.layer_ids[0], tokens)
+            if page is not None:
+                loaded[page] = j
+        track = Track(_rid(req), self.plan.rooms.get(_rid(req)), int(req.bootstrap_room), 0, len(tokens), [])
+        plan = RoomPlan(room=track.rig_room, prompt_tokens=len(tokens), prefix_pages=0, steps=0)
         rng = rng_for(self.plan.seed, fault, track.rig_room)
-        target = resolve(fault, plan, self.layout, self.layer_ids, rng,
-                         random_pages=range(first, first + len(host_rows)))
+        target = resolve(fault, plan, self.layout, self.layer_ids, rng, random_pages=sorted(loaded))
         if isinstance(target, str):
             self.record_fault(fault, track, False, target)
             return
-        if target.page < first:
-            self.record_fault(fault, track, False, f"logical page {target.page} stayed on the device (pages "
-                                                   f"{first}..{first + len(host_rows) - 1} were loaded from the host)")
+        if target.page not in loaded:
+            self.record_fault(fault, track, False, f"logical page {target.page} was not loaded from the host "
+                                                   f"(pages {sorted(loaded)} were)")
             return
-        host_row, device_row = host_rows[target.page - first], device_rows[target.page - first]
-        layers = _host_layers(pool)
+        host_row, device_row = host_rows[loaded[target.page]], device_rows[loaded[target.page]]
         old = apply_in_place(layers, host_row, target, rng)
         new = [layers[li][host_row].numpy().copy() for li in target.layers]
         cells = [[layer, target.page, seg] for j, layer in enumerate(target.layer_ids)
@@ -362,6 +366,17 @@ def _diagnosis_of(layout, new: np.ndarray, before: np.ndarray | None, frozen: in
     if before is not None and np.array_equal(new[span], before[span]):
         return "previous_occupant"
     return "unknown"
+
+
+def _page_of(row: np.ndarray, layer: int, tokens: np.ndarray) -> int | None:
+    """The full prompt page whose true bytes (`truth`) a row of `layer` holds, if any."""
+    slots = PAGE_TOKENS // truth.TOKENS_PER_SLOT
+    for page in range(len(tokens) // PAGE_TOKENS):
+        positions = page * PAGE_TOKENS + np.arange(slots) * truth.TOKENS_PER_SLOT + 3
+        want = truth.slot_bytes(layer, positions, tokens[positions])[:, : truth.PAYLOAD]
+        if np.array_equal(row[: slots * truth.PAYLOAD].reshape(slots, truth.PAYLOAD), want):
+            return page
+    return None
 
 
 def _host_layers(pool) -> list[torch.Tensor]:
