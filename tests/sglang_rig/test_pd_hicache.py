@@ -104,11 +104,12 @@ HOST_ROW_FAULT = """faults:
 """
 
 
-def prefill_records(session) -> list[dict]:
+def hicache_records(session) -> list[dict]:
+    """The HiCache probe's records in the room logs (only prefill runs HiCache here)."""
     from dsv4_idxk_probe.roomlog.reader import expand_inputs, read_entries
 
     entries = read_entries(expand_inputs([str(session.log_dir)]))
-    return [e.record for e in entries if e.record is not None and e.record.get("role") == "prefill"]
+    return [e.record for e in entries if e.record is not None and e.record.get("kind") == "hicache"]
 
 
 def test_a_host_row_changed_between_backup_and_load_is_named_by_round_trip_with_its_load(rig, tmp_path, capsys):
@@ -145,7 +146,7 @@ def test_a_host_row_changed_between_backup_and_load_is_named_by_round_trip_with_
     assert fault["effects"] and all(e["oracle_stage"] == "decode_recv" for e in fault["effects"]), fault
 
     # the room log (prefill): the host leg's mismatch, and the diagnosis with the journal's events
-    records = prefill_records(rig)
+    records = hicache_records(rig)
     assert any(r.get("event") == "roundtrip_mismatch" and r["leg"] == "host" and r["host_row"] == want["host_row"]
                and r["layer"] == want["layer"] for r in records)
     (diag,) = [r for r in records if r.get("event") == "roundtrip_diagnosis"]
