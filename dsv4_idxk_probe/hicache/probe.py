@@ -299,6 +299,8 @@ class HiCacheProbe:
                 continue
             page = device_of.get(row)
             events = self.journal.events_for(page) if self.journal is not None and page is not None else []
+            # page ids are shared by the DeepSeek-V4 sub-pools: keep this pool's copies and the PD events
+            events = [e for e in events if e.get("pool") in (None, call.state.geom.name)]
             events = copy.deepcopy(events)  # the load's checks still grow with its later layers
             diag = culprit_record(call.state.geom.name, row, page, call.layer, checks, events)
             self.log.error("dsv4-idxk-probe hicache round trip: %s", describe_culprit(diag))

@@ -153,6 +153,7 @@ def test_a_host_row_changed_while_resident_is_diagnosed_with_its_load_as_the_las
     journal = PageJournal()
     env = hicache(roundtrip=True, journal=journal)
     pool = make_pool("fp8_indexer")
+    journal.record("hicache_load", [6], host_rows=[9], layer=0, detail={"pool": "deepseek_v4_c4"})  # another sub-pool
     backup_then_load(pool, "kernel", lambda: host_row(pool, 5, 1).__setitem__(4000, 1 + int(host_row(pool, 5, 1)[4000]) % 255))
 
     load = journal.events_for(6)[-1]
