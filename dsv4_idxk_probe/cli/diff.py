@@ -15,6 +15,7 @@ import sys
 from typing import Any, BinaryIO, TextIO
 
 from ..diagnosis.diagnose import describe_room
+from ..hicache.culprit import describe as describe_culprit
 from ..pd.records import DECODE_STAGES, VERDICTS
 from ..roomlog.analysis import SEVERITY, Analysis, RoomResult, analyse
 from ..roomlog.reader import InputError, expand_inputs
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
 
 def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
     verdicts = analysis.room_verdicts()
-    if verdicts["mismatch"]:
+    if verdicts["mismatch"] or analysis.roundtrip_n:  # a HiCache row broken upstream of the digests too
         return 1
     if not analysis.rooms and not analysis.prefill_only:
         return 2
@@ -131,6 +132,12 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
     print(f"first divergence: {first}", file=out)
     if s["diagnosis"]["lines"]:
         print(f"diagnosis: {'; '.join(s['diagnosis']['lines'])}", file=out)
+    if analysis.roundtrip_n:
+        print(f"hicache round trip: {'; '.join(s['hicache_roundtrip']['lines'])}", file=out)
+        for diag in analysis.roundtrip[: max(0, max_rooms)]:
+            print(f"  {describe_culprit(diag)}", file=out)
+        if analysis.roundtrip_n > min(len(analysis.roundtrip), max(0, max_rooms)):
+            print(f"  ... {analysis.roundtrip_n:,} in all (see --json)", file=out)
     print(
         f"prefill-only rooms {s['prefill_only_rooms']:,}; rooms without decode_finish "
         f"{s['rooms_without_decode_finish']:,}; live verdict disagreements "

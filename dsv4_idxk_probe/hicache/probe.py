@@ -15,6 +15,7 @@ metric library's locks off the copy path.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from .branches import DIRECTIONS, MOVING, NO_IO_BACKEND, classify, label_sets, m
 from .geometry import INVARIANTS, PoolGeometry, describe, invariant_failures, token_row_mismatches
 from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker
 from ..diagnosis.journal import PageGroups
+from .culprit import describe as describe_culprit, merge as merge_checks, record as culprit_record
 from .roundtrip import LEG_NAMES, LEGS, VERDICTS, RoundTrip, RowViews
 from .settings import HiCacheSettings, settings_from_config
 from ..safety import safe_invoke
@@ -59,6 +61,9 @@ class PoolState:
         self.guard_seen = 0
         self.invariants_failed: dict[str, str] = {}
         self.last_load: tuple | None = None  # index tensors of the last checked load
+        # round trip: (host, device index tensors, host row -> checks) of the load the
+        # journal last recorded, so its later layers add their checks to the same event
+        self.load_checks: tuple | None = None
 
 
 class Call:
@@ -258,20 +263,48 @@ class HiCacheProbe:
             self._submit_indices(call)
         if ok and call.roundtrip is not None:
             safe_invoke("hicache.roundtrip", self._roundtrip_after, call)
-        if ok and self.journal is not None and branch == "page" and not call.layer:
+        if ok and branch == "page" and self.journal is not None:
             safe_invoke("hicache.journal", self._journal_event, call)
+        if ok and call.checks:
+            safe_invoke("hicache.roundtrip", self._diagnose_load, call)
 
     def _journal_event(self, call: Call) -> None:
         """A backup from device pages, or a load into them (recorded once per load: at its
-        first layer), naming the host rows; O(1): the index tensors are held, not read."""
-        size = call.state.geom.page_size
+        first layer), naming the host rows; O(1): the index tensors are held, not read.
+        In round-trip mode each later layer of the load adds its checks to that event."""
+        state, size = call.state, call.state.geom.page_size
+        if call.layer:  # a later layer of a load
+            kept = state.load_checks
+            if call.checks and kept is not None and kept[0] is call.host and kept[1] is call.device:
+                merge_checks(kept[2], call.checks, call.layer)
+            return
         kind = "hicache_backup" if call.direction == "d2h" else "hicache_load"
-        detail = {"pool": call.state.geom.name}
-        checks = getattr(call, "checks", None)
-        if checks:
-            detail["host_rows"] = checks
+        detail = {"pool": state.geom.name}
+        if call.checks:
+            merged: dict[int, dict] = {}
+            merge_checks(merged, call.checks, call.layer)
+            detail["host_rows"] = merged
+            state.load_checks = (call.host, call.device, merged)
         self.journal.record(kind, PageGroups(call.device, size), host_rows=PageGroups(call.host, size),
                             layer=call.layer, detail=detail)
+
+    def _diagnose_load(self, call: Call) -> None:
+        """Round trip, after one layer of a load: for each host row it found broken, a
+        `roundtrip_diagnosis` record naming the device page it went to and that page's
+        journal events, the last of them this load (docs/diagnosis.md)."""
+        host_rows, device_rows = call.roundtrip[0], call.roundtrip[1]
+        device_of = dict(zip(host_rows, device_rows))
+        for row, checks in call.checks.items():
+            if "mismatch" not in checks.values():
+                continue
+            page = device_of.get(row)
+            events = self.journal.events_for(page) if self.journal is not None and page is not None else []
+            # page ids are shared by the DeepSeek-V4 sub-pools: keep this pool's copies and the PD events
+            events = [e for e in events if e.get("pool") in (None, call.state.geom.name)]
+            events = copy.deepcopy(events)  # the load's checks still grow with its later layers
+            diag = culprit_record(call.state.geom.name, row, page, call.layer, checks, events)
+            self.log.error("dsv4-idxk-probe hicache round trip: %s", describe_culprit(diag))
+            self.emit(diag)
 
     def _submit_indices(self, call: Call) -> None:
         state = call.state

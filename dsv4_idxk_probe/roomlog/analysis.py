@@ -25,6 +25,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from ..diagnosis.diagnose import KINDS, summarise
+from ..hicache.culprit import summarise as summarise_roundtrip
 from ..digest.result import Comparison, RoomDigest, compare
 from ..pd.records import DECODE_STAGES, SCHEMA_VERSION, STAGES, VERDICTS
 from .reader import read_file
@@ -37,6 +38,7 @@ KIND_SET = frozenset(KINDS)
 SEVERITY = {"mismatch": 4, "not_comparable": 3, "unverified": 2, "match": 1, "skipped": 0}
 DECISIVE = ("match", "mismatch", "not_comparable")
 MAX_ERRORS_KEPT = 10_000
+MAX_ROUNDTRIP_KEPT = 1_000  # HiCache round-trip diagnoses kept for the report (all are counted)
 MAX_ROOM_CHARS = 256
 MAX_TS = 1e11  # the year 5138: anything later is not a timestamp
 
@@ -253,6 +255,8 @@ class Analysis:
     n_errors: int = 0
     record_kinds: Counter = field(default_factory=Counter)
     hicache: Counter = field(default_factory=Counter)  # (pool, direction, branch) -> count
+    roundtrip: list[dict] = field(default_factory=list)  # HiCache round-trip diagnoses, the first MAX_ROUNDTRIP_KEPT
+    roundtrip_n: int = 0  # all of them
     duplicates: int = 0
     conflicts: int = 0
     live_disagreements: int = 0
@@ -328,6 +332,8 @@ class Analysis:
             "hicache_branches": [
                 {"pool": p, "direction": d, "branch": b, "count": n} for (p, d, b), n in sorted(self.hicache.items())
             ],
+            "hicache_roundtrip": {"mismatches": self.roundtrip_n, "lines": summarise_roundtrip(self.roundtrip),
+                                  "rows": self.roundtrip},
         }
 
 
@@ -377,6 +383,52 @@ def complete_diagnosis(suspects: list[dict], comparison: Comparison, page_events
     return out
 
 
+_LEG_SET = frozenset(("d2h", "host", "h2d"))
+_ROUNDTRIP_VERDICTS = frozenset(("match", "mismatch", "unverified"))
+
+
+def _checks(value: Any, where: str) -> dict:
+    """Round-trip checks of a host row: leg -> verdict, and the layers that mismatched."""
+    if type(value) is not dict or len(value) > 4:
+        raise RecordError(f"{where} must be an object of round-trip legs")
+    out: dict[str, Any] = {}
+    for leg, verdict in value.items():
+        if leg == "layers":
+            if type(verdict) is not list or len(verdict) > 4096 or any(type(v) is not int for v in verdict):
+                raise RecordError(f"{where}.layers must be a list of layer numbers")
+            out[leg] = verdict
+        elif leg not in _LEG_SET or verdict not in _ROUNDTRIP_VERDICTS:
+            raise RecordError(f"{where} must map d2h, host, h2d to match, mismatch or unverified")
+        else:
+            out[leg] = verdict
+    return out
+
+
+def _event(value: Any, where: str) -> dict:
+    """One journal event: plain fields, and a HiCache load's `host_row_checks`."""
+    out = _plain(value, _EVENT_FIELDS, where)
+    if value.get("host_row_checks") is not None:
+        out["host_row_checks"] = _checks(value["host_row_checks"], f"{where}.host_row_checks")
+    return out
+
+
+def _roundtrip_diagnosis(rec: dict) -> dict:
+    """A `roundtrip_diagnosis` HiCache record (docs/diagnosis.md), checked."""
+    out = _plain(rec, {"pool": str, "host_row": int, "device_page": int, "layer": int}, "roundtrip_diagnosis")
+    if "pool" not in out or "host_row" not in out or "layer" not in out:
+        raise RecordError("roundtrip_diagnosis needs a string pool and integer host_row and layer")
+    leg = rec.get("leg")
+    if leg is not None and leg not in _LEG_SET:
+        raise RecordError("roundtrip_diagnosis.leg must be null or one of d2h, host, h2d")
+    out["leg"] = leg
+    out["checks"] = _checks(rec.get("checks") or {}, "roundtrip_diagnosis.checks")
+    events = rec.get("events") or []
+    if type(events) is not list or len(events) > 64:
+        raise RecordError("roundtrip_diagnosis.events must be a list of at most 64 events")
+    out["events"] = [_event(e, f"roundtrip_diagnosis.events[{j}]") for j, e in enumerate(events)]
+    return out
+
+
 def _page_events(value: Any) -> dict:
     """A record's `page_events` (logical page -> journal events), checked like `diagnosis`."""
     if value is None:
@@ -387,7 +439,7 @@ def _page_events(value: Any) -> dict:
     for page, events in value.items():
         if not page.isdigit() or type(events) is not list or len(events) > 64:
             raise RecordError("page_events must map page numbers to lists of at most 64 events")
-        out[page] = [_plain(e, _EVENT_FIELDS, f"page_events[{page}][{j}]") for j, e in enumerate(events)]
+        out[page] = [_event(e, f"page_events[{page}][{j}]") for j, e in enumerate(events)]
     return out
 
 
@@ -417,7 +469,8 @@ def _diagnosis(cells: Any) -> list[dict]:
                 continue
             if type(items) is not list or len(items) > 64:
                 raise RecordError(f"{where}.{name} must be a list of at most 64 entries")
-            clean[name] = [_plain(x, fields, f"{where}.{name}[{j}]") for j, x in enumerate(items)]
+            clean[name] = [_event(x, f"{where}.{name}[{j}]") if name == "events" else
+                           _plain(x, fields, f"{where}.{name}[{j}]") for j, x in enumerate(items)]
         out.append(clean)
     return out
 
@@ -526,6 +579,12 @@ class _Joiner:
             self._hicache(rec)
 
     def _hicache(self, rec: dict) -> None:
+        if rec.get("event") == "roundtrip_diagnosis":
+            diag = _roundtrip_diagnosis(rec)
+            self.a.roundtrip_n += 1
+            if len(self.a.roundtrip) < MAX_ROUNDTRIP_KEPT:
+                self.a.roundtrip.append(diag)
+            return
         if "branch" not in rec and type(rec.get("event")) is str:
             return  # a pool, guard or check event: the room log keeps it, the diff counts only branches
         pool, branch, direction, count = rec.get("pool"), rec.get("branch"), rec.get("direction", ""), rec.get("count", 1)

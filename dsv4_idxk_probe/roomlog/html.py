@@ -16,6 +16,7 @@ import time
 from collections import Counter
 
 from ..diagnosis.diagnose import describe_room
+from ..hicache.culprit import summarise as summarise_roundtrip
 from ..metrics.definitions import page_bucket
 from ..pd.records import DECODE_STAGES, VERDICTS
 from .analysis import Analysis, RoomResult, StageResult
@@ -346,8 +347,12 @@ def _timeline(a: Analysis) -> str:
 
 
 def _hicache(a: Analysis) -> str:
+    return _hicache_branches(a) + _hicache_roundtrip(a)
+
+
+def _hicache_branches(a: Analysis) -> str:
     if not a.hicache:
-        return '<section id="hicache"><h2>HiCache branches</h2><p>No HiCache records in the logs.</p></section>'
+        return '<section id="hicache"><h2>HiCache branches</h2><p>No HiCache branch records in the logs.</p></section>'
     peak = max(a.hicache.values()) or 1
     rows = []
     for (pool, direction, branch), n in sorted(a.hicache.items()):
@@ -362,6 +367,33 @@ def _hicache(a: Analysis) -> str:
         "are not C4 rows.</p><table><tr><th>pool</th><th>direction</th><th>branch</th><th>calls</th><th></th></tr>"
         + "".join(rows)
         + "</table></section>"
+    )
+
+
+def _hicache_roundtrip(a: Analysis) -> str:
+    """Host rows round-trip mode found broken at a load (docs/diagnosis.md)."""
+    if not a.roundtrip_n:
+        return ""
+    rows = []
+    for d in a.roundtrip[:200]:
+        checks = d.get("checks") or {}
+        events = " &rarr; ".join(_e(str(e.get("event"))) for e in d.get("events") or ()) or "-"
+        rows.append(
+            f"<tr class=alarm><td>{_e(str(d.get('pool')))}</td><td>{d.get('host_row')}</td><td>{d.get('layer')}</td>"
+            f"<td>{_e(str(d.get('device_page', '-')))}</td>"
+            + "".join(f"<td>{_e(str(checks.get(leg, '-')))}</td>" for leg in ("d2h", "host", "h2d"))
+            + f'<td style="text-align:left">{events}</td></tr>'
+        )
+    summary = "; ".join(summarise_roundtrip(a.roundtrip))
+    more = f"<p class=note>... {a.roundtrip_n:,} in all (see diff --json).</p>" if a.roundtrip_n > len(rows) else ""
+    return (
+        f'<section id="hicache-roundtrip"><h2>HiCache round trip ({a.roundtrip_n:,} broken host row{"s" if a.roundtrip_n != 1 else ""})</h2>'
+        f'<p class="note">{_e(summary)}. Checks per host row: d2h (matched its device rows at backup), host '
+        "(unchanged while resident), h2d (copied faithfully by the load); the events are the journal's for "
+        "the device page the row was loaded into, the last one the load.</p><table><tr><th>pool</th>"
+        "<th>host row</th><th>layer</th><th>device page</th><th>d2h</th><th>host</th><th>h2d</th><th>page events</th></tr>"
+        + "".join(rows)
+        + f"</table>{more}</section>"
     )
 
 

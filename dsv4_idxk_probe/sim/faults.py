@@ -19,7 +19,10 @@ from ..digest.layout import RowLayout
 from .plan import RoomPlan
 
 KINDS = ("bitflip", "byte_set", "zero_page", "swap_pages", "stale_page", "partial_write", "drop_page")
-WHENS = ("before_send", "in_flight", "after_recv", "after_step")
+WHENS = ("before_send", "in_flight", "after_recv", "after_step", "in_host_pool")
+# in prefill's HiCache host pool, between a page's backup and its load back to the device
+# (SGLang rig with prefill HiCache only): the kinds that change a row in place
+HOST_POOL_KINDS = ("bitflip", "byte_set", "zero_page")
 BYTE_KINDS = ("bitflip", "byte_set")  # aim at bytes inside one segment
 TRANSFER_KINDS = ("partial_write", "drop_page")  # happen to the WRITE itself
 RANDOM = "random"
@@ -67,7 +70,7 @@ class Fault:
     @property
     def side(self) -> str:
         """The process that applies it: prefill for its source pages and its writes, else decode."""
-        return "prefill" if self.when == "before_send" or self.kind in TRANSFER_KINDS else "decode"
+        return "prefill" if self.when in ("before_send", "in_host_pool") or self.kind in TRANSFER_KINDS else "decode"
 
     @property
     def label(self) -> str:
@@ -186,13 +189,17 @@ class _Parser:
         )
 
     def when(self, raw: Any, at: list) -> tuple[str, int]:
-        if raw in ("before_send", "in_flight", "after_recv"):
+        if raw in ("before_send", "in_flight", "after_recv", "in_host_pool"):
             return raw, 0
         if isinstance(raw, dict) and set(raw) == {"after_step"}:
             return "after_step", self.integer(raw["after_step"], at + ["after_step"], 1)
-        raise self.fail(at, f"{raw!r} is not one of before_send, in_flight, after_recv, {{after_step: N}}")
+        raise self.fail(at, f"{raw!r} is not one of before_send, in_flight, after_recv, {{after_step: N}}, in_host_pool")
 
     def check_timing(self, kind: str, when: str, at: list) -> None:
+        if when == "in_host_pool" and kind not in HOST_POOL_KINDS:
+            raise self.fail(
+                at + ["kind"], f"in_host_pool changes a host-pool row in place: only {', '.join(HOST_POOL_KINDS)} apply, "
+                f"not {kind}")
         if kind in TRANSFER_KINDS and when != "in_flight":
             raise self.fail(at + ["when"], f"{kind} happens to the WRITE itself, so only in_flight applies, not {when}")
         if kind == "swap_pages" and when == "before_send":
@@ -281,6 +288,11 @@ class _Parser:
 def check_against(spec: FaultSpec, layout: RowLayout, layer_ids: Sequence[int], plan: Sequence[RoomPlan]) -> None:
     """Refuse references the run cannot satisfy: unknown rooms, layers, segments, offsets."""
     rooms = {p.room for p in plan}
+    for f in spec.faults:
+        if f.when == "in_host_pool":
+            raise FaultSpecError(
+                f"{spec.source}: faults[{f.index}].when: in_host_pool needs SGLang's HiCache host pools: only the "
+                "SGLang rig with HiCache on prefill applies it (tests/sglang_rig/test_pd_hicache.py), not the built-in rig")
     seg_bytes = {s.name: layout.slots * s.slot_bytes for s in layout.segments}
     for f in spec.faults:
         at = f"{spec.source}: faults[{f.index}]"

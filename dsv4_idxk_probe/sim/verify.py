@@ -105,9 +105,11 @@ def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[
               for f in faults]
     oracle = [dict(o, transfer=_transfer(transfers, o["room"], o.get("n_tokens"))) for o in oracle]
     earliest = _earliest(faults)
-    result.checks = [_check_fault(rec, stages, earliest) for rec in sorted(faults, key=lambda f: (f["fault"], f["room"] or 0))]
+    roundtrip = doc["summary"].get("hicache_roundtrip", {}).get("rows", [])
+    result.checks = [_check_fault(rec, stages, earliest, roundtrip)
+                     for rec in sorted(faults, key=lambda f: (f["fault"], f["room"] or 0))]
     result.unexplained = _unexplained(stages, faults)
-    result.oracle_checked, result.oracle_disagreements = _against_oracle(stages, oracle)
+    result.oracle_checked, result.oracle_disagreements = _against_oracle(stages, oracle, _upstream(faults))
     result.unfinished = sorted(
         room for room in planned if not any(k[1:] == stage_key("decode_finish", None)[1:] for k in stages.get(room, {}))
     )
@@ -125,8 +127,9 @@ def _effect_cells(effect: dict) -> set[tuple[int, int, str]]:
     return {(layer, effect["page"], seg) for layer in effect["layers"] for seg in effect["segments"]}
 
 
-def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
-    """`earliest`: (room, cell) -> the earliest expected stage of any fault changing that cell."""
+def _check_fault(record: dict, stages: dict, earliest: dict, roundtrip: list[dict] = ()) -> FaultCheck:
+    """`earliest`: (room, cell) -> the earliest expected stage of any fault changing that cell;
+    `roundtrip`: the diff's HiCache round-trip diagnoses (checked for an in_host_pool fault)."""
     visible = [e for e in record["effects"] if e["stage"] is not None]
     check = FaultCheck(record, visible)
     if not record["applied"]:
@@ -142,6 +145,8 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
         )
         check.ok = not reported
         check.seen = "REPORTED" if reported else "not reported"
+        if record.get("roundtrip"):
+            _check_roundtrip(check, record, roundtrip, reported)
         return check
     problems, seen, where, diagnosed = [], [], [], []
     for effect in visible:
@@ -174,6 +179,52 @@ def _check_fault(record: dict, stages: dict, earliest: dict) -> FaultCheck:
     check.ok = not problems
     check.note = "; ".join(problems)
     return check
+
+
+def _check_roundtrip(check: FaultCheck, record: dict, rows: list[dict], reported: bool) -> None:
+    """An in_host_pool fault: no digest point may report it (both sides digest the changed
+    bytes), the oracle must see them on decode (the load carried them into the room), and
+    round-trip mode must name the host row, say it matched at backup and blame the leg
+    expected, with the load into the device page as that page's last journal event."""
+    from ..hicache.culprit import describe
+
+    problems = ["a digest point reported it, though both sides digest the changed bytes"] if reported else []
+    if not any(e.get("oracle_stage") for e in record["effects"]):
+        problems.append("the oracle never saw the changed bytes on decode (the load did not carry them)")
+    said = []
+    for want in record["roundtrip"]:
+        label = f"host row {want['host_row']} layer {want['layer']}"
+        hit = next((r for r in rows if (r.get("pool"), r.get("host_row"), r.get("layer")) ==
+                    (want["pool"], want["host_row"], want["layer"])), None)
+        if hit is None:
+            problems.append(f"round trip did not report {label}")
+            continue
+        said.append(describe(hit))
+        last = (hit.get("events") or [{}])[-1]
+        if hit.get("leg") != want["leg"]:
+            problems.append(f"{label}: blamed on {hit.get('leg')}, expected {want['leg']}")
+        if (hit.get("checks") or {}).get("d2h") != want["at_backup"]:
+            problems.append(f"{label}: {(hit.get('checks') or {}).get('d2h')} at backup, expected {want['at_backup']}")
+        if hit.get("device_page") != want["device_page"]:
+            problems.append(f"{label}: loaded into device page {hit.get('device_page')}, expected {want['device_page']}")
+        if (last.get("event"), last.get("host_row"), last.get("pool")) != ("hicache_load", want["host_row"], want["pool"]) or \
+                (last.get("host_row_checks") or {}).get(want["leg"]) != "mismatch":
+            problems.append(f"{label}: the device page's last journal event is not its load with the row's checks")
+    check.seen = "; ".join(["round trip"] + [f"host row {w['host_row']}" for w in record["roundtrip"]])
+    check.localised = "-"
+    check.diagnosed = "; ".join(said) or "-"
+    check.ok = not problems
+    check.note = "; ".join(problems)
+
+
+def _upstream(faults: list[dict]) -> dict[int, set]:
+    """room -> cells changed before prefill's digest: the oracle sees them, no digest may."""
+    out: dict[int, set] = {}
+    for record in faults:
+        for e in record["effects"]:
+            if e.get("upstream"):
+                out.setdefault(e["room"], set()).update(_effect_cells(e))
+    return out
 
 
 def _diagnosis_check(effect: dict, cells: list[dict] | None) -> tuple[str, str]:
@@ -236,8 +287,9 @@ def _unexplained(stages: dict, faults: list[dict]) -> list[str]:
     return out
 
 
-def _against_oracle(stages: dict, oracle: list[dict]) -> tuple[int, list[str]]:
-    """Probe verdict and localisation versus the oracle's frozen-byte comparison, per digest point."""
+def _against_oracle(stages: dict, oracle: list[dict], upstream: dict | None = None) -> tuple[int, list[str]]:
+    """Probe verdict and localisation versus the oracle's frozen-byte comparison, per digest point.
+    `upstream` (room -> cells changed before prefill's digest): cells the probe must call intact."""
     bad = []
     for o in oracle:
         s = stages.get(o["room"], {}).get(stage_key(o["stage"], o["step"], o.get("transfer", 0)))
@@ -245,7 +297,7 @@ def _against_oracle(stages: dict, oracle: list[dict]) -> tuple[int, list[str]]:
         if s is None:
             bad.append(f"{label}: no probe record")
             continue
-        cells = {tuple(c) for c in o["cells"]}
+        cells = {tuple(c) for c in o["cells"]} - (upstream or {}).get(o["room"], set())
         if not cells:
             if s["verdict"] != "match":
                 bad.append(f"{label}: oracle says intact, probe says {s['verdict']}")

@@ -137,7 +137,53 @@ def test_backups_and_loads_are_page_journal_events_naming_the_host_row(hicache, 
         ("hicache_backup", 5, "deepseek_v4_c4_indexer"), ("hicache_load", 5, "deepseek_v4_c4_indexer")]
     assert len(journal) == 2  # one event per backup, one per load (its first layer), whatever the layers
     if roundtrip:
-        assert events[1]["host_row_checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match"}
+        assert events[1]["host_row_checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match", "layers": [0]}
         assert journal.events_for(1)[1]["host_row_checks"] == {"d2h": "match", "host": "match", "h2d": "match"}
     else:
         assert "host_row_checks" not in events[1]
+
+
+def test_a_host_row_changed_while_resident_is_diagnosed_with_its_load_as_the_last_event(hicache, make_pool, standins):
+    """Round trip plus the journal: a row changed in host memory at layer 1 (the load's journal
+    event is recorded at layer 0) shows in that event's checks, and one roundtrip_diagnosis record
+    names the host row, the device page it went to, that it matched at backup, and the load."""
+    from dsv4_idxk_probe.diagnosis import PageJournal
+    from dsv4_idxk_probe.hicache.culprit import describe
+
+    journal = PageJournal()
+    env = hicache(roundtrip=True, journal=journal)
+    pool = make_pool("fp8_indexer")
+    journal.record("hicache_load", [6], host_rows=[9], layer=0, detail={"pool": "deepseek_v4_c4"})  # another sub-pool
+    backup_then_load(pool, "kernel", lambda: host_row(pool, 5, 1).__setitem__(4000, 1 + int(host_row(pool, 5, 1)[4000]) % 255))
+
+    load = journal.events_for(6)[-1]
+    assert (load["event"], load["host_row"]) == ("hicache_load", 5)
+    assert load["host_row_checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match", "layers": [1]}
+    assert journal.events_for(1)[-1]["host_row_checks"] == {"d2h": "match", "host": "match", "h2d": "match"}
+    (diag,) = [r for r in env.records if r.get("event") == "roundtrip_diagnosis"]
+    assert (diag["pool"], diag["host_row"], diag["device_page"], diag["layer"]) == ("deepseek_v4_c4_indexer", 5, 6, 1)
+    assert diag["leg"] == "host" and diag["checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match"}
+    assert [e["event"] for e in diag["events"]] == ["hicache_backup", "hicache_load"]
+    assert diag["events"][-1]["host_row_checks"]["host"] == "mismatch"
+    assert describe(diag) == ("deepseek_v4_c4_indexer host row 5 layer 1: changed in host memory while resident "
+                              "(matched at backup); loaded into device page 6, last event hicache_load")
+
+
+def test_a_faulty_backup_is_diagnosed_at_the_load_as_differing_at_backup(hicache, make_pool, standins, monkeypatch):
+    from dsv4_idxk_probe.hicache.culprit import describe
+
+    env = hicache(roundtrip=True)  # no journal (diagnosis off): the record still names the load's device page
+    pool = make_pool("fp8_indexer")
+    good = mph.transfer_kv_all_layer_mla
+
+    def faulty(**kwargs):
+        good(**kwargs)
+        pool.kv_buffer[0].view(torch.uint8)[kwargs["dst_indices"][0]][77] ^= 1
+
+    monkeypatch.setattr(mph, "transfer_kv_all_layer_mla", faulty)
+    backup_then_load(pool, "kernel")
+    (diag,) = [r for r in env.records if r.get("event") == "roundtrip_diagnosis"]
+    assert (diag["host_row"], diag["device_page"], diag["layer"], diag["leg"]) == (2, 1, 0, "d2h")
+    assert diag["events"] == []
+    assert describe(diag) == ("deepseek_v4_c4_indexer host row 2 layer 0: the backup (device-to-host copy) wrote "
+                              "different bytes; loaded into device page 1")

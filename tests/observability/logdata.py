@@ -105,3 +105,18 @@ def write_logs(root: Path, plans: list[RoomPlan], *, extra_decode: list[dict] = 
     decode.close()
     assert prefill.dropped == decode.dropped == 0
     return root / "prefill", root / "decode"
+
+
+def roundtrip_record(host_row: int = 5, device_page: int = 6, layer: int = 1, leg_checks=None) -> dict:
+    """A `roundtrip_diagnosis` record as prefill's HiCache probe emits it (hicache.culprit.record):
+    host row 5 changed while resident, loaded into device page 6."""
+    from dsv4_idxk_probe.hicache.culprit import record
+
+    checks = leg_checks or {"d2h": "match", "host": "mismatch", "h2d": "match"}
+    events = [
+        {"t_ns": 1, "event": "hicache_backup", "page": device_page, "host_row": host_row, "pool": "deepseek_v4_c4_indexer"},
+        {"t_ns": 2, "event": "hicache_load", "page": device_page, "host_row": host_row, "layer": 0,
+         "pool": "deepseek_v4_c4_indexer", "host_row_checks": dict(checks, layers=[layer])},
+    ]
+    rec = record("deepseek_v4_c4_indexer", host_row, device_page, layer, checks, events)
+    return {"v": 1, "kind": "hicache", "ts": 0.0, "role": "prefill", **rec}

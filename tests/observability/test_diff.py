@@ -9,7 +9,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from logdata import LAYER_IDS, LAYOUT, N_TOKENS, Fault, RoomPlan, hicache_record, write_logs
+from logdata import LAYER_IDS, LAYOUT, N_TOKENS, Fault, RoomPlan, hicache_record, roundtrip_record, write_logs
 
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.roomlog import encode_line
@@ -203,6 +203,37 @@ def test_hicache_records_are_counted_not_joined(logs, tmp_path):
     assert summary["records"] == {"room": 4, "hicache": 2}
     assert summary["hicache_branches"] == [{"pool": "deepseek_v4_c4_indexer", "direction": "d2h", "branch": "page", "count": 6}]
     assert summary["rooms"] == 1
+
+
+def test_a_hicache_round_trip_diagnosis_is_a_finding_named_with_its_load(logs, tmp_path, capsys):
+    """Prefill's PD digest covers a host row broken before its load (both sides digest the same
+    bytes), so only round-trip mode sees it: diff says so, names the row, and exits 1."""
+    prefill, decode = logs([RoomPlan(1)], extra_decode=[roundtrip_record()])
+    assert diff(prefill, decode, json_path=tmp_path / "d.json") == 1
+    out = capsys.readouterr().out
+    assert "hicache round trip: 1 host row changed in host memory while resident (matched at backup), last event hicache_load" in out
+    assert ("deepseek_v4_c4_indexer host row 5 layer 1: changed in host memory while resident (matched at backup); "
+            "loaded into device page 6, last event hicache_load") in out
+    summary = load(tmp_path / "d.json")["summary"]
+    assert summary["room_verdicts"] == {"match": 1}
+    (row,) = summary["hicache_roundtrip"]["rows"]
+    assert summary["hicache_roundtrip"]["mismatches"] == 1
+    assert (row["host_row"], row["device_page"], row["leg"], row["checks"]["d2h"]) == (5, 6, "host", "match")
+    assert row["events"][-1]["host_row_checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match", "layers": [1]}
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda r: r.update(host_row="5"), "host_row"),
+    (lambda r: r.update(leg="disk"), "leg"),
+    (lambda r: r["checks"].update(host="bad"), "checks"),
+    (lambda r: r["events"][1]["host_row_checks"].update(layers="all"), "events[1].host_row_checks.layers"),
+])
+def test_a_malformed_round_trip_diagnosis_is_a_bad_line_naming_the_field(logs, tmp_path, capsys, edit, field):
+    rec = roundtrip_record()
+    edit(rec)
+    prefill, decode = logs([RoomPlan(1)], extra_decode=[rec])
+    assert diff(prefill, decode) == 2
+    assert field in capsys.readouterr().err
 
 
 def _digest():

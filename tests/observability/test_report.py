@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from logdata import Fault, RoomPlan, hicache_record, room_records
+from logdata import Fault, RoomPlan, hicache_record, room_records, roundtrip_record
 from PIL import Image
 
 from dsv4_idxk_probe.cli.main import run
@@ -67,6 +67,15 @@ def test_report_renders_heatmaps_timeline_and_hicache(logs, tmp_path):
     png = tmp_path / "shot.png"
     browse(tmp_path, page, f"--screenshot={png}", "--window-size=1200,2400")
     assert heat_pixels(png) > 50, "the diverging cells are not on screen"
+
+
+def test_report_lists_hicache_round_trip_diagnoses(logs, tmp_path):
+    page = make_report(logs, tmp_path, [RoomPlan(1)], [roundtrip_record()])
+    html = page.read_text()
+    assert 'id="hicache-roundtrip"' in html and "(1 broken host row)" in html
+    assert ("<tr class=alarm><td>deepseek_v4_c4_indexer</td><td>5</td><td>1</td><td>6</td>"
+            "<td>match</td><td>mismatch</td><td>match</td>") in html
+    assert "hicache_backup &rarr; hicache_load" in html
 
 
 def test_a_clean_run_draws_no_heat(logs, tmp_path):

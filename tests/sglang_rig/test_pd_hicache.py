@@ -2,7 +2,9 @@
 SGLang's own DeepSeek-V4 host pools back device pages up and load them back for
 prefix hits, through the wrapped backup/load methods and the probe's branch counters.
 Round-trip mode is on, so the probe also compares every backed-up and loaded-back
-index-K row with the bytes it came from (docs/hicache.md).
+index-K row with the bytes it came from (docs/hicache.md), and a host row changed
+between its backup and its load is named with the load that carried it
+(docs/diagnosis.md, "Round-trip diagnosis").
 
 HiCache on decode cannot run with DeepSeek-V4 on SGLang 0.5.23 (decode's radix cache
 with HiCache is refused for sliding-window models; docs/rig.md), so neither can
@@ -89,6 +91,82 @@ def test_rooms_backed_up_to_the_host_pool_and_loaded_back_take_the_page_branch_a
         assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg=leg, verdict="mismatch") == 0, leg
     assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="host", verdict="unverified") == 0
     assert counters(rig, "hicache_guard_total") == 0 and counters(rig, "errors_total") == 0
+
+
+# A byte of a frozen slot's payload, in the indexer host pool's copy of a page the room loads
+# back, after the backup stored it and before the load (docs/faults.md, in_host_pool).
+HOST_ROW_FAULT = """faults:
+  - name: host-row-changed-while-resident
+    room: [300, 310, 320]
+    when: in_host_pool
+    kind: byte_set
+    where: {segment: payload}
+"""
+
+
+def hicache_records(session) -> list[dict]:
+    """The HiCache probe's records in the room logs (only prefill runs HiCache here)."""
+    from dsv4_idxk_probe.roomlog.reader import expand_inputs, read_entries
+
+    entries = read_entries(expand_inputs([str(session.log_dir)]))
+    return [e.record for e in entries if e.record is not None and e.record.get("kind") == "hicache"]
+
+
+def test_a_host_row_changed_between_backup_and_load_is_named_by_round_trip_with_its_load(rig, tmp_path, capsys):
+    """The changed row reaches prefill's device page before prefill's digest, so both sides
+    digest the same wrong bytes and every digest point matches (the oracle on decode sees the
+    change). Round-trip mode sees it: the host row's `host` leg, after a backup that matched;
+    the journal's load into the device page carries the row and its checks; the room log,
+    the metrics and `diff` name the load as the last event."""
+    from dsv4_idxk_probe.cli.main import run
+
+    spec = tmp_path / "host-row.yaml"
+    spec.write_text(HOST_ROW_FAULT)
+    (seed,) = workload.plan("hostrow", workload.WorkloadOptions(rooms=1, seed=21, **PROMPTS))
+    phase = rig.phase("hostrow-seed", [Request(200, "hostrow-seed", seed.input_ids, seed.max_new_tokens)])
+    assert phase.ok, describe(phase)
+    applied = []
+    for round_ in range(3):  # push the seed's pages out of the device pool, then load them back
+        fill = workload.plan(f"hrfill{round_}", workload.WorkloadOptions(rooms=16, seed=30 + round_, **PROMPTS))
+        phase = rig.phase(f"hostrow-fill{round_}",
+                          [Request(210 + 20 * round_ + r.number, r.rid, r.input_ids, r.max_new_tokens) for r in fill])
+        assert phase.ok, describe(phase)
+        again = Request(300 + 10 * round_, f"hostrow-{round_}", seed.input_ids, seed.max_new_tokens)
+        phase = rig.phase(f"hostrow{round_}", [again], faults=str(spec))
+        applied = [f for f in phase.faults if f["applied"]]
+        if applied:
+            break
+    assert applied, [f["reason"] for f in phase.faults]
+    # the rig's own verdict: no digest point reported it, the oracle saw it on decode, and
+    # round trip named the row, the leg, the backup's verdict and the load (sim.verify)
+    assert phase.ok, describe(phase)
+    assert phase.verification.verdicts == {"match": 1}, describe(phase)
+    (fault,) = applied
+    (want,) = fault["roundtrip"]
+    assert fault["effects"] and all(e["oracle_stage"] == "decode_recv" for e in fault["effects"]), fault
+
+    # the room log (prefill): the host leg's mismatch, and the diagnosis with the journal's events
+    records = hicache_records(rig)
+    assert any(r.get("event") == "roundtrip_mismatch" and r["leg"] == "host" and r["host_row"] == want["host_row"]
+               and r["layer"] == want["layer"] for r in records)
+    (diag,) = [r for r in records if r.get("event") == "roundtrip_diagnosis"]
+    assert (diag["host_row"], diag["layer"], diag["device_page"], diag["leg"]) == (
+        want["host_row"], want["layer"], want["device_page"], "host")
+    assert diag["checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match"}
+    load = diag["events"][-1]
+    assert (load["event"], load["page"], load["host_row"], load["pool"]) == (
+        "hicache_load", want["device_page"], want["host_row"], INDEXER_POOL)
+    assert load["host_row_checks"]["host"] == "mismatch" and want["layer"] in load["host_row_checks"]["layers"]
+
+    # the metrics and what an operator's `diff` prints
+    assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="host", verdict="mismatch") >= 1
+    capsys.readouterr()
+    assert run(["diff", str(rig.log_dir)]) == 1
+    out = capsys.readouterr().out
+    assert ("hicache round trip: 1 host row changed in host memory while resident (matched at backup), "
+            "last event hicache_load") in out, out
+    assert (f"{INDEXER_POOL} host row {want['host_row']} layer {want['layer']}: changed in host memory while "
+            f"resident (matched at backup); loaded into device page {want['device_page']}, last event hicache_load") in out
 
 
 def test_sglangs_own_metrics_fill_every_dashboard_variable_and_panel(rig, tmp_path):

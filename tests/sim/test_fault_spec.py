@@ -41,6 +41,8 @@ def test_defaults_are_random_and_sides_follow_timing():
         ("  - room: 1\n    when: {after_step: 0}\n    kind: bitflip\n", "faults[0].when.after_step", 3),
         ("  - {room: 1, when: after_recv, kind: drop_page}\n", "faults[0].when", 2),
         ("  - {room: 1, when: before_send, kind: swap_pages}\n", "faults[0].when", 2),
+        ("  - room: 1\n    when: in_host_pool\n    kind: stale_page\n", "faults[0].kind", 4),
+        ("  - {room: 1, when: in_host_pool, kind: drop_page}\n", "faults[0].kind", 2),
         ("  - {room: 1.5, when: in_flight, kind: bitflip}\n", "faults[0].room", 2),
         ("  - {room: [], when: in_flight, kind: bitflip}\n", "faults[0].room", 2),
         ("  - {room: [1, x], when: in_flight, kind: bitflip}\n", "faults[0].room[1]", 2),
@@ -60,6 +62,15 @@ def test_bad_field_is_named_with_its_line(body, field, line):
         parse_fault_spec("faults:\n" + body, "spec.yaml")
     message = str(err.value)
     assert message.startswith(f"spec.yaml:{line}: {field}:"), message
+
+
+def test_a_host_pool_fault_is_applied_by_prefill_and_refused_by_the_built_in_rig():
+    f = _one("  - {room: 1, when: in_host_pool, kind: byte_set, where: {segment: payload}}\n")
+    assert (f.when, f.kind, f.side, f.label) == ("in_host_pool", "byte_set", "prefill", "#0 fault-0 (byte_set @ in_host_pool)")
+    assert _one("  - {room: 1, when: in_host_pool, kind: zero_page}\n").side == "prefill"
+    spec = parse_fault_spec("faults:\n  - {room: 1, when: in_host_pool, kind: bitflip}\n", "spec.yaml")
+    with pytest.raises(FaultSpecError, match=r"^spec.yaml: faults\[0\].when: in_host_pool needs SGLang's HiCache host pools"):
+        check_against(spec, FP8, [0, 2, 4], PLAN)
 
 
 def test_garbage_documents_are_refused(tmp_path):

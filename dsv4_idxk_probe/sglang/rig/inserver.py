@@ -20,7 +20,11 @@ SGLang's decode and prefill paths (wrapt, at import) to:
   WRITE landed, the completion not yet processed; ``drop_page`` and
   ``partial_write`` restore what decode's page held before the WRITE, the same
   bytes a dropped or cut write leaves); ``after_recv`` / ``after_step N`` at
-  the start of the decode forward after step N.
+  the start of the decode forward after step N; ``in_host_pool`` on prefill,
+  in the indexer's HiCache host pool row of a page a room loads back from the
+  host (armed at ``UnifiedRadixCache.init_load_back`` for that room, applied
+  at the next ``L2TransferEngine.submit_host_to_device``: after the page's
+  backup, before its load).
 
 Every fault application is written with the number of oracle points the room
 had by then, so the driver knows the first digest point that could see it.
@@ -47,6 +51,7 @@ log = logging.getLogger("dsv4_idxk_probe.rig")
 
 C4 = 4
 PAGE_TOKENS = 256
+INDEXER_HOST_POOL = "deepseek_v4_c4_indexer"  # the index-K host pool's pool_name
 
 
 # %% output
@@ -131,6 +136,8 @@ class InServer:
         self.buffers: list[torch.Tensor] = []
         self.layer_ids: list[int] = []
         self.lock = threading.Lock()
+        self.armed: tuple | None = None  # (req, in_host_pool faults) waiting for the room's host-to-device load
+        self.host_done: set[tuple[int, str]] = set()  # (fault, rid) in_host_pool faults applied or refused
 
     def refresh(self) -> None:
         """Re-read the plan when the driver replaced it (a new phase)."""
@@ -167,14 +174,14 @@ class InServer:
 
     def record_fault(self, fault, track_or_room: Any, applied: bool, reason: str = "", target: dict | None = None,
                      cells: list | None = None, point: int = 0, rid: str | None = None,
-                     expect: list | None = None) -> None:
+                     expect: list | None = None, roundtrip: list | None = None) -> None:
         t = track_or_room
         self.out.write("faults", {
             "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
             "after_step": fault.after_step, "side": self.role, "rid": rid or getattr(t, "rid", None),
             "rig_room": getattr(t, "rig_room", None), "room": getattr(t, "room", None),
             "applied": applied, "reason": reason, "target": target or {}, "cells": cells or [], "point": point,
-            "expect": expect or [],
+            "expect": expect or [], "roundtrip": roundtrip or [],
         })
 
     def apply(self, fault, track: Track, *, replacement_for=None) -> None:
@@ -225,6 +232,48 @@ class InServer:
                 expect.append([layer, target.page, seg, kind, previous if kind == "previous_occupant" else None])
         self.record_fault(fault, track, True, target=target.describe(), cells=cells, point=track.points,
                           expect=expect)
+
+    def apply_in_host_pool(self, fault, req, transfer) -> None:
+        """in_host_pool: change the host-pool row of one page `req` is loading back, before the
+        load copies it (the backup has stored it and round-trip mode its digest). Both sides
+        then digest the changed bytes, so only round-trip mode can see it: it must report the
+        row's `host` leg, and that the row matched at backup."""
+        from ...sim.inject import apply_in_place, changed_segments, resolve, rng_for
+        from ...sim.plan import RoomPlan
+
+        pool = transfer.host_pool
+        size = int(pool.slot_page_size)
+        host_rows = [int(r) for r in (transfer.host_indices.reshape(-1)[::size] // size).tolist()]
+        device_rows = [int(r) for r in (transfer.device_indices.reshape(-1)[::size] // size).tolist()]
+        layers = _host_layers(pool)
+        tokens = np.asarray(list(req.origin_input_ids), dtype=np.int64)
+        # which of the room's pages each loaded row is, read from the row's own bytes (the truth)
+        loaded = {}
+        for j, row in enumerate(host_rows):
+            page = _page_of(layers[0][row].numpy(), self.layer_ids[0], tokens)
+            if page is not None:
+                loaded[page] = j
+        track = Track(_rid(req), self.plan.rooms.get(_rid(req)), int(req.bootstrap_room), 0, len(tokens), [])
+        plan = RoomPlan(room=track.rig_room, prompt_tokens=len(tokens), prefix_pages=0, steps=0)
+        rng = rng_for(self.plan.seed, fault, track.rig_room)
+        target = resolve(fault, plan, self.layout, self.layer_ids, rng, random_pages=sorted(loaded))
+        if isinstance(target, str):
+            self.record_fault(fault, track, False, target)
+            return
+        if target.page not in loaded:
+            self.record_fault(fault, track, False, f"logical page {target.page} was not loaded from the host "
+                                                   f"(pages {sorted(loaded)} were)")
+            return
+        host_row, device_row = host_rows[loaded[target.page]], device_rows[loaded[target.page]]
+        old = apply_in_place(layers, host_row, target, rng)
+        new = [layers[li][host_row].numpy().copy() for li in target.layers]
+        cells = [[layer, target.page, seg] for j, layer in enumerate(target.layer_ids)
+                 for seg in changed_segments(self.layout, old[j], new[j], target.frozen)]
+        roundtrip = [{"pool": str(pool.pool_name), "host_row": host_row, "layer": li, "device_page": device_row,
+                      "leg": "host", "at_backup": "match"} for li in target.layers]
+        self.record_fault(fault, track, True, target=dict(target.describe(), pool=str(pool.pool_name),
+                                                          host_row=host_row, device_page=device_row),
+                          cells=cells, roundtrip=roundtrip)
 
     def _previous_room(self, track: Track, phys: int) -> str | None:
         """The probe's key of the room that held physical page `phys` before `track` (tracks
@@ -317,6 +366,26 @@ def _diagnosis_of(layout, new: np.ndarray, before: np.ndarray | None, frozen: in
     if before is not None and np.array_equal(new[span], before[span]):
         return "previous_occupant"
     return "unknown"
+
+
+def _page_of(row: np.ndarray, layer: int, tokens: np.ndarray) -> int | None:
+    """The full prompt page whose true bytes (`truth`) a row of `layer` holds, if any."""
+    slots = PAGE_TOKENS // truth.TOKENS_PER_SLOT
+    for page in range(len(tokens) // PAGE_TOKENS):
+        positions = page * PAGE_TOKENS + np.arange(slots) * truth.TOKENS_PER_SLOT + 3
+        want = truth.slot_bytes(layer, positions, tokens[positions])[:, : truth.PAYLOAD]
+        if np.array_equal(row[: slots * truth.PAYLOAD].reshape(slots, truth.PAYLOAD), want):
+            return page
+    return None
+
+
+def _host_layers(pool) -> list[torch.Tensor]:
+    """A DeepSeek-V4 host pool's rows, one uint8 [host pages, item_bytes] view per layer."""
+    if pool.layout == "layer_first":
+        return list(pool.kv_buffer)
+    if pool.layout == "page_first":
+        return [pool.kv_buffer[:, layer, :] for layer in range(pool.layer_num)]
+    return [pool.kv_buffer[:, layer, 0, :] for layer in range(pool.layer_num)]
 
 
 def _changed(layout, old: np.ndarray, new: np.ndarray, frozen: int) -> list[str]:
@@ -484,6 +553,11 @@ def _prefill_track(scheduler, req, last_chunk=False, end_idx=None, *_a, **_k) ->
         state.refresh()
     if not last_chunk or _rid(req) not in state.plan.rooms:
         return
+    for fault in state.faults_for(_rid(req), ("in_host_pool",)):
+        if (fault.index, _rid(req)) not in state.host_done:  # its last chunk is sent: no load is coming
+            state.host_done.add((fault.index, _rid(req)))
+            track = Track(_rid(req), state.plan.rooms.get(_rid(req)), int(req.bootstrap_room), 0, 0, [])
+            state.record_fault(fault, track, False, "the room loaded no page from the HiCache host pool")
     if not state.faults_for(_rid(req), ("before_send",)):
         return
     state.bind_pool(scheduler.token_to_kv_pool_allocator)
@@ -502,6 +576,62 @@ def _around_send_kv_chunk(wrapped, instance, args, kwargs):
     except Exception:
         log.exception("rig: tracking a prefill room failed")
     return wrapped(*args, **kwargs)
+
+
+def _around_init_load_back(wrapped, instance, args, kwargs):
+    """Arm the room's in_host_pool faults for the load this call queues."""
+    def _pick(params, *_a, **_k):
+        return params
+
+    params = _pick(*args, **kwargs)
+    try:
+        _arm_host_faults(instance, params)
+    except Exception:
+        log.exception("rig: arming a host-pool fault failed")
+    result = wrapped(*args, **kwargs)
+    if _state is not None and _state.armed is not None and (not result or not result[0]):
+        _state.armed = None  # nothing was loaded
+    return result
+
+
+def _arm_host_faults(cache, params) -> None:
+    state = _state
+    req = getattr(params, "req", None)
+    if req is None:
+        return
+    state.refresh()
+    faults = [f for f in state.faults_for(_rid(req), ("in_host_pool",)) if (f.index, _rid(req)) not in state.host_done]
+    if faults:
+        state.bind_pool(cache.token_to_kv_pool_allocator)
+        state.armed = (req, faults)
+
+
+def _around_submit_host_to_device(wrapped, instance, args, kwargs):
+    def _pick(transfers, *_a, **_k):
+        return transfers
+
+    try:
+        _apply_host_faults(_pick(*args, **kwargs))
+    except Exception:
+        log.exception("rig: a host-pool fault failed")
+    return wrapped(*args, **kwargs)
+
+
+def _apply_host_faults(transfers) -> None:
+    state = _state
+    armed, state.armed = state.armed, None
+    if armed is None:
+        return
+    req, faults = armed
+    transfer = next((t for t in transfers if str(getattr(t.host_pool, "pool_name", "")) == INDEXER_HOST_POOL
+                     and t.host_indices is not None and t.host_indices.numel()), None)
+    for fault in faults:
+        state.host_done.add((fault.index, _rid(req)))
+        if transfer is None:
+            track = Track(_rid(req), state.plan.rooms.get(_rid(req)), int(req.bootstrap_room), 0, 0, [])
+            state.record_fault(fault, track, False, "the room's load moved no index-K page")
+        else:
+            state.apply_in_host_pool(fault, req, transfer)
 
 
 def apply() -> None:
@@ -537,4 +667,13 @@ def apply() -> None:
             lambda m: wrapt.wrap_function_wrapper(m, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
                                                   _around_send_kv_chunk),
             "sglang.srt.disaggregation.prefill",
+        )
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "UnifiedRadixCache.init_load_back", _around_init_load_back),
+            "sglang.srt.mem_cache.unified_radix_cache",
+        )
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "L2TransferEngine.submit_host_to_device",
+                                                  _around_submit_host_to_device),
+            "sglang.srt.mem_cache.l2_transfer",
         )

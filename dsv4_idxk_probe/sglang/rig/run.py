@@ -221,12 +221,19 @@ def expectations(fault_records: list[dict], oracle: list[dict]) -> list[dict]:
         })
         if not f.get("partner_of"):
             record.update(room=room, rig_room=f.get("rig_room"), applied=f["applied"], reason=f.get("reason", ""))
+        if f.get("roundtrip"):  # what HiCache round-trip mode must report (an in_host_pool fault)
+            record["roundtrip"] = f["roundtrip"]
+        # changed before prefill's digest (in the host pool, before the load): both sides digest
+        # the changed bytes, so no digest point may report it; the oracle still sees it on decode
+        upstream = f["when"] == "in_host_pool"
         expect = {(e[0], e[1], e[2]): e[3:] for e in f.get("expect", [])}
         for layer, page, segment in f.get("cells", []):
             stage, step, tokens = _first_seen(points.get(int(room), []) if room is not None else [], f.get("point", 0),
                                               (layer, page, segment))
             effect = {"room": room, "layers": [layer], "page": page, "segments": [segment],
                       "stage": stage, "step": step, "tokens": tokens}
+            if upstream:
+                effect.update(stage=None, step=None, upstream=True, oracle_stage=stage)
             if (layer, page, segment) in expect:  # what the probe must say the cell became, and whose it is
                 kind, culprit = expect[(layer, page, segment)]
                 effect["diagnosis"] = {"kind": kind, "room": culprit}
