@@ -36,8 +36,9 @@ also counts chunks the probe freed that glibc keeps for reuse in its arenas
 server and client), and those pages creep up in shrinking steps as the
 arenas fragment. Measured (2026-12-01, 30,000 rooms, --tracemalloc): from
 12,500 rooms on, raw RSS +2.4 MiB, malloc's free bytes +2.1 MiB, malloc
-in use -0.01 MiB, traced Python memory +0.0 MiB; malloc_trim at the end gave
-back 35.6 MiB. A leak shows in the held figures; the creep does not.
+in use -0.01 MiB, traced Python memory +0.0 MiB (the top growth sites by
+line: a few hundred KiB each way, the content index replacing its rooms).
+A leak shows in the held figures; the creep does not.
 
 Digest cost is not the subject here, so ``inflight`` and ``flood`` use a
 layout with fp8's two segments (payload, scale) and 16 slots of 4 B each
