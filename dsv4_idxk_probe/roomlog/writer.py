@@ -323,16 +323,20 @@ class RoomLogWriter:
             opened = False
         self._close_file()
         self._unchecked = 0
-        if opened and self.gzip_rotated:
-            self._files[-1] = self._gzip(self._files[-1])
         self._seq += 1
         self._size = 0
+        closed = self._files[-1] if opened else None
+        # The oldest go first, before the closed file is gzipped: its .gz appears beside it
+        # before it is deleted, and the next file comes after, so there are never more
+        # than max_files names on disk (the current file included).
         while len(self._files) >= self.max_files:
             oldest = self._files.pop(0)
             try:
                 oldest.unlink()
             except FileNotFoundError:
                 pass
+        if closed is not None and self.gzip_rotated and self._files and self._files[-1] == closed:
+            self._files[-1] = self._gzip(closed)
 
     def _gzip(self, path: Path) -> Path:
         target = path.with_name(path.name + ".gz")

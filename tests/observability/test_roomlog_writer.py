@@ -71,6 +71,41 @@ def test_rotation_by_size_keeps_the_newest_files_gzipped(tmp_path):
     assert rooms == list(range(200 - len(rooms), 200)), "the newest records survive, in order"
 
 
+@pytest.mark.parametrize("max_files", [1, 3])
+def test_rotation_never_has_more_than_max_files_on_disk(tmp_path, monkeypatch, max_files):
+    """Counted after every call that adds a name (a file opened, a .gz renamed into place): the
+    gzip of a rotated file and the deletion of the oldest must not leave max_files + 1 files."""
+    from dsv4_idxk_probe.roomlog import writer as writer_module
+
+    seen = []
+
+    def visible() -> int:
+        return sum(1 for p in tmp_path.iterdir() if not p.name.startswith("."))
+
+    real_replace, real_open = writer_module.os.replace, writer_module.os.open
+
+    def replace(*args, **kwargs):
+        real_replace(*args, **kwargs)
+        seen.append(visible())
+
+    def open_(*args, **kwargs):
+        fd = real_open(*args, **kwargs)
+        seen.append(visible())
+        return fd
+
+    monkeypatch.setattr(writer_module.os, "replace", replace)
+    monkeypatch.setattr(writer_module.os, "open", open_)
+    writer = RoomLogWriter(tmp_path, "decode", max_bytes=2048, max_files=max_files, gzip_rotated=True)
+    for i in range(300):
+        writer.emit(record(i, pad=100))
+    writer.close()
+    assert len(seen) > 10, "the writer rotated several times"
+    assert max(seen) <= max_files, seen
+    assert visible() == max_files
+    rooms = read_back(writer.files)
+    assert rooms == list(range(300 - len(rooms), 300)), "the newest records survive, in order"
+
+
 def test_rotation_without_gzip(tmp_path):
     writer = RoomLogWriter(tmp_path, "prefill", max_bytes=2048, max_files=50, gzip_rotated=False)
     for i in range(100):
