@@ -8,15 +8,22 @@ into pinned host memory on the current stream, at the hook, with an event
 behind it: a few microseconds, no wait. `host_ints` waits for that event
 only, off the serving thread.
 
-Host containers (lists, arrays, CPU tensors) are kept as they are.
+Host containers (lists, arrays, CPU tensors) are kept as they are. torch is
+not imported here: where it is not loaded no value can be a tensor, and the
+log tools (`diff`, `report`) that import diagnosis stay light.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
-import torch
+
+
+def _tensor_type():
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else None
 
 
 class HostIds:
@@ -25,7 +32,7 @@ class HostIds:
 
     __slots__ = ("_host", "_event")
 
-    def __init__(self, host: torch.Tensor, event: Any):
+    def __init__(self, host: Any, event: Any):
         self._host, self._event = host, event
 
     def numpy(self) -> np.ndarray:
@@ -43,8 +50,10 @@ class HostIds:
 
 def capture(values: Any) -> Any:
     """`values` as host memory will hold them: a `HostIds` for a CUDA tensor, else `values`."""
-    if not isinstance(values, torch.Tensor) or values.device.type != "cuda":
+    tensor = _tensor_type()
+    if tensor is None or not isinstance(values, tensor) or values.device.type != "cuda":
         return values
+    torch = sys.modules["torch"]
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values.detach(), non_blocking=True)
     event = torch.cuda.Event()
@@ -61,7 +70,8 @@ def host_ints(values: Any) -> np.ndarray:
         return values.numpy().astype(np.int64, copy=False)
     if hasattr(values, "resolve"):
         return values.resolve()
-    if isinstance(values, torch.Tensor):
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(values, tensor):
         if values.device.type == "cuda":  # not captured at its hook: the copy and its event now
             return capture(values).numpy().astype(np.int64, copy=False)
         values = values.detach().numpy()

@@ -52,8 +52,9 @@ class DecodeDiagnosis:
     # %% serving thread (O(1))
 
     def allocated(self, key: str, pages: Any) -> None:
+        ids = self._ids(key, pages)  # also marks the room live until its free (see `before`)
         if self.journal is not None:
-            self.journal.record("allocated", self._ids(key, pages), key)
+            self.journal.record("allocated", ids, key)
 
     def landed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
@@ -96,7 +97,13 @@ class DecodeDiagnosis:
         return track
 
     def before(self, key: str, pages: Any, n_tokens: int, content: np.ndarray) -> None:
-        """What the room's pages held when they were allocated to it."""
+        """What the room's pages held when they were allocated to it: dropped when the
+        room was freed or abandoned before this snapshot came back (it would otherwise
+        make a track nobody retires)."""
+        with self._lock:
+            live = key in self._captured
+        if not live:
+            return
         track = self._track(key, pages, n_tokens)
         self.index.before(key, track.pages, content, track.frozen)
 

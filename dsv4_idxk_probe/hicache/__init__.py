@@ -9,37 +9,39 @@ Usage (adapters do this; see dsv4_idxk_probe/sglang/hicache.py)::
     probe.end(call, ok=True)
 
 What is counted and why: docs/hicache.md.
+
+Names are loaded on first use, so the log tools that read round-trip records
+(`diff`, `report`, through `hicache.culprit`) never import torch.
 """
 
-from .branches import BRANCHES, DIRECTIONS, NO_IO_BACKEND, classify, label_sets
-from .geometry import DeviceBuffer, PoolGeometry, TokenRow, invariant_failures, token_row_mismatches
-from .indexcheck import CHECK_LABELS, Flusher, IndexChecker
-from .probe import GuardRefused, HiCacheProbe, forget, probe_for
-from .roundtrip import LEGS, RoundTrip, RowViews
-from .settings import HiCacheConfigError, HiCacheSettings, parse_settings
+from .._lazy import lazy_exports
 
-__all__ = [
-    "BRANCHES",
-    "CHECK_LABELS",
-    "DIRECTIONS",
-    "LEGS",
-    "NO_IO_BACKEND",
-    "DeviceBuffer",
-    "Flusher",
-    "GuardRefused",
-    "HiCacheConfigError",
-    "HiCacheProbe",
-    "HiCacheSettings",
-    "IndexChecker",
-    "PoolGeometry",
-    "RoundTrip",
-    "RowViews",
-    "TokenRow",
-    "classify",
-    "forget",
-    "invariant_failures",
-    "label_sets",
-    "parse_settings",
-    "probe_for",
-    "token_row_mismatches",
-]
+_EXPORTS = {
+    "BRANCHES": ".branches",
+    "DIRECTIONS": ".branches",
+    "NO_IO_BACKEND": ".branches",
+    "classify": ".branches",
+    "label_sets": ".branches",
+    "DeviceBuffer": ".geometry",
+    "PoolGeometry": ".geometry",
+    "TokenRow": ".geometry",
+    "invariant_failures": ".geometry",
+    "token_row_mismatches": ".geometry",
+    "CHECK_LABELS": ".indexcheck",
+    "Flusher": ".indexcheck",
+    "IndexChecker": ".indexcheck",
+    "GuardRefused": ".probe",
+    "HiCacheProbe": ".probe",
+    "forget": ".probe",
+    "probe_for": ".probe",
+    "LEGS": ".legs",
+    "RoundTrip": ".roundtrip",
+    "RowViews": ".roundtrip",
+    "HiCacheConfigError": ".settings",
+    "HiCacheSettings": ".settings",
+    "parse_settings": ".settings",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

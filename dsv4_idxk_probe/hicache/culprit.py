@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .roundtrip import LEG_NAMES, LEGS
+from .legs import LEG_NAMES, LEGS
 
 _RANK = {"match": 0, "unverified": 1, "mismatch": 2}
 

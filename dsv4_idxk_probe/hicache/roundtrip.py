@@ -28,10 +28,8 @@ import torch
 
 from ..digest.layout import RowLayout, Segment
 from ..digest.reference import segment_digests
+from .legs import LEG_NAMES, LEGS, VERDICTS  # noqa: F401  (re-exported: hicache.LEGS)
 
-LEGS = ("d2h", "host", "h2d")
-LEG_NAMES = {"d2h": "device-to-host copy", "host": "host memory while resident", "h2d": "host-to-device copy"}
-VERDICTS = ("match", "mismatch", "unverified")
 
 
 @dataclass(frozen=True)

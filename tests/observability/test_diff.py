@@ -265,3 +265,16 @@ def test_each_malformed_digest_field_is_named(edit, field):
     edit(digest)
     with pytest.raises(RecordError, match=field):
         pack_digest(digest)
+
+
+def test_the_log_tools_never_import_torch():
+    """`diff` and `report` run where logs are read (a laptop, a CI box): the modules they
+    import, diagnosis and the round-trip summaries included, leave torch alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dsv4_idxk_probe.cli.diff, dsv4_idxk_probe.cli.report; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
