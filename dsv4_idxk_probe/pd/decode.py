@@ -80,17 +80,18 @@ class DecodeMonitor:
 
     # %% events from the serving side (scheduler thread: enqueue only)
 
-    def room_allocated(self, room: RoomId, pages: Any, n_tokens: int) -> None:
+    def room_allocated(self, room: RoomId, pages: Any, n_tokens: int, snapshot: bool = True) -> None:
         """Decode allocated `pages` to the room and told prefill where to write: a journal
         event and, with `snapshot_on_allocation`, a digest of what the pages hold before
-        the transfer writes them (one launch; its content goes to the diagnosis only)."""
+        the transfer writes them (one launch; its content goes to the diagnosis only).
+        `snapshot=False`: the caller runs after prefill may have written (journal only)."""
         diagnosis = self.diagnosis
         if diagnosis is None:
             return
         diagnosis.allocated(room.key, pages)
         # the verdicts' digests come first: with the collector's queue half full, no snapshot
         # (the room is then diagnosed without its pages' earlier bytes)
-        if self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
+        if snapshot and self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
             key = room.key
             self.engine.submit([RoomRequest(key, pages, n_tokens)],
                                lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages,

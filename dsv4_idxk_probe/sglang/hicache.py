@@ -66,7 +66,8 @@ def pool_geometry(pool: Any) -> PoolGeometry:
         page_size=int(pool.slot_page_size),
         host_pages=int(pool.num_host_pages),
         layout=str(pool.layout),
-        page_aligned_only=bool(pool.page_aligned_only),
+        # 0.5.18-0.5.19 have no such flag: their pools take every unaligned copy to the token path
+        page_aligned_only=bool(getattr(pool, "page_aligned_only", False)),
         buffers=tuple(_buffer(b) for b in pool.device_buffers),
         page_routes=PAGE_ROUTES,
         token_row=DSV4_MLA_TOKEN_ROW,

@@ -88,7 +88,9 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
 def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
     """SGLang 0.5.18-0.5.20 (no `_send_kv_metadata`): the pages each preallocated room
     published, read back from req_to_token exactly as `pop_preallocated` took them
-    (``[cache_protected_len, len(origin_input_ids))`` of the room's row)."""
+    (``[cache_protected_len, len(origin_input_ids))`` of the room's row). With diagnosis
+    on, journalled as allocated, without the before-transfer snapshot: `pop_preallocated`
+    has already told prefill where to write, so the pages may hold the room already."""
     if not preallocated or decode_side(runtime, getattr(queue, "scheduler", None)) is None:
         return
     rows = queue.req_to_token_pool.req_to_token
@@ -101,8 +103,11 @@ def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
             setattr(decode_req, ATTR_DEST, "nothing to receive")
             continue
         kv_indices = rows[int(index), start:end]
-        setattr(decode_req, ATTR_DEST, decode_room_pages(kv_indices, int(queue.token_to_kv_pool_allocator.page_size),
-                                                         {"decode_prefix_len": start}))
+        dest = decode_room_pages(kv_indices, int(queue.token_to_kv_pool_allocator.page_size), {"decode_prefix_len": start})
+        setattr(decode_req, ATTR_DEST, dest)
+        room = room_of(req)
+        if not isinstance(dest, str) and room is not None:
+            runtime.sides["decode"].monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens, snapshot=False)
 
 
 def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], int | None, str | None]:

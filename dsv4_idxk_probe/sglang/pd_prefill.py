@@ -8,7 +8,9 @@ Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
   ``last_chunk=True``): find the room's pages, enqueue its digest on the
   current stream, clear the probe slots of the metadata row and write what is
   already known, before SGLang's own send runs;
-* ``CommonKVSender.send`` (before): the in-band write. The room digest is in
+* ``CommonKVSender.send`` (before; before 0.5.23, where each backend's own
+  ``send`` never calls it, ``CommonKVSender._prepare_send_indices``, which
+  each of them calls first): the in-band write. The room digest is in
   pinned host memory once the stream has passed the kernel; on the NIXL path
   ``_send_kv_chunk`` has just blocked on that stream (``kv_to_page_indices``
   is a ``.cpu()``), so the value is ready here and is copied into the
@@ -164,7 +166,9 @@ def make_send_kv_chunk_wrapper(runtime):
 
 
 def make_sender_send_wrapper(runtime):
-    """``CommonKVSender.send(self, kv_indices, ...)``, before: the zero-sync in-band write."""
+    """``CommonKVSender.send(self, kv_indices, ...)`` (0.5.23) or
+    ``CommonKVSender._prepare_send_indices(self, kv_indices, ...)`` (0.5.18-0.5.22),
+    before: the zero-sync in-band write."""
 
     def _pick(kv_indices, *_a, **_k):
         return kv_indices

@@ -1,4 +1,5 @@
-"""Fixtures for the HiCache host-pool tests: the real SGLang 0.5.23 pool classes on CPU.
+"""Fixtures for the HiCache host-pool tests: the real SGLang pool classes on CPU
+(0.5.23, and each older release in the release matrix, tests/sglang_releases/).
 
 * `hicache` installs the probe's wrappers exactly as the target table
   (configs/targets/sglang.yaml, HiCache section) names them, with
@@ -8,14 +9,18 @@
   ``sglang.srt.mem_cache.memory_pool_host`` (see that module's docstring);
   every op call is also appended to ``mem.calls``.
 * `make_pool` builds a real ``DeepSeekV4PagedHostPool`` the way SGLang's
-  DeepSeek-V4 HiCache stack does (device pools on CPU, item bytes and flags
-  from SGLang's own region helpers), with pin_memory off and a host-memory
-  budget scope (neither changes the copy paths).
+  DeepSeek-V4 HiCache stack of the release under test does (device pools on
+  CPU, item bytes and flags from SGLang's own region helpers where the release
+  has them, else as its stack builder computes them inline), with pin_memory
+  off and a host-memory budget scope where the release has one (neither
+  changes the copy paths).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +34,13 @@ from prometheus_client import CollectorRegistry
 import sglang.srt.mem_cache.memory_pool_host as mph
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool, DeepSeekV4SingleKVPool
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as hpa
-from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+try:  # SGLang 0.5.21+
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+except ImportError:  # 0.5.18-0.5.20: no budget scope
+
+    def host_memory_budget_scope(budget_bytes: int):
+        return contextlib.nullcontext()
+
 
 from dsv4_idxk_probe import safety
 from dsv4_idxk_probe.hicache import forget
@@ -52,6 +63,16 @@ PAGE = 256  # tokens per HiCache page (SGLang's page_size for DSV4)
 HOST_PAGES = 8
 DEVICE_TOKENS = 1024
 LAYERS = 2
+
+#: What the release under test has (the matrix runs 0.5.18-0.5.22 too).
+HAS_BACKUP_TOKENS = hasattr(mph.DeepSeekV4PagedHostPool, "backup_tokens_from_device_all_layer")  # 0.5.23+
+HAS_FP4_INDEXER = "use_fp4_indexer" in inspect.signature(DeepSeekV4IndexerPool.__init__).parameters  # 0.5.21+
+
+
+def accepted(cls, **kwargs) -> dict:
+    """`kwargs` less those the release's `cls.__init__` does not take (a newer field)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def hicache_targets() -> list[dict]:
@@ -139,6 +160,18 @@ def hicache():
             assert not grown, f"the probe failed internally (caught by safe_invoke): {grown}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def published():
+    """A default ServerArgs published for one test module (restored after it): the
+    device pools of 0.5.18-0.5.20 read it at construction, as tests/sglang's do."""
+    from sglang.srt.runtime_context import get_context
+
+    override = get_context().override_server_args()
+    override.install()
+    yield
+    override.restore()
+
+
 @pytest.fixture
 def standins(monkeypatch):
     """Inject the CPU copy ops into the pool's module; returns the `Memory`."""
@@ -154,22 +187,37 @@ def standins(monkeypatch):
     return mem
 
 
+def indexer_region(indexer) -> tuple:
+    """(name, device buffers, item bytes, slot page size, page_aligned_only) of the C4
+    indexer's host pool, from SGLang's region helper (0.5.20+) or, on 0.5.18-0.5.19,
+    as their stack builder computes it inline (the fused buffer, shape[1] * element size)."""
+    if not hasattr(hpa, "_dsv4_indexer_regions"):
+        fused = indexer.index_k_with_scale_buffer
+        return "deepseek_v4_c4_indexer", fused, fused[0].shape[1] * fused[0].element_size(), PAGE, False
+    (region,) = hpa._dsv4_indexer_regions(SimpleNamespace(c4_indexer_kv_pool=indexer), PAGE)
+    return str(region.name), region.device_buffers, region.item_bytes, region.slot_page_size, region.page_aligned_only
+
+
 def _device_pools(kind: str):
     """(region-like record, device pool) for one pool kind, built as SGLang builds them."""
     if kind in ("fp8_indexer", "fp4_indexer"):
-        device = DeepSeekV4IndexerPool(
-            size=DEVICE_TOKENS, page_size=PAGE // 4, dtype=torch.uint8, index_head_dim=128, layer_num=LAYERS,
-            device="cpu", enable_memory_saver=False, use_fp4_indexer=kind == "fp4_indexer", global_page_size=PAGE,
-        )  # fmt: skip
-        (region,) = hpa._dsv4_indexer_regions(SimpleNamespace(c4_indexer_kv_pool=device), PAGE)
-        return str(region.name), region.device_buffers, region.item_bytes, region.slot_page_size, region.page_aligned_only
-    kv = DeepSeekV4SingleKVPool(
-        size=DEVICE_TOKENS, page_size=PAGE // 4, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64,
-        layer_num=LAYERS, device="cpu", enable_memory_saver=False, global_page_size=PAGE,
-    )  # fmt: skip
+        if kind == "fp4_indexer" and not HAS_FP4_INDEXER:
+            pytest.skip("the fp4 indexer arrives in SGLang 0.5.21")
+        device = DeepSeekV4IndexerPool(**accepted(
+            DeepSeekV4IndexerPool, size=DEVICE_TOKENS, page_size=PAGE // 4, dtype=torch.uint8, index_head_dim=128,
+            layer_num=LAYERS, device="cpu", enable_memory_saver=False, use_fp4_indexer=kind == "fp4_indexer",
+            global_page_size=PAGE,
+        ))  # fmt: skip
+        return indexer_region(device)
+    kv = DeepSeekV4SingleKVPool(**accepted(
+        DeepSeekV4SingleKVPool, size=DEVICE_TOKENS, page_size=PAGE // 4, dtype=torch.float8_e4m3fn,
+        qk_nope_head_dim=448, qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        global_page_size=PAGE,
+    ))  # fmt: skip
     if kind == "c4_kv":
         buffers, item_bytes = hpa._dsv4_compressed_region_buffers(SimpleNamespace(c4_kv_pool=kv, _unified_kv=False), 4)
-        return "deepseek_v4_c4", buffers, item_bytes, PAGE, hpa._dsv4_page_aligned_only(kv)
+        aligned_only = hpa._dsv4_page_aligned_only(kv) if hasattr(hpa, "_dsv4_page_aligned_only") else False
+        return "deepseek_v4_c4", buffers, item_bytes, PAGE, aligned_only
     if kind == "hisparse_c4":  # as hisparse_coordinator builds it: compressed ids, C4 pages
         return "dsv4_hisparse_c4", kv.kv_buffer, kv.bytes_per_page_padded, kv.page_size, False
     raise ValueError(kind)
@@ -189,8 +237,8 @@ def make_pool(standins):
             slot_page_size=page_size, layout=layout, device="cpu", pin_memory=False, page_aligned_only=aligned_only,
         )  # fmt: skip
         args.update(overrides)
-        with host_memory_budget_scope(1 << 40):
-            pool = mph.DeepSeekV4PagedHostPool(**args)
+        with host_memory_budget_scope(1 << 40):  # page_aligned_only: 0.5.20+
+            pool = mph.DeepSeekV4PagedHostPool(**accepted(mph.DeepSeekV4PagedHostPool, **args))
         standins.add_pool(pool)
         return pool
 

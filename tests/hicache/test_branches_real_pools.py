@@ -15,7 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
-from .conftest import LAYERS, PAGE, SUPPORTED, UNSUPPORTED, device_row, page_indices
+import sglang.srt.mem_cache.memory_pool_host as mph
+
+from .conftest import HAS_BACKUP_TOKENS, LAYERS, PAGE, SUPPORTED, UNSUPPORTED, device_row, page_indices
 
 POOLS = ["fp8_indexer", "fp4_indexer", "c4_kv"]
 PAGE_OPS = {
@@ -67,6 +69,8 @@ def scenario(pool, io_backend):
         ("h2d", io_backend, 1, 10, lambda: pool.load_to_device_per_layer(None, few_host, few_dev, 0, io_backend)),
         ("d2h", io_backend, LAYERS, host.numel(), lambda: pool.backup_from_device_all_layer(None, host, dev, io_backend)),
     ]  # fmt: skip
+    if not HAS_BACKUP_TOKENS:  # backup_tokens_from_device_all_layer arrives in SGLang 0.5.23
+        del calls[4]
     for layer in range(LAYERS):
         calls.append(("h2d", io_backend, 1, host.numel(), lambda layer=layer: pool.load_to_device_per_layer(None, host, dev, layer, io_backend)))
     return calls, host, dev
@@ -115,8 +119,9 @@ def test_counters_equal_branches_taken(hicache, make_pool, standins, kind, layou
 
 
 def test_inner_token_call_of_a_backup_is_counted_once(hicache, make_pool, standins):
-    """backup_from_device_all_layer calls backup_tokens_from_device_all_layer on
-    unaligned input; both are wrapped, only the outer call counts."""
+    """From 0.5.23 backup_from_device_all_layer calls backup_tokens_from_device_all_layer
+    on unaligned input; both are wrapped, only the outer call counts (before 0.5.23
+    it calls the token kernel itself: one call, counted once)."""
     env = hicache()
     pool = make_pool("fp8_indexer")
     pool.backup_from_device_all_layer(None, torch.arange(10, 20), torch.arange(0, 10), "kernel")
@@ -127,17 +132,25 @@ def test_inner_token_call_of_a_backup_is_counted_once(hicache, make_pool, standi
                      layout="layer_first", branch="token_dsv4_mla") == 1  # fmt: skip
 
 
+@pytest.mark.skipif(not hasattr(mph.DeepSeekV4PagedHostPool, "backup_from_device_all_layer_physical"),
+                    reason="the *_physical entry points arrive in SGLang 0.5.21 (before, L2TransferEngine "
+                    "calls the wrapped methods itself)")
 def test_physical_entry_points_dispatch_through_the_wrappers(hicache, make_pool, standins):
     """L2TransferEngine calls the *_physical methods, which are not wrapped; each
     transfer is still counted exactly once through the wrapped methods."""
-    from sglang.srt.mem_cache.l2_transfer import L2Transfer, L2TransferEngine
+    import sglang.srt.mem_cache.l2_transfer as l2
 
     env = hicache()
     pool = make_pool("fp8_indexer")
-    engine = L2TransferEngine("kernel")
     host, dev = page_indices([0, 2]), page_indices([4, 5])
-    engine.submit_device_to_host([L2Transfer(pool, None, host, dev)])
-    engine.submit_host_to_device([L2Transfer(pool, None, host, dev)], transfer_layer_id_max=LAYERS)
+    if l2.device_module is torch.cpu:  # the engine runs on a CPU build (0.5.22+)
+        engine = l2.L2TransferEngine("kernel")
+        engine.submit_device_to_host([l2.L2Transfer(pool, None, host, dev)])
+        engine.submit_host_to_device([l2.L2Transfer(pool, None, host, dev)], transfer_layer_id_max=LAYERS)
+    else:  # 0.5.21: its streams need an accelerator; the calls its submits make, in their order
+        pool.backup_from_device_all_layer_physical(None, host, dev, "kernel")
+        for layer in range(LAYERS):
+            pool.load_to_device_per_layer_physical(None, host, dev, layer, "kernel", is_draft=False)
     labels = dict(pool=pool.pool_name, io_backend="kernel", layout="layer_first", branch="page")
     assert env.value("hicache_copies", direction="d2h", **labels) == 1
     assert env.value("hicache_copies", direction="h2d", **labels) == LAYERS

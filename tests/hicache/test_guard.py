@@ -15,7 +15,7 @@ import torch
 
 from dsv4_idxk_probe.hicache import GuardRefused
 
-from .conftest import LAYERS
+from .conftest import HAS_BACKUP_TOKENS, LAYERS
 
 C4_PAGE, C4_VALUE, C4_SCALE, C4_SCALE_AT = 37440, 576, 8, 36864
 
@@ -37,7 +37,7 @@ def changed_rows(before: torch.Tensor, after: torch.Tensor) -> set[int]:
 def test_token_path_on_fp8_indexer_writes_wrong_rows_and_is_counted(hicache, make_pool, standins, caplog):
     env = hicache(guard="observe")
     pool = make_pool("fp8_indexer")
-    assert pool.page_aligned_only is False  # what SGLang's own region helper decided
+    assert getattr(pool, "page_aligned_only", False) is False  # SGLang's region helper's choice (no flag before 0.5.20)
     host_tokens, device_tokens = list(range(10, 20)), list(range(0, 10))
     before = [pool.kv_buffer[l].clone() for l in range(LAYERS)]
     caplog.set_level(logging.ERROR, logger="dsv4_idxk_probe.test.hicache")
@@ -70,7 +70,8 @@ def test_full_token_ids_on_fp8_indexer_go_out_of_bounds(hicache, make_pool, stan
     assert standins.out_of_bounds, "the C4 geometry should address past the 8448-byte-row buffers"
 
 
-@pytest.mark.parametrize("direction", ["backup", "load", "backup_tokens"])
+@pytest.mark.parametrize("direction", ["backup", "load", pytest.param("backup_tokens", marks=pytest.mark.skipif(
+    not HAS_BACKUP_TOKENS, reason="backup_tokens_from_device_all_layer arrives in SGLang 0.5.23"))])
 def test_block_refuses_before_any_byte_is_written(hicache, make_pool, standins, direction):
     env = hicache(guard="block")
     pool = make_pool("fp8_indexer")
@@ -101,17 +102,24 @@ def test_block_leaves_page_copies_alone(hicache, make_pool, standins):
 
 
 def test_hisparse_c4_pool_is_the_kernels_own_geometry(hicache, make_pool, standins):
-    """The pool the token kernel was written for: copies land right, no guard."""
+    """The pool the token kernel was written for: copies land right, no guard.
+    HiSparse backs up through backup_tokens_from_device_all_layer from 0.5.23,
+    through backup_from_device_all_layer(..., io_backend="kernel") before."""
     env = hicache(guard="block")
     pool = make_pool("hisparse_c4")
     host, dev = [5, 70, 130], [3, 64, 200]
-    pool.backup_tokens_from_device_all_layer(torch.tensor(host), torch.tensor(dev))
+    if HAS_BACKUP_TOKENS:
+        pool.backup_tokens_from_device_all_layer(torch.tensor(host), torch.tensor(dev))
+        io_backend = "none"
+    else:
+        pool.backup_from_device_all_layer(None, torch.tensor(host), torch.tensor(dev), "kernel")
+        io_backend = "kernel"
     for l in range(LAYERS):
         flat_host, flat_dev = pool.kv_buffer[l].view(-1), pool.device_buffers[l].view(-1)
         for (dst, n), (src, _) in zip(c4_byte_ranges(host), c4_byte_ranges(dev)):
             assert torch.equal(flat_host[dst : dst + n], flat_dev[src : src + n])
     assert not standins.out_of_bounds
-    assert env.value("hicache_copies", pool="dsv4_hisparse_c4", direction="d2h", io_backend="none",
+    assert env.value("hicache_copies", pool="dsv4_hisparse_c4", direction="d2h", io_backend=io_backend,
                      layout="layer_first", branch="token_dsv4_mla") == 1  # fmt: skip
     assert env.value("hicache_guard", pool="dsv4_hisparse_c4", action="blocked") is None
 

@@ -1,10 +1,12 @@
-"""One prefill and one decode scheduler's worth of REAL SGLang 0.5.23 objects on CPU.
+"""One prefill and one decode scheduler's worth of REAL SGLang objects on CPU.
 
 Real: ``DeepSeekV4TokenToKVPool`` (with its ``DeepSeekV4IndexerPool``),
 ``PagedTokenToKVPoolAllocator``, ``ReqToTokenPool``, ``MetadataBuffers``, and
 the transfer's buffer list from ``get_contiguous_buf_infos``. Stand-ins
 (SimpleNamespace): the scheduler, the PD queues, KV manager and requests,
-which only carry the attributes the hooks and SGLang's own methods read.
+which only carry the attributes the hooks and SGLang's own methods read, shaped
+for the release under test (the release matrix puts 0.5.18-0.5.22 first on
+sys.path; tests/sglang_releases/).
 
 A room: the decode side already holds one page (the decode prefix), prefill
 sends the rest: two full pages and a partial tail page of 100 tokens (25
@@ -29,6 +31,8 @@ REQ_KV_NAMESPACE = RELEASE >= (0, 5, 19)
 HAS_EXTEND_END = RELEASE >= (0, 5, 22)
 #: `_send_kv_metadata` (0.5.21+); before, `pop_preallocated` publishes the pages inline.
 HAS_SEND_KV_METADATA = RELEASE >= (0, 5, 21)
+#: `_verify_kv_checksums` (0.5.21+), where enforce drops a room; before, enforce observes only.
+HAS_VERIFY_KV_CHECKSUMS = RELEASE >= (0, 5, 21)
 
 
 def c4_indexer(pool):
@@ -47,7 +51,7 @@ def req_kv(**fields) -> dict:
 PAGE = 256
 PREFIX_TOKENS = PAGE
 ROOM_TOKENS = 2 * PAGE + 100  # transferred tokens: 3 pages, the last one partial
-PREFILL_PAGES = [7, 2, 5, 9]  # prefix page first
+PREFILL_PAGES = [7, 2, 5, 4]  # prefix page first (0.5.18-0.5.21 size the C4 indexer with 9 pages)
 DECODE_PAGES = [3, 8, 1, 6]
 COMPRESSION_RATIOS = [0, 4, 128, 4, 128, 4]  # C4 layers: 1, 3, 5
 C4_LAYERS = [1, 3, 5]
@@ -75,7 +79,8 @@ def make_pool(seed: int):
 
 def kv_args_of(pool) -> SimpleNamespace:
     ptrs, lens, items = pool.get_contiguous_buf_infos()
-    return SimpleNamespace(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items)
+    # No state buffers: SGLang's send path then sends no state indices.
+    return SimpleNamespace(kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items, state_types=[])
 
 
 def token_locs(pages: list[int], n_tokens: int) -> torch.Tensor:
@@ -113,6 +118,8 @@ def make_side(seed: int, pages: list[int]) -> Side:
         req_to_token_pool=r2t,
         disagg_metadata_buffers=metadata,
         kv_checksum_computer=None,
+        enable_staging=False,  # read by SGLang's real send path
+        disagg_prefill_pending_chunk_rids=set(),
         disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=manager, gpu_id=0, token_to_kv_pool=pool),
         disagg_decode_prealloc_queue=SimpleNamespace(kv_manager=manager, token_to_kv_pool=pool),
     )

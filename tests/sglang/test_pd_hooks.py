@@ -1,8 +1,10 @@
-"""Prefill and decode hooks over real SGLang 0.5.23 objects on CPU.
+"""Prefill and decode hooks over real SGLang objects on CPU (0.5.23, and each
+older release in the release matrix, tests/sglang_releases/).
 
 The probe's wrappers are installed on SGLang's real classes from the shipped
-target table (wrapt route), and SGLang's own ``send_kv_chunk``,
-``CommonKVSender.send`` and ``_commit_transfer_to_req`` run on stand-in
+target table (wrapt route), and SGLang's own ``send_kv_chunk`` (with
+``_send_kv_chunk`` from 0.5.21), the NIXL sender's ``send``,
+``_send_kv_metadata`` (0.5.21+) and ``_commit_transfer_to_req`` run on stand-in
 scheduler/queue/request objects that hold real pools and MetadataBuffers
 (tests/sglang/pdworld.py). The transfer itself is simulated by copying the
 room's index-K rows and the metadata row, as the transfer engine would.
@@ -10,21 +12,25 @@ room's index-K rows and the metadata row, as the transfer engine would.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-import sglang.srt.disaggregation.common.conn as conn
+import sglang.srt.disaggregation.common.conn  # noqa: F401
 import sglang.srt.disaggregation.decode  # noqa: F401  (the table's modules, imported before patching)
-import sglang.srt.disaggregation.prefill  # noqa: F401
+import sglang.srt.disaggregation.mooncake.conn  # noqa: F401  (the senders the prefill flow runs)
+import sglang.srt.disaggregation.nixl.conn  # noqa: F401
+import sglang.srt.disaggregation.prefill as prefill_module
 import sglang.srt.managers.schedule_batch  # noqa: F401
 import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
 from dsv4_idxk_probe.pd import InbandDigest
 from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
-from dsv4_idxk_probe.sglang.accessors import extend_end, req_pool_idx
 from dsv4_idxk_probe.sglang.patcher import Patcher
 from dsv4_idxk_probe.sglang.targets import load_targets
 
@@ -59,62 +65,74 @@ def _patched(probe):
     patcher.unpatch()
 
 
+#: The backends whose real sender the prefill flow runs: (module, manager, sender).
+BACKENDS = {
+    "nixl": ("sglang.srt.disaggregation.nixl.conn", "NixlKVManager", "NixlKVSender"),
+    "mooncake": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "MooncakeKVSender"),
+}
+
+
 class TransferManager:
     """Stand-in KV manager: records what each send enqueues, and the metadata
-    row as it is when the aux data is enqueued (the last chunk)."""
+    row as it is when the aux data is enqueued (the last chunk). Each call is
+    bound to the real manager's `add_transfer_request` signature (the backend's,
+    in the release under test), so a call the real manager would refuse fails here."""
 
     kv_shard_size = 1
     enable_all_cp_ranks_for_transfer = False
     is_dummy_cp_rank = False
+    _dcp_pack_max_tokens = None  # 0.5.22+: no DCP relayout, so one segment per send
 
-    def __init__(self, metadata):
+    def __init__(self, metadata, manager_class):
         self.metadata = metadata
         self.aux_rows: list[np.ndarray] = []
+        self._signature = inspect.signature(manager_class.add_transfer_request)
 
     def prepare_send_state_indices(self, state_indices):
         return state_indices
 
-    def add_transfer_request(self, room, kv_indices, index_slice, is_last_chunk, *, aux_index=None, **_):
-        if is_last_chunk:
-            self.aux_rows.append(self.metadata.bootstrap_room[aux_index].numpy().copy())
+    def add_transfer_request(self, *args, **kwargs):
+        call = self._signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["is_last_chunk"]:
+            self.aux_rows.append(self.metadata.bootstrap_room[call.arguments["aux_index"]].numpy().copy())
 
 
-def real_sender(metadata, room: int, aux_index: int, num_pages: int):
-    """A real CommonKVSender without a transfer engine behind it."""
+def real_sender(metadata, room: int, aux_index: int, num_pages: int, backend: str = "nixl"):
+    """SGLang's real sender of `backend` without a transfer engine behind it. Before
+    0.5.23 each backend has its own `send` (CommonKVSender.send is empty); from
+    0.5.23 they go through CommonKVSender.send. The state is what any of them reads."""
+    from sglang.srt.observability.trace import TraceNullContext  # tracing off, as by default
+
+    module, manager, sender = BACKENDS[backend]
+    module = importlib.import_module(module)
     return pdworld.standin(
-        conn.CommonKVSender,
-        kv_mgr=TransferManager(metadata), bootstrap_room=room, aux_index=aux_index, conclude_state=None,
-        curr_idx=0, num_kv_indices=num_pages, _transfer_start_time=None, _early_send_wait_event=None,
-        _transfer_num_kv_indices=0, _transfer_num_state_indices=0,
-        trace_ctx=SimpleNamespace(copy_for_thread=lambda: None),
+        getattr(module, sender),
+        kv_mgr=TransferManager(metadata, getattr(module, manager)), bootstrap_room=room, aux_index=aux_index,
+        conclude_state=None, curr_idx=0, num_kv_indices=num_pages, _transfer_start_time=None,
+        _early_send_wait_event=None, _transfer_num_kv_indices=0, _transfer_num_state_indices=0,
+        _send_failed=False, chunk_id=0, has_sent=False, trace_ctx=TraceNullContext(),
     )
 
 
-def install_send_path(side: pdworld.Side, on_blocking_copy=lambda: None) -> None:
-    """The part of SGLang's `_send_kv_chunk` the probe relies on: set_buf, the
-    page list (on NIXL a blocking .cpu() on the current stream), sender.send."""
-    sched = side.scheduler
+def send_chunk(prefill: pdworld.Side, req, last_chunk=True, on_blocking_copy=lambda: None) -> None:
+    """SGLang's real `send_kv_chunk` (and `_send_kv_chunk` where the release splits it).
+    `on_blocking_copy` runs where NIXL's page list blocks on the stream
+    (`kv_to_page_indices`' .cpu()), before `sender.send`."""
+    real_page_indices = prefill_module.kv_to_page_indices
 
-    def _send_kv_chunk(req, last_chunk=False, end_idx=None):
-        if last_chunk:
-            sched.disagg_metadata_buffers.set_buf(req)
-        start = req.disagg_decode_prefix_len
-        end = min(extend_end(req), len(req.origin_input_ids))
-        tokens = side.allocator.translate_kv_indices_for_transfer(
-            side.req_to_token_pool.req_to_token[req_pool_idx(req), start:end]
-        )
-        page_indices = (tokens[:: pdworld.PAGE] // pdworld.PAGE).numpy().astype(np.int32)
+    def blocking_page_indices(kv_indices, page_size):
         on_blocking_copy()
-        req.disagg_kv_sender.send(page_indices, None, num_kv_tokens=end - start)
+        return real_page_indices(kv_indices, page_size)
 
-    sched._send_kv_chunk = _send_kv_chunk
+    with mock.patch.object(prefill_module, "kv_to_page_indices", blocking_page_indices):
+        prefill.scheduler.send_kv_chunk(req, last_chunk=last_chunk)
 
 
-def send_room(prefill: pdworld.Side, room: int = ROOM, **kwargs):
+def send_room(prefill: pdworld.Side, room: int = ROOM, backend: str = "nixl", **kwargs):
     req = pdworld.prefill_req(room, PREFILL_ROW)
-    req.disagg_kv_sender = real_sender(prefill.metadata, room, PREFILL_ROW, num_pages=3)
-    install_send_path(prefill, **kwargs)
-    prefill.scheduler.send_kv_chunk(req, last_chunk=True)
+    req.disagg_kv_sender = real_sender(prefill.metadata, room, PREFILL_ROW, num_pages=3, backend=backend)
+    send_chunk(prefill, req, **kwargs)
     return req
 
 
@@ -149,8 +167,7 @@ def test_prefill_clears_stale_slots_for_skipped_rooms(worlds, patched):
     req = pdworld.prefill_req(ROOM, PREFILL_ROW)
     req.rid = "HEALTH_CHECK_123"
     req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=3)
-    install_send_path(prefill)
-    prefill.scheduler.send_kv_chunk(req, last_chunk=True)
+    send_chunk(prefill, req)
     (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
     assert row[1:6].tolist() == [0, 0, 0, 0, 0]
 
@@ -160,8 +177,7 @@ def test_non_last_chunk_is_not_digested(worlds, patched):
     runtime, sink, _ = patched
     req = pdworld.prefill_req(ROOM, PREFILL_ROW)
     req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=6)  # more to come
-    install_send_path(prefill)
-    prefill.scheduler.send_kv_chunk(req, last_chunk=False)
+    send_chunk(prefill, req, last_chunk=False)
     assert req.disagg_kv_sender.kv_mgr.aux_rows == []
     assert runtime.sides.get("prefill") is None or runtime.sides["prefill"].monitor.recent.get(f"{ROOM}/0") is None
 
@@ -208,9 +224,16 @@ def _slow_digests(monkeypatch, runtime, prefill):
     return made
 
 
-def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monkeypatch):
-    """NIXL: `_send_kv_chunk` blocks on the stream before sender.send; the hook on
-    send then finds the digest ready and writes it, without a wait of its own."""
+@pytest.mark.parametrize("backend", [
+    "nixl",
+    pytest.param("mooncake", marks=pytest.mark.skipif(
+        pdworld.RELEASE >= (0, 5, 23), reason="from 0.5.23 Mooncake's page list is a pinned async copy, "
+        "never a blocking one (the no-blocking-copy tests below)")),
+])
+def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monkeypatch, backend):
+    """NIXL (and Mooncake before 0.5.23): the send path blocks on the stream before
+    sender.send; the hook in the backend's send then finds the digest ready and
+    writes it, without a wait of its own."""
     prefill, _ = worlds
     runtime, sink, _ = patched
     made = _slow_digests(monkeypatch, runtime, prefill)
@@ -218,7 +241,7 @@ def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monke
     def blocking_copy():
         made[0].passed = True
 
-    req = send_room(prefill, on_blocking_copy=blocking_copy)
+    req = send_room(prefill, backend=backend, on_blocking_copy=blocking_copy)
     (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
     assert made[0].waited == 0
     assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
@@ -360,6 +383,8 @@ def test_the_hooks_journal_the_rooms_pages_and_a_zeroed_page_is_diagnosed(worlds
     page = pdworld.DECODE_PAGES[2]  # logical page 1
     assert [(e["event"], e["room"]) for e in runtime.journal.events_for(page)] == [
         ("allocated", room), ("transfer_landed", room)]
+    if not pdworld.HAS_SEND_KV_METADATA:  # journalled after pop_preallocated: too late for a snapshot
+        assert runtime.sides["decode"].monitor.diagnosis.index.before_content(room) is None
     decode.index_k[0][page].zero_()
     step = pd_decode.make_decode_step_wrapper(runtime)
     batch = SimpleNamespace(reqs=[dreq.req])
@@ -420,6 +445,8 @@ def test_room_aborted_by_commit_is_skipped(worlds, patched):
     assert (record["verdict"], record["reason"]) == ("skipped", "aborted")
 
 
+@pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
+                    reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
 def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
     runtime, sink, _ = make_runtime(mode="enforce")
     patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")

@@ -38,20 +38,25 @@ def test_the_installed_release_gets_its_own_entries_and_all_resolve():
     assert all(resolve(t).ok for t in selection.targets), [(t.name, resolve(t).detail) for t in selection.targets]
 
 
-@pytest.mark.parametrize("release, has, lacks, sender_params", [
-    ("0.5.18", {"pd.preallocated"}, {"pd.send_kv_metadata", "pd.verify_kv_checksums", "hicache.backup_tokens"}, 4),
-    ("0.5.20", {"pd.preallocated"}, {"pd.send_kv_metadata", "pd.verify_kv_checksums", "hicache.backup_tokens"}, 4),
-    ("0.5.21", {"pd.send_kv_metadata", "pd.verify_kv_checksums"}, {"pd.preallocated", "hicache.backup_tokens"}, 4),
-    ("0.5.22", {"pd.send_kv_metadata", "pd.verify_kv_checksums"}, {"pd.preallocated", "hicache.backup_tokens"}, 4),
-    ("0.5.23", {"pd.send_kv_metadata", "hicache.backup_tokens"}, {"pd.preallocated"}, 5),
+#: Before 0.5.23 every backend's own `send` starts with `_prepare_send_indices`
+#: (CommonKVSender.send is empty there); from 0.5.23 they all go through CommonKVSender.send.
+OLD_SENDER = ("CommonKVSender._prepare_send_indices", 3)
+
+
+@pytest.mark.parametrize("release, has, lacks, sender", [
+    ("0.5.18", {"pd.preallocated"}, {"pd.send_kv_metadata", "pd.verify_kv_checksums", "hicache.backup_tokens"}, OLD_SENDER),
+    ("0.5.20", {"pd.preallocated"}, {"pd.send_kv_metadata", "pd.verify_kv_checksums", "hicache.backup_tokens"}, OLD_SENDER),
+    ("0.5.21", {"pd.send_kv_metadata", "pd.verify_kv_checksums"}, {"pd.preallocated", "hicache.backup_tokens"}, OLD_SENDER),
+    ("0.5.22", {"pd.send_kv_metadata", "pd.verify_kv_checksums"}, {"pd.preallocated", "hicache.backup_tokens"}, OLD_SENDER),
+    ("0.5.23", {"pd.send_kv_metadata", "hicache.backup_tokens"}, {"pd.preallocated"}, ("CommonKVSender.send", 5)),
 ])
-def test_each_release_table_chooses_its_hook_points(release, has, lacks, sender_params):
+def test_each_release_table_chooses_its_hook_points(release, has, lacks, sender):
     for name in (f"sglang@{release}", f"sglang-{release}"):
         selection = select_table(name)
         names = {t.name for t in selection.targets}
         assert has <= names and not (lacks & names), (release, names)
-        (sender,) = [t for t in selection.targets if t.name == "pd.sender_send"]
-        assert len(sender.params) == sender_params
+        (send,) = [t for t in selection.targets if t.name == "pd.sender_send"]
+        assert (send.qualname, len(send.params)) == sender
         absent = {t.name for t in selection.absent}
         assert lacks <= absent and all(t.cost for t in selection.absent if t.name in lacks)
     fork = {t.name for t in select_table(f"fork-prefill2-decode2@{release}").targets}

@@ -37,11 +37,19 @@ RELEASES = [r for r in _listed() if r != installed_sglang()]
 
 #: Tests of the SGLang-facing code that run on every release: `check`, table
 #: choice, resolution and signatures, the fork layout, index-K geometry of the
-#: real pools, the decode commit and slot handling on real classes.
-#: Not yet on the older releases: tests/sglang/test_pd_hooks.py (the prefill flow
-#: through SGLang's real `send_kv_chunk` / `CommonKVSender.send` needs stand-ins
-#: shaped per release) and tests/hicache/ (fixtures build 0.5.23's host pools).
-SUBSET = ["tests/sglang/test_targets.py", "tests/sglang/test_releases.py", "tests/sglang/test_index_k.py"]
+#: real pools, the decode commit and slot handling on real classes, the PD hook
+#: flow through SGLang's real send path (`send_kv_chunk` / `_send_kv_chunk`, the
+#: NIXL and Mooncake senders), `_send_kv_metadata` (0.5.21+) and commit, and the
+#: HiCache host-pool hooks on each release's own DeepSeekV4PagedHostPool.
+#: A test skips on an older release only where that release lacks the behaviour,
+#: with the reason: no pre-transfer snapshot, host-receive or `_verify_kv_checksums`
+#: before 0.5.21; no fp4 indexer or `*_physical` entry points before 0.5.21; no
+#: `backup_tokens_from_device_all_layer` before 0.5.23. Not here: the rest of
+#: tests/sglang/ (the patcher on a fixture module, the enforce all-reduce over
+#: gloo, the decode tracking bound: none runs a release's PD or pool classes) and
+#: tests/sglang_rig/ (real servers, 0.5.23 only).
+SUBSET = ["tests/sglang/test_targets.py", "tests/sglang/test_releases.py", "tests/sglang/test_index_k.py",
+          "tests/sglang/test_pd_hooks.py", "tests/hicache"]
 
 
 def _env(release_dir: Path) -> dict:
