@@ -216,8 +216,8 @@ class VectorServer:
             if len(self._conns) >= self.max_connections or self.pending >= self.max_pending:
                 victim = min((c for c in self._conns.values() if not c.authed), key=lambda c: c.born, default=None)
                 if victim is None:
+                    self._refuse("connections")  # counted first: the peer may look as soon as it is closed
                     sock.close()
-                    self._refuse("connections")
                     continue
                 self._close(victim, "evicted_unauthenticated")
             self._open(sock)
