@@ -45,7 +45,9 @@ class ExchangeConfig:
     fetch_always: bool = False
     table_size: int = 4096
     max_request_bytes: int = 4096
-    backoff_s: float = 5.0
+    backoff_s: float = 5.0  # the longest a peer that keeps failing is skipped
+    backoff_initial_s: float = 0.25  # after its first failure; doubled with each further one in a row
+    retry_s: float = 1.0  # decode's collector asks again, after the backoff, for this long (0: never)
     secret_file: str | None = None  # shared by prefill and decode; none: the server stays on loopback
     max_connections: int = 64  # per prefill server; 16 of them may be unauthenticated at once
     idle_s: float = 60.0  # an authenticated peer silent this long is dropped (it reconnects when it asks)
@@ -156,10 +158,10 @@ def _choice(*allowed):
     return check
 
 
-def _seconds(maximum):
+def _seconds(maximum, zero_ok=False):
     def check(source, where, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"{source}: {where} must be a number > 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
+            raise ConfigError(f"{source}: {where} must be a number {'>=' if zero_ok else '>'} 0, got {value!r}")
         if not math.isfinite(value) or value > maximum:
             raise ConfigError(f"{source}: {where} must be a number of seconds <= {maximum}, got {value!r}")
         return float(value)
@@ -177,6 +179,8 @@ _CHECKS = {
         "table_size": _bounded(1, 1_000_000),
         "max_request_bytes": _bounded(64, 1 << 20),
         "backoff_s": _seconds(3600),
+        "backoff_initial_s": _seconds(3600),
+        "retry_s": _seconds(60, zero_ok=True),
         "secret_file": _optional_str,
         "max_connections": _bounded(1, 4096),
         "idle_s": _seconds(86_400),

@@ -2,10 +2,17 @@
 
 One TCP connection per peer, authenticated once (`auth`) and reused. A
 request not answered in `timeout_ms` closes that connection (so a late answer
-is never mistaken for a later request's) and marks the peer down for
-`backoff_s`: further requests to it return None at once. A peer that closed
-an idle connection is asked again on a fresh one. Every failure is counted
-in ``exchange_errors_total{kind}``; `fetch` never raises.
+is never mistaken for a later request's) and marks the peer down: requests to
+it return None at once until then. The first failure marks it down for
+`backoff_initial_s`, each further one in a row for twice as long, up to
+`backoff_s`; any answer resets it (one slow answer from a busy prefill rank
+costs a quarter of a second, not five). A peer that failed authentication is
+left alone for `backoff_s` at once. `fetch(..., retry_s=...)` waits out a
+short backoff and asks again, while `retry_s` from its first try allows it
+and the peer has not failed 3 times in a row (decode's collector does, for
+the rooms it must localise; never the scheduler thread). A peer that closed an idle connection is asked again on a
+fresh one. Every failure is counted in ``exchange_errors_total{kind}``;
+`fetch` never raises.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from .protocol import ExchangeError, decode_response, encode_request
 log = logging.getLogger("dsv4_idxk_probe.exchange")
 
 Endpoint = tuple[str, int]
+RETRIED = frozenset(("timeout", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
+WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer waited for
 
 
 class _Deadline(Exception):
@@ -51,6 +60,7 @@ class VectorClient:
         *,
         timeout_ms: int = 200,
         backoff_s: float = 5.0,
+        backoff_initial_s: float = 0.25,
         metrics: Any = None,
         max_response_bytes: int = 16 << 20,
         secret: bytes | None = None,
@@ -58,6 +68,7 @@ class VectorClient:
     ):
         self.timeout_ms = int(timeout_ms)
         self.backoff_s = float(backoff_s)
+        self.backoff_initial_s = min(float(backoff_initial_s), self.backoff_s)
         self.metrics = metrics
         self.max_response_bytes = int(max_response_bytes)
         self._secret_error: str | None = None
@@ -70,63 +81,104 @@ class VectorClient:
         self.secret = secret or b""
         self._sessions: dict[Endpoint, _Session] = {}
         self._down_until: dict[Endpoint, float] = {}
+        self._strikes: dict[Endpoint, int] = {}  # failures in a row per peer (the backoff doubles with each)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._warned_auth: set[Endpoint] = set()
         self._reused = False
         self.failures: dict[str, int] = {}
 
-    def fetch(self, endpoint: Endpoint | None, key: str) -> RoomDigest | None:
-        """The peer's digest of room `key`, or None (unknown peer or room, timeout, bad answer)."""
-        try:
-            return self._fetch(endpoint, key)
-        except Exception:  # the docstring's promise: a bug here costs one room's localisation
-            log.debug("exchange fetch of %s failed", key, exc_info=True)
-            self._fail("internal")
-            return None
+    def fetch(self, endpoint: Endpoint | None, key: str, *, retry_s: float = 0.0) -> RoomDigest | None:
+        """The peer's digest of room `key`, or None (unknown peer or room, timeout, bad answer).
 
-    def _fetch(self, endpoint: Endpoint | None, key: str) -> RoomDigest | None:
+        `retry_s` > 0: after a timeout or a skipped peer, wait for the peer's backoff to
+        end and ask again, as long as that is within `retry_s` of the first try and the
+        peer has not failed `WAITED_STRIKES` times in a row (a dead peer is waited for
+        once, not per room); after "no such room", ask once more `backoff_initial_s`
+        later (prefill may not have published it yet)."""
+        give_up = time.monotonic() + max(0.0, float(retry_s))
+        asked_again_for_room = False
+        while True:
+            try:
+                digest, failure = self._fetch(endpoint, key)
+            except Exception:  # the docstring's promise: a bug here costs one room's localisation
+                log.debug("exchange fetch of %s failed", key, exc_info=True)
+                self._fail("internal")
+                return None
+            if digest is not None or failure not in RETRIED:
+                return digest
+            if failure == "not_found":
+                if asked_again_for_room:
+                    return None
+                asked_again_for_room, wait = True, self.backoff_initial_s
+            elif self._strikes_of(endpoint) >= WAITED_STRIKES:
+                return None
+            else:
+                wait = self.backoff_left(endpoint)
+            if time.monotonic() + wait > give_up:
+                return None
+            time.sleep(wait)
+
+    def _strikes_of(self, endpoint: Endpoint | None) -> int:
+        with self._lock:
+            return self._strikes.get((str(endpoint[0]), int(endpoint[1])), 0) if endpoint else 0
+
+    def backoff_left(self, endpoint: Endpoint | None) -> float:
+        """Seconds until the peer is asked again (0: now)."""
         if endpoint is None:
-            self._fail("no_endpoint")
-            return None
+            return 0.0
+        with self._lock:
+            until = self._down_until.get((str(endpoint[0]), int(endpoint[1])), 0.0)
+        return max(0.0, until - time.monotonic())
+
+    def _fetch(self, endpoint: Endpoint | None, key: str) -> tuple[RoomDigest | None, str | None]:
+        """(digest, None) on an answer, else (None, the failure counted)."""
+        if endpoint is None:
+            return None, self._fail("no_endpoint")
         if self._secret_error is not None:
-            self._fail("auth")
-            return None
+            return None, self._fail("auth")
         endpoint = (str(endpoint[0]), int(endpoint[1]))
         with self._lock:
             if self._down_until.get(endpoint, 0.0) > time.monotonic():
-                self._fail("peer_down")
-                return None
+                return None, self._fail("peer_down")
             deadline = time.monotonic() + self.timeout_ms / 1000.0
             try:
                 try:
-                    return self._request(endpoint, key, deadline)
+                    answer = self._request(endpoint, key, deadline)
                 except (_Closed, ConnectionError):
                     if not self._reused:
                         raise
                     self._drop(endpoint)  # the peer dropped an idle connection: once more, on a new one
-                    return self._request(endpoint, key, deadline)
+                    answer = self._request(endpoint, key, deadline)
+                self._strikes.pop(endpoint, None)  # it answered: the next failure starts the backoff afresh
+                return (answer, None) if answer is not None else (None, self._fail("not_found"))
             except (_Deadline, _Closed, ConnectionError, socket.timeout):
                 # Refused, reset or silent: the peer did not answer in time.
                 self._drop(endpoint)
-                self._down_until[endpoint] = time.monotonic() + self.backoff_s
-                self._fail("timeout")
+                self._mark_down(endpoint)
+                return None, self._fail("timeout")
             except _Refused as exc:
                 self._drop(endpoint)
-                self._down_until[endpoint] = time.monotonic() + self.backoff_s
+                self._mark_down(endpoint, at_once=True)
                 if endpoint not in self._warned_auth:
                     self._warned_auth.add(endpoint)
                     log.warning("dsv4-idxk-probe exchange peer %s:%d: %s", *endpoint, exc)
-                self._fail("auth")
+                return None, self._fail("auth")
             except ExchangeError as exc:
                 log.debug("exchange answer from %s: %s", endpoint, exc)
                 self._drop(endpoint)
-                self._fail("protocol")
+                return None, self._fail("protocol")
             except OSError:
                 log.debug("exchange request to %s failed", endpoint, exc_info=True)
                 self._drop(endpoint)
-                self._fail("transport")
-            return None
+                return None, self._fail("transport")
+
+    def _mark_down(self, endpoint: Endpoint, at_once: bool = False) -> None:
+        """Skip the peer for a while: `backoff_initial_s`, doubled with each failure in a
+        row, at most `backoff_s` (at once for one that refused our credentials)."""
+        strikes = self._strikes[endpoint] = self._strikes.get(endpoint, 0) + 1
+        delay = self.backoff_s if at_once else min(self.backoff_s, self.backoff_initial_s * 2.0 ** min(strikes - 1, 30))
+        self._down_until[endpoint] = time.monotonic() + delay
 
     def _request(self, endpoint: Endpoint, key: str, deadline: float) -> RoomDigest | None:
         session = self._sessions.get(endpoint)
@@ -145,9 +197,7 @@ class VectorClient:
         answer_id, digest = decode_response(payload)
         if answer_id != request_id:
             raise ExchangeError(f"answer to request {answer_id}, expected {request_id}")
-        if digest is None:
-            self._fail("not_found")
-        elif digest.key != key:
+        if digest is not None and digest.key != key:
             raise ExchangeError(f"answer for room {digest.key!r}, asked for {key!r}")
         return digest
 
@@ -177,13 +227,14 @@ class VectorClient:
         if session is not None:
             session.sock.close()
 
-    def _fail(self, kind: str) -> None:
+    def _fail(self, kind: str) -> str:
         self.failures[kind] = self.failures.get(kind, 0) + 1
         if self.metrics is not None:
             try:
                 self.metrics.exchange_errors.labels(kind=kind).inc()
             except Exception:
                 pass
+        return kind
 
     def close(self) -> None:
         with self._lock:

@@ -27,6 +27,10 @@ from .records import room_record
 from .rooms import RoomId
 
 Emit = Callable[[dict], Any]
+# A room whose prefill vectors could not be fetched (prefill busy, not yet published) asks
+# again at its next digests, this many times in all: one slow answer must not cost a room its
+# localisation for life, nor a dead peer a fetch per digest.
+MAX_FETCHES_PER_ROOM = 3
 FetchVectors = Callable[[str], "RoomDigest | None"]
 
 
@@ -37,7 +41,7 @@ class _Room:
     n_tokens: int
     inband: InbandDigest | None
     expected: RoomDigest | None = None  # full prefill digest, once fetched
-    fetch_failed: bool = False
+    fetches: int = 0  # fetches of it that failed (each later digest of the room may try again)
     first_divergence: str | None = None
     finished: bool = False
     retired: str | None = None  # why the room stopped being tracked (retraction, abort)
@@ -291,9 +295,9 @@ class DecodeMonitor:
         if inband is not None and inband.n_tokens != digest.n_tokens:
             return "not_comparable", f"prefill digested {inband.n_tokens} tokens, decode {digest.n_tokens}", None
         need_vectors = self.fetch_always or inband is None or inband.room_digest != digest.room
-        if need_vectors and state.expected is None and not state.fetch_failed:
+        if need_vectors and state.expected is None and state.fetches < MAX_FETCHES_PER_ROOM:
             state.expected = self._fetch(state.room)
-            state.fetch_failed = state.expected is None
+            state.fetches += state.expected is None
         if state.expected is not None:
             comparison = compare(state.expected, digest)
             return comparison.verdict, comparison.reason, comparison

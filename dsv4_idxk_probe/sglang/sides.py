@@ -91,17 +91,19 @@ class DecodeSide(_Side):
             from ..exchange import VectorClient
 
             self.client = VectorClient(
-                timeout_ms=config.exchange.timeout_ms, backoff_s=config.exchange.backoff_s, metrics=runtime.metrics,
+                timeout_ms=config.exchange.timeout_ms, backoff_s=config.exchange.backoff_s,
+                backoff_initial_s=config.exchange.backoff_initial_s, metrics=runtime.metrics,
                 secret_file=config.exchange.secret_file,
             )
         self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._peers_cap = config.exchange.table_size
+        self._retry_s = config.exchange.retry_s
         self.batches = 0  # decode batches seen: `decode_step` runs every step_interval of them
         self.enforce_agreed = True  # enforce: every attention-TP rank runs an active probe (pd_decode)
         self._lock = threading.Lock()
         self.monitor = DecodeMonitor(
             self.engine, runtime.emit, runtime.metrics,
-            fetch_vectors=self.fetch if self.client is not None else None,
+            fetch_vectors=self.fetch_to_localise if self.client is not None else None,
             fetch_always=config.exchange.fetch_always,
             step_interval=config.step_interval,
             max_rooms=config.exchange.table_size,
@@ -118,10 +120,14 @@ class DecodeSide(_Side):
             while len(self._peers) > self._peers_cap:
                 self._peers.popitem(last=False)
 
-    def fetch(self, key: str):
+    def fetch(self, key: str, retry_s: float = 0.0):
         with self._lock:
             endpoint = self._peers.get(key)
-        return self.client.fetch(endpoint, key)
+        return self.client.fetch(endpoint, key, retry_s=retry_s)
+
+    def fetch_to_localise(self, key: str):
+        """The monitor's fetch, on the collector thread: it may wait out a short backoff."""
+        return self.fetch(key, self._retry_s)
 
     def close(self) -> None:
         self.engine.close()

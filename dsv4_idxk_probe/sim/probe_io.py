@@ -69,8 +69,10 @@ class VectorFetcher:
 
     def __init__(self, config: ProbeConfig, metrics, override: tuple[str, int] | None = None):
         ex = config.exchange
-        self.client = VectorClient(timeout_ms=ex.timeout_ms, backoff_s=ex.backoff_s, metrics=metrics,
+        self.client = VectorClient(timeout_ms=ex.timeout_ms, backoff_s=ex.backoff_s,
+                                   backoff_initial_s=ex.backoff_initial_s, metrics=metrics,
                                    secret_file=ex.secret_file) if ex.enabled else None
+        self.retry_s = ex.retry_s
         self.override = override
         self.endpoints: dict[str, tuple[str, int]] = {}
 
@@ -82,7 +84,7 @@ class VectorFetcher:
     def __call__(self, key: str) -> RoomDigest | None:
         if self.client is None:
             return None
-        return self.client.fetch(self.override or self.endpoints.get(key), key)
+        return self.client.fetch(self.override or self.endpoints.get(key), key, retry_s=self.retry_s)
 
     def close(self) -> None:
         if self.client is not None:

@@ -187,6 +187,9 @@ def test_a_non_utf8_config_names_the_file(tmp_path):
     ("hicache: {1: a, guard: block}\n", "probe.yaml: hicache keys must be strings, got 1"),
     ("exchange: {backoff_s: .inf}\n", "probe.yaml: exchange.backoff_s must be a number of seconds <= 3600, got inf"),
     ("exchange: {backoff_s: .nan}\n", "probe.yaml: exchange.backoff_s must be a number > 0, got nan"),
+    ("exchange: {backoff_initial_s: 0}\n", "probe.yaml: exchange.backoff_initial_s must be a number > 0, got 0"),
+    ("exchange: {retry_s: -1}\n", "probe.yaml: exchange.retry_s must be a number >= 0, got -1"),
+    ("exchange: {retry_s: 61}\n", "probe.yaml: exchange.retry_s must be a number of seconds <= 60, got 61"),
     ("roomlog: {queue_size: 1e12}\n", "probe.yaml: roomlog.queue_size must be an integer >= 1, got '1e12'"),
     ("roomlog: {queue_size: 1000000000000}\n", "roomlog.queue_size must be an integer <= 1_000_000, got 1_000_000_000_000"),
     ("exchange: {table_size: 1e11}\n", "probe.yaml: exchange.table_size must be an integer >= 1, got '1e11'"),
@@ -224,3 +227,8 @@ def test_secret_file_from_config_or_environment(tmp_path):
 
 def test_metrics_exporter_defaults_to_loopback():
     assert parse_config(None).metrics.addr == "127.0.0.1"
+
+
+def test_retry_s_zero_means_one_try_and_is_accepted():
+    config = parse_config({"exchange": {"retry_s": 0, "backoff_initial_s": 0.5}}, "probe.yaml")
+    assert (config.exchange.retry_s, config.exchange.backoff_initial_s) == (0.0, 0.5)

@@ -105,6 +105,104 @@ def test_slow_peer_then_recovers_with_a_new_connection(client, table):
         srv.close()
 
 
+def test_the_backoff_doubles_with_each_failure_in_a_row_up_to_backoff_s_and_an_answer_resets_it(table):
+    c = VectorClient(timeout_ms=200, backoff_s=0.5, backoff_initial_s=0.2)
+    dead = ("127.0.0.1", _free_port())
+    lefts = []
+    for _ in range(3):
+        time.sleep(c.backoff_left(dead) + 0.01)
+        assert c.fetch(dead, "7/0") is None
+        lefts.append(c.backoff_left(dead))
+    assert 0.15 < lefts[0] <= 0.2 and 0.35 < lefts[1] <= 0.4 and 0.45 < lefts[2] <= 0.5, lefts
+    assert c.failures == {"timeout": 3}
+
+    slow = {"on": True}
+
+    def lookup(key):
+        if slow["on"]:
+            time.sleep(0.4)
+        return table.get(key)
+
+    srv = VectorServer(lookup, bind="127.0.0.1", max_request_bytes=256)
+    srv.start()
+    try:
+        assert c.fetch(srv.endpoint, "7/0") is None  # one timeout: a short skip
+        assert 0.15 < c.backoff_left(srv.endpoint) <= 0.2
+        slow["on"] = False
+        time.sleep(0.45)
+        assert c.fetch(srv.endpoint, "7/0") is not None  # it answered: the count starts afresh
+        slow["on"] = True
+        assert c.fetch(srv.endpoint, "8/0") is None
+        assert 0.15 < c.backoff_left(srv.endpoint) <= 0.2
+    finally:
+        srv.close()
+        c.close()
+
+
+def test_retry_s_waits_out_a_short_backoff_and_gets_the_late_answer(table):
+    calls = []
+
+    def busy_once(key):  # a prefill rank busy for a moment, as a 2-core machine makes it
+        calls.append(key)
+        if len(calls) == 1:
+            time.sleep(0.5)
+        return table.get(key)
+
+    srv = VectorServer(busy_once, bind="127.0.0.1", max_request_bytes=256)
+    srv.start()
+    patient = VectorClient(timeout_ms=200, backoff_s=5.0, backoff_initial_s=0.5)
+    hasty = VectorClient(timeout_ms=200, backoff_s=5.0, backoff_initial_s=0.5)
+    try:
+        got = patient.fetch(srv.endpoint, "7/0", retry_s=3.0)
+        assert got is not None and got.key == "7/0"
+        assert patient.failures == {"timeout": 1}
+        calls.clear()
+        assert hasty.fetch(srv.endpoint, "7/0") is None  # retry_s 0: one try
+        assert hasty.failures == {"timeout": 1}
+    finally:
+        srv.close()
+        patient.close()
+        hasty.close()
+
+
+def test_retry_s_asks_again_for_a_room_prefill_has_not_published_yet(server, table):
+    c = VectorClient(timeout_ms=300, backoff_initial_s=0.2)
+    threading.Timer(0.1, lambda: table.__setitem__("9/0", digest("9/0", 9))).start()
+    try:
+        got = c.fetch(server.endpoint, "9/0", retry_s=2.0)
+        assert got is not None and got.key == "9/0"
+        assert c.failures == {"not_found": 1}
+    finally:
+        c.close()
+
+
+def test_retry_s_gives_up_when_the_next_try_would_come_after_it():
+    c = VectorClient(timeout_ms=200, backoff_s=5.0, backoff_initial_s=0.2)
+    dead = ("127.0.0.1", _free_port())
+    started = time.monotonic()
+    assert c.fetch(dead, "7/0", retry_s=0.5) is None  # fails, waits 0.2 s, fails; the next skip is 0.4 s
+    took = time.monotonic() - started
+    assert c.failures == {"timeout": 2}
+    assert 0.2 <= took < 0.5
+    assert c.fetch(dead, "7/0", retry_s=0.1) is None and c.failures["peer_down"] == 1  # skipped, no wait
+    c.close()
+
+
+def test_a_dead_peer_is_waited_for_once_and_an_unknown_room_asked_for_once_more(server):
+    c = VectorClient(timeout_ms=200, backoff_s=5.0, backoff_initial_s=0.1)
+    dead = ("127.0.0.1", _free_port())
+    started = time.monotonic()
+    assert c.fetch(dead, "7/0", retry_s=10.0) is None  # 3 tries, 0.1 + 0.2 s apart, then it stops waiting
+    assert c.failures == {"timeout": 3} and time.monotonic() - started < 2.0
+    started = time.monotonic()
+    assert c.fetch(dead, "7/0", retry_s=10.0) is None  # the next room: no wait at all
+    assert c.failures == {"timeout": 3, "peer_down": 1} and time.monotonic() - started < 0.05
+    started = time.monotonic()
+    assert c.fetch(server.endpoint, "404/0", retry_s=10.0) is None  # prefill has no such room
+    assert c.failures["not_found"] == 2 and time.monotonic() - started < 2.0
+    c.close()
+
+
 def test_oversized_and_malformed_requests_are_refused_and_serving_goes_on(server, client):
     assert raw_request(server.endpoint, b"x" * 4096) is None  # over max_request_bytes: closed before it is read
     answer = raw_request(server.endpoint, b'{"v": 1, "id": 3, "key": 5}')

@@ -16,6 +16,7 @@ from recordsink import Sink
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
+from dsv4_idxk_probe.pd import decode as decode_module
 
 BASE = process_labels(role="decode")  # the process labels of a decode monitor outside SGLang
 LAYER_IDS = [0, 2, 4]
@@ -126,6 +127,41 @@ def test_failing_exchange_is_counted_and_room_unverified(pair):
     assert registry.get_sample_value(
         "dsv4_idxk_probe_exchange_errors_total", {**BASE, "kind": "fetch"}
     ) == 1.0
+
+
+def test_a_room_whose_fetch_failed_asks_again_at_its_next_digests_a_bounded_number_of_times(pair):
+    # one slow answer from prefill must not cost the room its localisation for life
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    room = RoomId(12)
+    src, dst = [1, 3], [5, 6]
+    _copy_room(pre_bufs, src, dec_bufs, dst)
+    inband = _send(prefill, pre_sink, room, src, 2 * 256)
+    dec_bufs[0][dst[1], 3] ^= 0x01  # layer id 0, logical page 1, payload: differs at receipt
+    asked = []
+
+    def first_fails(key):
+        asked.append(key)
+        return None if len(asked) == 1 else prefill.lookup(key)
+
+    decode.fetch_vectors = first_fails
+    decode.room_received(room, dst, 2 * 256, inband)
+    first = dec_sink.wait_for(1)[0]
+    assert (first["verdict"], first["localisation"]) == ("mismatch", None)
+    decode.batch_done([], [(room, 10)])
+    second = dec_sink.wait_for(2)[1]
+    assert second["verdict"] == "mismatch" and second["localisation"]["pages"] == [1]
+    assert len(asked) == 2
+
+    dead = RoomId(13)
+    _copy_room(pre_bufs, src, dec_bufs, [7, 8])
+    decode.fetch_vectors = lambda key: asked.append(key)  # a peer that never answers
+    asked.clear()
+    decode.room_received(dead, [7, 8], 2 * 256, None)
+    for step in range(5):
+        decode.batch_done([], [(dead, 10 * (step + 1))])
+    records = dec_sink.wait_for(2 + 6)[2:]
+    assert [r["verdict"] for r in records] == ["unverified"] * 6
+    assert asked == [dead.key] * decode_module.MAX_FETCHES_PER_ROOM
 
 
 def test_signature_difference_is_not_comparable(pair):

@@ -29,6 +29,7 @@ import sglang.srt.disaggregation.nixl.conn  # noqa: F401
 import sglang.srt.disaggregation.prefill as prefill_module
 import sglang.srt.managers.schedule_batch  # noqa: F401
 import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
+from dsv4_idxk_probe.exchange.client import WAITED_STRIKES
 from dsv4_idxk_probe.pd import InbandDigest
 from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
 from dsv4_idxk_probe.sglang.patcher import Patcher
@@ -429,7 +430,8 @@ def test_dead_prefill_exchange_makes_a_corrupt_room_unlocalised_not_stuck(worlds
     _decode_flow(worlds, patched, corrupt=prefill_gone_and_a_byte_flipped)
     record = sink.wait_for(1, stage="decode_recv")[0]
     assert record["verdict"] == "mismatch" and record["localisation"] is None
-    assert runtime.sides["decode"].client.failures.get("timeout") == 1
+    # asked again after each short backoff, until the peer failed WAITED_STRIKES times in a row
+    assert runtime.sides["decode"].client.failures.get("timeout") == WAITED_STRIKES
 
 
 def test_room_aborted_by_commit_is_skipped(worlds, patched):

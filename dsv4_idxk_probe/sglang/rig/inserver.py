@@ -118,6 +118,8 @@ class Track:
     forwards: int = 0  # decode forwards run
     req_pool_idx: int | None = None
     released: bool = False  # SGLang freed its pages (a swap partner must still hold them)
+    faults_done: set = field(default_factory=set)  # indices of its faults applied or refused here
+    changed: set = field(default_factory=set)  # logical pages its faults changed
 
 
 class InServer:
@@ -176,6 +178,10 @@ class InServer:
                      cells: list | None = None, point: int = 0, rid: str | None = None,
                      expect: list | None = None, roundtrip: list | None = None) -> None:
         t = track_or_room
+        if isinstance(t, Track):
+            t.faults_done.add(fault.index)
+            if applied and target and target.get("page") is not None:
+                t.changed.add(int(target["page"]))
         self.out.write("faults", {
             "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
             "after_step": fault.after_step, "side": self.role, "rid": rid or getattr(t, "rid", None),
@@ -290,16 +296,20 @@ class InServer:
             others = [t for t in self.tracks.values()  # a room of the run decode holds now (no health check)
                       if t is not track and t.tokens is not None and not t.released and t.rig_room is not None]
         if fault.with_room is not None:
-            others = [t for t in others if t.rig_room == fault.with_room]
-        else:  # a room no fault names: its own fault would hide what the swap did to it
-            others = [t for t in others if not self.plan.by_room.get(t.rig_room)] or others
+            return next((t for t in others if t.rig_room == fault.with_room), None)
+        # a room no fault names: its own fault would hide what the swap did to it; else one
+        # whose faults all ran here already (the swap then avoids the pages they changed)
+        clean = [t for t in others if not self.plan.by_room.get(t.rig_room)]
+        settled = [t for t in others if all(f.index in t.faults_done for f in self.plan.by_room.get(t.rig_room, ()))]
+        others = clean or settled or others
         return others[0] if others else None
 
     def _swap(self, fault, track: Track, target, partner: Track, rng) -> None:
         # a partner page with as many frozen slots as the target's, where it has one: the
         # swapped bytes then have the same content digest in both rooms (docs/diagnosis.md)
-        alike = [k for k in range(len(partner.pages)) if self.layout.frozen_slots(partner.n_tokens, k) == target.frozen]
-        page_b = int(alike[rng.integers(len(alike))]) if alike else int(rng.integers(len(partner.pages)))
+        pages = [k for k in range(len(partner.pages)) if k not in partner.changed] or list(range(len(partner.pages)))
+        alike = [k for k in pages if self.layout.frozen_slots(partner.n_tokens, k) == target.frozen]
+        page_b = int(alike[rng.integers(len(alike))]) if alike else int(pages[rng.integers(len(pages))])
         phys_a, phys_b = track.pages[target.page], partner.pages[page_b]
         old_a, old_b = self.rows(phys_a, target.layers), self.rows(phys_b, target.layers)
         for j, li in enumerate(target.layers):
@@ -317,6 +327,7 @@ class InServer:
         expect_b = [c + (["other_room", f"{track.room}/0"] if alike else [_diagnosis_of(
             self.layout, old_a[target.layer_ids.index(c[0])], None, frozen_b, c[2]), None]) for c in cells_b]
         described = dict(target.describe(), partner_rid=partner.rid, partner_page=page_b)
+        partner.changed.add(page_b)
         self.record_fault(fault, track, True, target=described, cells=cells_a, point=track.points, expect=expect_a)
         self.out.write("faults", {
             "fault": fault.index, "name": fault.name, "kind": fault.kind, "when": fault.when,
