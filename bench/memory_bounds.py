@@ -460,7 +460,7 @@ def part_flood(args, work: Path) -> dict:
                 "max_disk_seen": sampler.max_disk, "max_files_seen": sampler.max_files, "final_disk": sampler.last_disk},
         "exchange": {"lookups": exchange.lookups, "found": exchange.found, "not_found": exchange.not_found,
                      "bad_requests": exchange.bad, "bad_refused": exchange.server_refused(),
-                     "errors": exchange.errors},
+                     "errors": exchange.errors, "error_kinds": exchange.error_kinds},
         "diagnosis": {"journal_capacity": diagnosis.journal_events, "index_cells_bound": diagnosis.index_cells,
                       "finish_every": args.flood_finish_every, "max_seen": most,
                       "journal_bytes_per_event": most["journal_bytes"] / max(most["journal_events"], 1),
@@ -477,6 +477,7 @@ class ExchangeLoad:
         self.lookup, self.max_request_bytes = lookup, max_request_bytes
         self.latest = 0
         self.lookups = self.found = self.not_found = self.bad = self.errors = 0
+        self.error_kinds: dict[str, int] = {}  # what each error was (a malformed request not answered, a timeout...)
         self._stop = threading.Event()
         self.server = None
 
@@ -510,11 +511,15 @@ class ExchangeLoad:
             if n % 50 == 0:  # malformed: refused with an error answer
                 self.bad += 1
                 if raw_request(self.server.endpoint, b'{"v": 1, "id": "x", "key": 5}') is None:
-                    self.errors += 1
-            if client.failures.get("timeout") or client.failures.get("transport"):
-                self.errors += 1
-                client.failures.clear()
+                    self._error("malformed_not_answered")
+            for kind in ("timeout", "transport", "protocol", "internal"):
+                if client.failures.pop(kind, 0):
+                    self._error(kind)
         client.close()
+
+    def _error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
     def server_refused(self) -> int:
         return self.server.refused if self.server is not None else 0
