@@ -62,19 +62,19 @@ class DecodeDiagnosis:
 
     def freed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("freed", self._ids(key, pages, last=True), key)
+            self.journal.record("freed", self._ids(key, pages), key)
 
-    def _ids(self, key: str, pages: Any, last: bool = False) -> Any:
+    def _ids(self, key: str, pages: Any) -> Any:
         """The room's page ids on their way to the host: captured once per page table
         (allocation, landing and free hand the hooks the same tensor), so a room costs
-        one device-to-host copy, queued at its first event; `last`: its free, forget it."""
+        one device-to-host copy, queued at its first event. Kept until the collector
+        retires the room (or it is abandoned), not only until its free: the collector may
+        still be behind, with the room's snapshot and digests queued (see `before`)."""
         with self._lock:
-            known = self._captured.pop(key, None) if last else self._captured.get(key)
+            known = self._captured.get(key)
         if known is not None and known[0] is pages:
             return known[1]
         ids = capture(pages)
-        if last:
-            return ids
         with self._lock:
             self._captured[key] = (pages, ids)
             while len(self._captured) > self.max_tracks:
@@ -98,8 +98,9 @@ class DecodeDiagnosis:
 
     def before(self, key: str, pages: Any, n_tokens: int, content: np.ndarray) -> None:
         """What the room's pages held when they were allocated to it: dropped when the
-        room was freed or abandoned before this snapshot came back (it would otherwise
-        make a track nobody retires)."""
+        room was abandoned before this snapshot came back (it would otherwise make a track
+        nobody retires). A room merely freed meanwhile keeps it: its digests, queued after
+        the snapshot, still come and use it, and the room is retired after the last."""
         with self._lock:
             live = key in self._captured
         if not live:

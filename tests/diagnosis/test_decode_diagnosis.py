@@ -8,6 +8,8 @@ name what the bad cells became and the page events behind them.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from dsv4_idxk_probe.diagnosis import ContentIndex, PageJournal
 from dsv4_idxk_probe.diagnosis.journal import PageGroups
 from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.digest.room_table import RoomRequest
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
 
@@ -147,6 +150,22 @@ def test_a_write_that_never_landed_shows_the_previous_occupant_and_its_events(be
     assert {r["room"] for c in cells for r in c["rooms"]} == {old.key}
     events = [(e["event"], e.get("room")) for e in cells[0]["events"]]
     assert events[-3:] == [("freed", old.key), ("allocated", new.key), ("transfer_landed", new.key)]
+
+
+def test_a_room_freed_before_the_collector_ran_its_snapshot_keeps_its_earlier_bytes(bed):
+    """A short room can be allocated, received, finished and freed on the serving thread
+    while the collector is still behind: its allocation snapshot must still serve the
+    diagnosis of its digests, which the collector runs after it (the SGLang rig's
+    drop_page fault read `unknown` when the snapshot was dropped as "room already freed")."""
+    gate = threading.Event()
+    bed.decode.engine.submit([RoomRequest("collector-busy", [0], 0)], lambda _: gate.wait(10))
+    room = RoomId(30)
+    bed.receive(room, [1, 2, 3], [7, 8, 9], drop=(1,))  # physical 8 keeps the bytes it held before
+    bed.decode.room_finished(room)
+    gate.set()
+    cells = _bad(bed.records(room, 2)[0])
+    assert {(c["page"], c["physical_page"], c["kind"]) for c in cells} == {(1, 8, "previous_occupant")}
+    assert bed.diagnosis.index.before_content(room.key) is None  # retired with the room, not kept
 
 
 def test_a_flipped_bit_is_unknown_with_the_hicache_load_that_preceded_it(bed):
