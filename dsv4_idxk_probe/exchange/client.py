@@ -10,9 +10,9 @@ costs a quarter of a second, not five). A peer that failed authentication is
 left alone for `backoff_s` at once. `fetch(..., retry_s=...)` waits out a
 short backoff and asks again, while `retry_s` from its first try allows it
 and the peer has not failed 3 times in a row (decode's collector does, for
-the rooms it must localise; never the scheduler thread). A peer that closed an idle connection is asked again on a
-fresh one. Every failure is counted in ``exchange_errors_total{kind}``;
-`fetch` never raises.
+the rooms it must localise; never the scheduler thread). A peer that closed
+an idle connection is asked again on a fresh one. Every failure is counted in
+``exchange_errors_total{kind}``; `fetch` never raises.
 """
 
 from __future__ import annotations
@@ -120,15 +120,17 @@ class VectorClient:
             time.sleep(wait)
 
     def _strikes_of(self, endpoint: Endpoint | None) -> int:
+        if endpoint is None:
+            return 0
         with self._lock:
-            return self._strikes.get((str(endpoint[0]), int(endpoint[1])), 0) if endpoint else 0
+            return self._strikes.get(_peer(endpoint), 0)
 
     def backoff_left(self, endpoint: Endpoint | None) -> float:
         """Seconds until the peer is asked again (0: now)."""
         if endpoint is None:
             return 0.0
         with self._lock:
-            until = self._down_until.get((str(endpoint[0]), int(endpoint[1])), 0.0)
+            until = self._down_until.get(_peer(endpoint), 0.0)
         return max(0.0, until - time.monotonic())
 
     def _fetch(self, endpoint: Endpoint | None, key: str) -> tuple[RoomDigest | None, str | None]:
@@ -137,7 +139,7 @@ class VectorClient:
             return None, self._fail("no_endpoint")
         if self._secret_error is not None:
             return None, self._fail("auth")
-        endpoint = (str(endpoint[0]), int(endpoint[1]))
+        endpoint = _peer(endpoint)
         with self._lock:
             if self._down_until.get(endpoint, 0.0) > time.monotonic():
                 return None, self._fail("peer_down")
@@ -242,6 +244,11 @@ class VectorClient:
                 self._drop(endpoint)
 
 
+def _peer(endpoint: Endpoint) -> Endpoint:
+    """The table key of a peer, however its address came (a list from JSON, a port as text)."""
+    return str(endpoint[0]), int(endpoint[1])
+
+
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -281,7 +288,7 @@ def raw_request(endpoint: Endpoint, payload: bytes, *, secret: bytes = b"", time
     (None when the peer closed instead). For tests and benches that play a misbehaving peer."""
     deadline = time.monotonic() + timeout_s
     client = VectorClient(secret=secret)
-    session = client._connect((str(endpoint[0]), int(endpoint[1])), deadline)
+    session = client._connect(_peer(endpoint), deadline)
     try:
         _send_all(session.sock, session.mac.seal(payload), deadline)
         (size,) = auth.HEADER.unpack(_recv_exact(session.sock, auth.HEADER.size, deadline))

@@ -27,11 +27,11 @@ from .records import room_record
 from .rooms import RoomId
 
 Emit = Callable[[dict], Any]
+FetchVectors = Callable[[str], "RoomDigest | None"]
 # A room whose prefill vectors could not be fetched (prefill busy, not yet published) asks
 # again at its next digests, this many times in all: one slow answer must not cost a room its
 # localisation for life, nor a dead peer a fetch per digest.
 MAX_FETCHES_PER_ROOM = 3
-FetchVectors = Callable[[str], "RoomDigest | None"]
 
 
 @dataclass

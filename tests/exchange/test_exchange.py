@@ -84,16 +84,22 @@ def test_silent_peer_times_out_within_the_deadline(client):
     assert 0.25 < took < 2.0
 
 
-def test_slow_peer_then_recovers_with_a_new_connection(client, table):
+def _slow_server(table: dict, delay_s: float) -> tuple[VectorServer, dict]:
+    """A started server whose lookups take `delay_s` while `slow["on"]` (a busy prefill rank)."""
     slow = {"on": True}
 
     def lookup(key):
         if slow["on"]:
-            time.sleep(0.6)
+            time.sleep(delay_s)
         return table.get(key)
 
     srv = VectorServer(lookup, bind="127.0.0.1", max_request_bytes=256)
     srv.start()
+    return srv, slow
+
+
+def test_slow_peer_then_recovers_with_a_new_connection(client, table):
+    srv, slow = _slow_server(table, 0.6)
     try:
         assert client.fetch(srv.endpoint, "7/0") is None
         slow["on"] = False
@@ -116,15 +122,7 @@ def test_the_backoff_doubles_with_each_failure_in_a_row_up_to_backoff_s_and_an_a
     assert 0.15 < lefts[0] <= 0.2 and 0.35 < lefts[1] <= 0.4 and 0.45 < lefts[2] <= 0.5, lefts
     assert c.failures == {"timeout": 3}
 
-    slow = {"on": True}
-
-    def lookup(key):
-        if slow["on"]:
-            time.sleep(0.4)
-        return table.get(key)
-
-    srv = VectorServer(lookup, bind="127.0.0.1", max_request_bytes=256)
-    srv.start()
+    srv, slow = _slow_server(table, 0.4)
     try:
         assert c.fetch(srv.endpoint, "7/0") is None  # one timeout: a short skip
         assert 0.15 < c.backoff_left(srv.endpoint) <= 0.2
