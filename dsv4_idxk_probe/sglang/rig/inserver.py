@@ -102,6 +102,11 @@ class Plan:
         return plan
 
 
+# A swap due when no other room is resident waits for one this many forwards of its room
+# (its effects are placed from where it was applied, not from its after_step).
+SWAP_WAIT_FORWARDS = 16
+
+
 @dataclass
 class Track:
     """One room on decode, as the rig sees it (from SGLang's own objects)."""
@@ -120,6 +125,7 @@ class Track:
     released: bool = False  # SGLang freed its pages (a swap partner must still hold them)
     faults_done: set = field(default_factory=set)  # indices of its faults applied or refused here
     changed: set = field(default_factory=set)  # logical pages its faults changed
+    waiting: set = field(default_factory=set)  # swap faults due, waiting for a partner room
 
 
 class InServer:
@@ -214,6 +220,9 @@ class InServer:
         if kind == "swap_pages":
             partner = self._partner(fault, track)
             if partner is None:
+                if track.forwards - fault.after_step < SWAP_WAIT_FORWARDS:
+                    track.waiting.add(fault.index)  # tried again at the room's next forward
+                    return
                 self.record_fault(fault, track, False, "no partner room resident", point=track.points)
                 return
             return self._swap(fault, track, target, partner, rng)
@@ -490,7 +499,8 @@ def _before_decode_forward(forward_batch) -> None:
         done = track.forwards
         track.forwards += 1
         for fault in state.faults_for(track.rid, ("after_recv", "after_step")):
-            if fault.after_step == done:
+            if fault.after_step == done or fault.index in track.waiting:
+                track.waiting.discard(fault.index)
                 state.apply(fault, track)
 
 
@@ -512,6 +522,10 @@ def _scribble(req, *_a, **_k) -> None:
     track = state.tracks.get(int(getattr(req, "bootstrap_room", -1) or -1))
     if track is not None:
         track.released = True
+        for fault in state.faults_for(track.rid, ("after_step",)):
+            if fault.index in track.waiting:  # it finished before another room was resident
+                track.waiting.discard(fault.index)
+                state.record_fault(fault, track, False, "no partner room resident", point=track.points)
     if not state.plan.scribble_freed:
         return
     if track is None or _rid(req) not in state.plan.rooms:
