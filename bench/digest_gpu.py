@@ -66,6 +66,12 @@ from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 LAYOUTS = ("fp8", "fp4", "bf16")
 SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per program x warps
 METHODS = ("steady", "flush_read", "flush_write")
+POLICIES = ("", "evict_first")  # the loads' eviction policy: Triton's default, or lines evicted first
+# The contiguous ceiling's tilings: words per program x warps x eviction policy.
+CONTIGUOUS_CONFIGS = [(b, w, p) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16) for p in POLICIES]
+# The gathered read's tilings: rows per program x warps x grid order (page block fastest?) x policy.
+GATHERED_CONFIGS = [(r, w, m, p) for r, w in ((1, 1), (1, 2), (1, 4), (2, 1), (1, 8)) for m in (False, True)
+                    for p in POLICIES]
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
@@ -110,7 +116,8 @@ class Timer:
 
     def _flush_read(self):
         block = 16384 if self.flush_words.numel() >= 16384 else self.flush_words.numel()
-        _contiguous_sum[(self.flush_words.numel() // block,)](self.flush_words, self.flush_out, BLOCK=block, num_warps=8)
+        _contiguous_sum[(self.flush_words.numel() // block,)](self.flush_words, self.flush_out, BLOCK=block, POLICY="",
+                                                              num_warps=8)
 
     def ms(self, method, fns, calls=20, reps=7, warmup=3) -> float:
         fns = fns if isinstance(fns, (list, tuple)) else [fns]
@@ -209,28 +216,34 @@ def check_exactness(device, sizes) -> list[dict]:
 
 
 @triton.jit
-def _contiguous_sum(src, out, BLOCK: tl.constexpr):
-    """Sum BLOCK consecutive 32-bit words per program: a pure read at the memory's rate."""
+def _contiguous_sum(src, out, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    """Sum BLOCK consecutive 32-bit words per program: a pure read at the memory's rate.
+    POLICY: the loads' eviction policy ("" or "evict_first")."""
     pid = tl.program_id(0).to(tl.int64)
-    words = tl.load(src + pid * BLOCK + tl.arange(0, BLOCK))
+    words = tl.load(src + pid * BLOCK + tl.arange(0, BLOCK), eviction_policy=POLICY)
     tl.store(out + pid, tl.sum(words, axis=0))
 
 
 @triton.jit
 def _gathered_sum(layer_table, pages, out, n_pages, ROW_WORDS: tl.constexpr, HEAD: tl.constexpr,
-                  TAIL: tl.constexpr, BASE_ALIGN: tl.constexpr, ROWS: tl.constexpr):
+                  TAIL: tl.constexpr, BASE_ALIGN: tl.constexpr, ROWS: tl.constexpr, PAGE_MAJOR: tl.constexpr,
+                  POLICY: tl.constexpr):
     """Sum the words of each (layer, page) row found through a page table, as the digest
-    finds them (the same layer table): the same reads, no hashing."""
-    layer = tl.program_id(0).to(tl.int64)
-    logical = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    finds them (the same layer table): the same reads, no hashing. PAGE_MAJOR: the grid
+    is (page block, layer), else (layer, page block); POLICY: the loads' eviction policy."""
+    if PAGE_MAJOR:
+        block, layer = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    else:
+        layer, block = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    logical = block * ROWS + tl.arange(0, ROWS)
     valid = logical < n_pages
     physical = tl.load(pages + tl.minimum(logical, n_pages - 1))
     distance = tl.load(layer_table + layer * 3)
     base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
     rows = base + physical * ROW_WORDS
-    total = tl.sum(tl.load(rows[:, None] + tl.arange(0, HEAD)[None, :]), axis=1)
+    total = tl.sum(tl.load(rows[:, None] + tl.arange(0, HEAD)[None, :], eviction_policy=POLICY), axis=1)
     if TAIL > 0:
-        total += tl.sum(tl.load(rows[:, None] + HEAD + tl.arange(0, TAIL)[None, :]), axis=1)
+        total += tl.sum(tl.load(rows[:, None] + HEAD + tl.arange(0, TAIL)[None, :], eviction_policy=POLICY), axis=1)
     tl.store(out + layer * n_pages + logical, total, mask=valid)
 
 
@@ -260,16 +273,17 @@ def copy_bandwidth(timer, device, nbytes) -> dict:
 
 
 def contiguous_read(timer, device, nbytes, configs) -> dict:
-    """The fastest contiguous read-only sum over `nbytes` (a sweep of words per program
-    and warps), per method: two buffers, which the steady method rotates over."""
+    """The fastest contiguous read-only sum over `nbytes` (a sweep of words per program,
+    warps and eviction policy), per method: two buffers, which the steady method rotates over."""
     copies = [torch.randint(-(1 << 31), 1 << 31, (nbytes // 4,), dtype=torch.int32, device=device).view(torch.uint32)
               for _ in range(2)]
     sweep = []
-    for block, warps in configs:
+    for block, warps, policy in configs:
         grid = (copies[0].numel() // block,)
         out = torch.empty(grid[0], dtype=torch.uint32, device=device)
-        fns = [lambda w=w: _contiguous_sum[grid](w, out, BLOCK=block, num_warps=warps) for w in copies]
-        sweep.append({"block": block, "warps": warps, "ms": timer.all(fns, calls=max(4, min(40, (8 << 30) // nbytes)))})
+        fns = [lambda w=w: _contiguous_sum[grid](w, out, BLOCK=block, POLICY=policy, num_warps=warps) for w in copies]
+        sweep.append({"block": block, "warps": warps, "policy": policy,
+                      "ms": timer.all(fns, calls=max(4, min(40, (8 << 30) // nbytes)))})
     del copies
     return {"bytes": nbytes, "best": _best(sweep, nbytes), "sweep": sweep}
 
@@ -286,13 +300,14 @@ def gathered_read(timer, layout, bufs, table, base_align, page_tables, device) -
     out = torch.empty(len(bufs) * n_pages, dtype=torch.uint32, device=device)
     read = len(bufs) * n_pages * layout.row_bytes
     sweep = []
-    for rows in (1, 2):
-        for warps in (4, 8):
-            grid = (len(bufs), -(-n_pages // rows))
-            fns = [lambda pages=pages: _gathered_sum[grid](table, pages, out, n_pages, ROW_WORDS=row_words, HEAD=head,
-                                                           TAIL=tail, BASE_ALIGN=base_align, ROWS=rows, num_warps=warps)
-                   for pages in page_tables]
-            sweep.append({"rows": rows, "warps": warps, "ms": timer.all(fns)})
+    for rows, warps, page_major, policy in GATHERED_CONFIGS:
+        blocks = -(-n_pages // rows)
+        grid = (blocks, len(bufs)) if page_major else (len(bufs), blocks)
+        fns = [lambda pages=pages: _gathered_sum[grid](table, pages, out, n_pages, ROW_WORDS=row_words, HEAD=head,
+                                                       TAIL=tail, BASE_ALIGN=base_align, ROWS=rows,
+                                                       PAGE_MAJOR=page_major, POLICY=policy, num_warps=warps)
+               for pages in page_tables]
+        sweep.append({"rows": rows, "warps": warps, "page_major": page_major, "policy": policy, "ms": timer.all(fns)})
     return {"best": _best(sweep, read), "sweep": sweep}
 
 
@@ -300,17 +315,25 @@ def gathered_read(timer, layout, bufs, table, base_align, page_tables, device) -
 
 
 class Launch:
-    """The kernel with device-resident tables for `rooms`, launched again and again."""
+    """The kernel on `rooms`, launched again and again: a room alone passed by value, as
+    the engine passes it (`by_value`), the room table and the outputs in device memory,
+    or in pinned host memory as the engine keeps them (`pinned`)."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False):
         self.plan = plan_cells(rooms, len(bufs))
-        self.table = torch.tensor(
-            [[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
-             for r, first in zip(rooms, self.plan.first_cells)], dtype=torch.int64, device=device)
+        pinned = pinned and device.type == "cuda"
+        where = {"device": "cpu", "pin_memory": True} if pinned else {"device": device}
+        table = torch.tensor([[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
+                              for r, first in zip(rooms, self.plan.first_cells)], dtype=torch.int64)
+        self.table = table.pin_memory() if pinned else table.to(device)
+        self.one_room = None
+        if by_value and len(rooms) == 1:
+            r = rooms[0]
+            self.one_room = (r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens)
         self.layers, self.base_align = layer_table(bufs, list(range(len(bufs))), device)
-        self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, device=device)
+        self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, **where)
         self.contents = torch.empty_like(self.cells)
-        self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, device=device)
+        self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, **where)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
         self.tune(rows, warps)
 
@@ -320,7 +343,7 @@ class Launch:
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
-                           len(self.rooms), self.plan.max_pages)
+                           len(self.rooms), self.plan.max_pages, one_room=self.one_room)
 
     def sample_reference(self, rng, n_sample):
         """(room slot, logical pages, reference cells [layers, pages, segments], their
@@ -365,7 +388,7 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     read_bytes = sizes.layers * sizes.pages * layout.row_bytes
     samples = [launch.sample_reference(rng, sizes.sample_pages) for launch in launches]
     gathered = gathered_read(timer, layout, bufs, launches[0].layers, launches[0].base_align, page_tables, device)
-    same_size = contiguous_read(timer, device, read_bytes, [(b, w) for b, w in ceilings["contiguous_configs"]])
+    same_size = contiguous_read(timer, device, read_bytes, ceilings["contiguous_configs"])
     sweep = []
     for rows, warps in sweep_for(layout, sizes.sweep):
         for launch in launches:
@@ -438,7 +461,8 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     launch = launches[0]
     no_pages = torch.tensor([[perm.data_ptr(), 8, 0, 0, 0]], dtype=torch.int64, device=device)  # every program returns
     empty_ms = timer.all(lambda: launch.kernel.launch(no_pages.data_ptr(), launch.cells.data_ptr(),
-                                                      launch.contents.data_ptr(), launch.flags.data_ptr(), 1, 1))
+                                                      launch.contents.data_ptr(), launch.flags.data_ptr(), 1, 1,
+                                                      one_room=(perm.data_ptr(), 8, 0, 0)))
     read = n_rooms * n_pages * sizes.layers * layout.row_bytes
     result = {"rooms": n_rooms, "pages": n_pages, "layers": sizes.layers, "shape": shape, "exact": exact,
               "kernel_us": {m: ms * 1e3 for m, ms in kernel_ms.items()},
@@ -507,16 +531,16 @@ def profile_one(name, device, sizes, shapes) -> None:
     for nbytes in (sizes.layers * sizes.pages * layout.row_bytes, sizes.contiguous_bytes):
         words = torch.empty(nbytes // 4 // 16384 * 16384, dtype=torch.uint32, device=device)
         out = torch.empty(words.numel() // 16384, dtype=torch.uint32, device=device)
-        _contiguous_sum[(out.numel(),)](words, out, BLOCK=16384, num_warps=8)
+        _contiguous_sum[(out.numel(),)](words, out, BLOCK=16384, POLICY="", num_warps=8)
         del words, out
     torch.cuda.synchronize()
 
 
 def _compile_jobs(sizes) -> list[tuple]:
     shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
-    jobs = [("digest", *shape) for shape in sorted(shapes)]
-    jobs += [("contiguous", block, warps) for block in (2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
-    jobs += [("gathered", name, rows, warps) for name in LAYOUTS for rows in (1, 2) for warps in (4, 8)]
+    jobs = [("digest", *shape, one_room) for shape in sorted(shapes) for one_room in (False, True)]
+    jobs += [("contiguous", *config) for config in CONTIGUOUS_CONFIGS]
+    jobs += [("gathered", name, *config) for name in LAYOUTS for config in GATHERED_CONFIGS]
     return jobs
 
 
@@ -526,18 +550,19 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps = job
+            _, name, rows, warps, one_room = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
-            _digest_rooms_kernel.warmup(address, table, address, address, address, **layout_constants(layout, align),
-                                        ROWS=rows, num_warps=warps, grid=(1,))
+            _digest_rooms_kernel.warmup(address, table, address, address, address, address, 8, 1024, 1 << 18,
+                                        **layout_constants(layout, align), ROWS=rows, PAGE_MAJOR=False,
+                                        ONE_ROOM=one_room, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
-            _, block, warps = job
+            _, block, warps, policy = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
-            _contiguous_sum.warmup(words, words, BLOCK=block, num_warps=warps, grid=(1,))
+            _contiguous_sum.warmup(words, words, BLOCK=block, POLICY=policy, num_warps=warps, grid=(1,))
         else:
-            _, name, rows, warps = job
+            _, name, rows, warps, page_major, policy = job
             layout = get_layout(name)
             row_words = layout.row_bytes // 4
             head = 1 << (row_words.bit_length() - 1)
@@ -545,7 +570,8 @@ def _compile_one(job) -> str:
             pages = torch.zeros(16, dtype=torch.int64, device=device)
             out = torch.empty(16, dtype=torch.uint32, device=device)
             _gathered_sum.warmup(table, pages, out, 1024, ROW_WORDS=row_words, HEAD=head, TAIL=row_words - head,
-                                 BASE_ALIGN=align, ROWS=rows, num_warps=warps, grid=(1,))
+                                 BASE_ALIGN=align, ROWS=rows, PAGE_MAJOR=page_major, POLICY=policy, num_warps=warps,
+                                 grid=(1,))
         return "ok"
     except Exception as exc:  # the run compiles it itself then
         return f"{job}: {type(exc).__name__}: {exc}"
@@ -594,7 +620,7 @@ def main() -> int:
     print("exactness:", report["exactness"], f"({time.perf_counter() - t0:.0f} s)", flush=True)
     timer = Timer(device, sizes.smoke)
     copy = copy_bandwidth(timer, device, sizes.contiguous_bytes)
-    configs = [(b, w) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)] if not sizes.smoke else [(1024, 4)]
+    configs = CONTIGUOUS_CONFIGS if not sizes.smoke else [(1024, 4, "")]
     contiguous = contiguous_read(timer, device, sizes.contiguous_bytes, configs)
     report["ceilings"] = {"copy_TBps_rw": copy, "contiguous_read": contiguous}
     # the same-size reads: each method's best tiling of the 2 GiB read, and the steady one's

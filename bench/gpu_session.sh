@@ -88,6 +88,8 @@ step rig 60 python3 bench/rig_gpu.py --rooms 200
 # same-run ceilings and the sweep (bench/digest_gpu.py); then Nsight Compute on the
 # fp8 default tuning (step digestncu, not in the default list).
 step digest 420 bash -c "python3 bench/digest_gpu.py --precompile-only && python3 bench/digest_gpu.py --out $res/digest"
+# Where a gathered read loses to a contiguous one (bench/read_patterns.py; not in the default list).
+step patterns 420 python3 bench/read_patterns.py --out "$res/read_patterns"
 step digestncu 150 bash -c "ncu --clock-control none -k regex:_digest_rooms_kernel --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
     python3 bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4 > $res/digest_ncu.txt 2>&1; tail -80 $res/digest_ncu.txt"

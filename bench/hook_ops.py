@@ -98,8 +98,9 @@ def cuda_path_engine(layers: int, pages: int) -> DigestEngine:
     engine = DigestEngine(layout, list(range(layers)), buffers, backend="triton")
     engine.device = torch.device("cuda")  # the submit path branches on it; nothing here allocates on it
     engine._current_stream = lambda: (0, 0)
-    engine._kernel.compiled = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
-    engine._kernel.compiled_on = 0
+    fake = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
+    engine._kernel.compiled = {False: fake, True: fake}  # the kernel for several rooms, and for one
+    engine._kernel.compiled_on = {False: 0, True: 0}
     engine._events.take = lambda timing=False: FakeEvent()
     engine._streams[0] = "stream"  # what `_stream_object` makes once: the torch stream the event is recorded on
     return engine

@@ -330,6 +330,8 @@ class DigestEngine:
                 cursor += n_pages
             row = ROOM_COLUMNS * slot
             words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
+        # One room: its fields go to the kernel by value too (it then never reads the table).
+        one_room = (address, id_bytes, plan.page_counts[0], rooms[0].n_tokens) if n_rooms == 1 else None
         cells_end = input_words + plan.n_cells * n_segments
         contents_end = cells_end + plan.n_cells * n_segments
         cells = words[input_words:cells_end].view(np.uint64).reshape(-1, n_segments)
@@ -344,12 +346,13 @@ class DigestEngine:
             started.record()
         keepalive = [d for d in on_device if d is not None]
         if self.device.type != "cuda":  # the interpreter runs it now
-            self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages)
+            self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
+                                one_room=one_room)
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
                                  contents=contents)
         device, raw_stream = self._current_stream()
         self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
-                            device=device, stream=raw_stream)
+                            one_room=one_room, device=device, stream=raw_stream)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)

@@ -90,22 +90,26 @@ def _load_segment(rows, n_frozen, readable, OFFSET: tl.constexpr, SLOT_WORDS: tl
     pointers = rows[:, None] + (OFFSET + idx)[None, :]
     if MASKED:
         mask = (idx[None, :] < (n_frozen * SLOT_WORDS)[:, None]) & readable[:, None]
-        return tl.load(pointers, mask=mask, other=_salt(OFFSET, TILE)[None, :])
+        return tl.load(pointers, mask=mask, other=_salt(OFFSET, TILE)[None, :], eviction_policy="evict_first")
     elif TILE != WORDS:
-        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=_salt(OFFSET, TILE)[None, :])
+        return tl.load(pointers, mask=(idx < WORDS)[None, :], other=_salt(OFFSET, TILE)[None, :],
+                       eviction_policy="evict_first")
     else:
-        return tl.load(pointers)
+        return tl.load(pointers, eviction_policy="evict_first")
 
 
 @triton.jit
 def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
     """d = (sum_b << 32) | sum_a over the words `_load_segment` read (docs/digest.md,
-    "Words"); the words it did not read are their salt, so x = 0 adds nothing."""
+    "Words"); the words it did not read are their salt, so x = 0 adds nothing.
+    Lane b is summed before its multiplication: sum(v * MIX_B) = sum(v) * MIX_B
+    mod 2^32, so each row multiplies once, not once per word (the hashing is
+    half the kernel's integer work; issue 21)."""
     x = w ^ _salt(OFFSET, TILE)[None, :]
     a = x * _MIX_A
     a = a ^ (a >> 16)
-    b = (x ^ (x >> 15)) * _MIX_B
-    sum_a, sum_b = tl.sum(a, axis=1), tl.sum(b, axis=1)  # uint32: mod 2^32, as the definition sums
+    sum_a = tl.sum(a, axis=1)  # uint32: mod 2^32, as the definition sums
+    sum_b = tl.sum(x ^ (x >> 15), axis=1) * _MIX_B
     return (sum_b.to(tl.uint64) << 32) | sum_a.to(tl.uint64)
 
 
@@ -148,13 +152,18 @@ def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: t
     tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
 
 
-@triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags"])  # one compiled kernel per layout
+@triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags", "one_pages", "one_id_bytes", "one_n_pages",
+                               "one_n_tokens"])  # two compiled kernels per layout: ONE_ROOM or not
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
     cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
     contents,  # address of uint64 [n_cells, n_segments]: each cell's segment digest d (its content digest), same order
     flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
+    one_pages,  # ONE_ROOM: the room's page-table address, page-id bytes, pages and tokens, passed
+    one_id_bytes,  # by value (its first cell is 0); else unused (0)
+    one_n_pages,
+    one_n_tokens,
     ROW_WORDS: tl.constexpr,  # 32-bit words per row (the row stride)
     SLOTS: tl.constexpr,
     TOKENS_PER_SLOT: tl.constexpr,
@@ -173,19 +182,32 @@ def _digest_rooms_kernel(
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
+    PAGE_MAJOR: tl.constexpr,  # grid (page block, layer, room) instead of (room, layer, page block)
+    ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
 ):
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
-    room = tl.program_id(0).to(tl.int64)
+    if PAGE_MAJOR:
+        room = tl.program_id(2).to(tl.int64)
+        first_page = tl.program_id(0).to(tl.int64) * ROWS
+    else:
+        room = tl.program_id(0).to(tl.int64)
+        first_page = tl.program_id(2).to(tl.int64) * ROWS
     layer = tl.program_id(1).to(tl.int64)
-    first_page = tl.program_id(2).to(tl.int64) * ROWS
-    entry = room_table.to(tl.pointer_type(tl.int64)) + room * _ROOM_COLUMNS
-    n_pages = tl.load(entry + 2)
-    if first_page >= n_pages:
-        return
-    page_table = tl.load(entry)
-    id_bytes = tl.load(entry + 1)
-    n_tokens = tl.load(entry + 3)
-    first_cell = tl.load(entry + 4)
+    # Every table field is loaded before the test that ends programs past the room's
+    # last page, so the loads go out together: a program waits for one round trip
+    # to the tables, then one to the page table, before its rows. A launch of one
+    # room passes its fields by value, which spares every program the first of
+    # those round trips (the room table sits in pinned host memory; issue 21).
+    if ONE_ROOM:
+        page_table, id_bytes, n_pages, n_tokens = one_pages, one_id_bytes, one_n_pages, one_n_tokens
+        first_cell = 0
+    else:
+        entry = room_table.to(tl.pointer_type(tl.int64)) + room * _ROOM_COLUMNS
+        page_table = tl.load(entry)
+        id_bytes = tl.load(entry + 1)
+        n_pages = tl.load(entry + 2)
+        n_tokens = tl.load(entry + 3)
+        first_cell = tl.load(entry + 4)
     layer_entry = layer_table + layer * _LAYER_COLUMNS
     # A buffer is found from the table's own address (a pointer argument, so the
     # compiler knows it is 16-byte aligned) plus the buffer's distance from it,
@@ -193,9 +215,11 @@ def _digest_rooms_kernel(
     # loads can be 16 bytes wide. (An address loaded from memory, or a hint on the
     # load, leaves the compiler assuming 4-byte alignment.)
     distance = tl.load(layer_entry)
-    base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
     layer_id = tl.load(layer_entry + 1).to(tl.uint64)
     layer_pages = tl.load(layer_entry + 2)
+    if first_page >= n_pages:
+        return
+    base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
 
     # Lanes past the room's last page re-read its last page, so the table loads
     # are in bounds and need no mask; only their stores are masked off.
@@ -242,11 +266,13 @@ def _digest_rooms_kernel(
 
 
 _ARG_NAMES = (
-    "room_table", "layer_table", "cells", "contents", "flags", "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
+    "room_table", "layer_table", "cells", "contents", "flags", "one_pages", "one_id_bytes", "one_n_pages", "one_n_tokens",
+    "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-
+    "PAGE_MAJOR", "ONE_ROOM",
 )
+_NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
 
 def layout_constants(layout, base_align: int) -> dict:
@@ -308,43 +334,50 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16):
+                 base_align: int = 16, page_major: bool = False):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "PAGE_MAJOR": page_major}
         self.num_warps = num_warps
         self.rows = rows
-        self.compiled = None  # the compiled kernel, launched directly once it is known to fit
-        self.compiled_on = None  # the device it was loaded on: another device takes the JIT path
+        self.compiled = {}  # ONE_ROOM -> the compiled kernel, launched directly once it is known to fit
+        self.compiled_on = {}  # ONE_ROOM -> the device it was loaded on: another device takes the JIT path
 
-    def launch_args(self, room_table: int, cells: int, contents: int, flags: int) -> tuple:
+    def launch_args(self, room_table: int, cells: int, contents: int, flags: int, one_room: tuple | None = None) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
-        return (room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
+        return (room_table, self.layer_table_address, cells, contents, flags, *(one_room or _NOT_ONE_ROOM),
+                *self.meta.values(), one_room is not None)
 
     def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
-               device: int | None = None, stream: int | None = None) -> None:
+               one_room: tuple | None = None, device: int | None = None, stream: int | None = None) -> None:
         """Digest `n_rooms` rooms of at most `max_pages` pages each (addresses as integers:
         the room table, then the cells, contents and flags it stores), on `stream`
-        (a raw CUDA stream handle of `device`; None: the current stream)."""
+        (a raw CUDA stream handle of `device`; None: the current stream). `one_room`:
+        for a launch of one room, its (page-table address, page-id bytes, pages,
+        tokens), which the kernel then takes by value instead of reading the table."""
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
-        grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
+        one_room = one_room if n_rooms == 1 else None
+        blocks = -(-max_pages // self.rows)
+        grid = (blocks, self.n_layers, n_rooms) if self.meta["PAGE_MAJOR"] else (n_rooms, self.n_layers, blocks)
         if device is None or stream is None:
             device, stream = _current_device(), None
-        compiled = self.compiled
-        if compiled is not None and device == self.compiled_on:
+        variant = one_room is not None
+        compiled = self.compiled.get(variant)
+        args = self.launch_args(room_table, cells, contents, flags, one_room)
+        if compiled is not None and device == self.compiled_on[variant]:
             if stream is not None and not _launch_hooks_set():
-                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                             room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
             else:
-                compiled[grid](room_table, self.layer_table_address, cells, contents, flags, *self.meta.values())
+                compiled[grid](*args)
             return
-        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags, **self.meta,
+        compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags,
+                                              *(one_room or _NOT_ONE_ROOM), **self.meta, ONE_ROOM=variant,
                                               num_warps=self.num_warps)
         if _fits(compiled):
-            self.compiled, self.compiled_on = compiled, device
+            self.compiled[variant], self.compiled_on[variant] = compiled, device
 
 
 def _current_device():

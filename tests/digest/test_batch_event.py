@@ -48,8 +48,9 @@ def cuda_path_engine(events, wait="block", stream="caller-stream"):
     engine = DigestEngine(LAYOUT, [0], buffers, backend="triton", wait=wait)
     engine.device = torch.device("cuda")  # the submit path branches on it; nothing allocates on it
     engine._current_stream = lambda: (0, 7)
-    engine._kernel.compiled = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
-    engine._kernel.compiled_on = 0
+    fake = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
+    engine._kernel.compiled = {False: fake, True: fake}  # the kernel for several rooms, and for one
+    engine._kernel.compiled_on = {False: 0, True: 0}
     engine._events.take = lambda timing=False: next(events)
     engine._streams[7] = stream  # the torch stream of raw handle 7
     return engine

@@ -24,10 +24,11 @@ def _engines(layout, layer_ids, buffers, rows=4):
     )
 
 
-def _kernel_cells(layout, buffers, layer_ids, rooms, **shape):
+def _kernel_cells(layout, buffers, layer_ids, rooms, by_value=False, **shape):
     """Launch the kernel directly on `rooms`: (cells uint64 [n_cells, segments], contents
     (the same shape), flags uint8 [n_cells], plan). Every output starts as a sentinel,
-    so an unwritten entry shows."""
+    so an unwritten entry shows. `by_value`: one room, passed by value (the table
+    then holds a sentinel the kernel must not read)."""
     from dsv4_idxk_probe.digest.kernel import DigestKernel, layer_table
     from dsv4_idxk_probe.digest.room_table import plan_cells
 
@@ -40,8 +41,13 @@ def _kernel_cells(layout, buffers, layer_ids, rooms, **shape):
     contents = torch.full_like(cells, 0x3C3C3C3C)
     flags = torch.full((plan.n_cells,), 0x5A, dtype=torch.uint8, device=DEVICE)
     kernel = DigestKernel(table, len(buffers), layout, base_align=base_align, **shape)
+    one_room = None
+    if by_value:
+        (room,) = rooms
+        one_room = (room.pages.data_ptr(), room.pages.element_size(), room.n_pages, room.n_tokens)
+        room_table.fill_(-1)  # a page table at address -1 of -1 pages: reading it would fault or show
     kernel.launch(room_table.data_ptr(), cells.data_ptr(), contents.data_ptr(), flags.data_ptr(), len(rooms),
-                  plan.max_pages)
+                  plan.max_pages, one_room=one_room)
     return cells.cpu().numpy().view(np.uint64), contents.cpu().numpy().view(np.uint64), flags.cpu().numpy(), plan
 
 
@@ -97,6 +103,23 @@ def test_tiling_does_not_change_the_cells(rows, num_warps, layout, random_buffer
     want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [0, 7], rooms, plan)
     assert np.array_equal(cells, want_cells) and np.array_equal(flags, want_flags) and not flags.any()
     assert np.array_equal(contents, want_contents)
+
+
+@pytest.mark.parametrize("rows, num_warps", [(1, 1), (2, 4)])
+def test_a_room_passed_by_value_stores_what_the_table_gives(rows, num_warps, layout, random_buffers):
+    """A launch of one room takes its fields by value, not from the room table: the
+    same cells, contents and out-of-range flags, whole and tail pages, int32 ids."""
+    buffers = [b.to(DEVICE) for b in random_buffers(layout, 2, 5, seed=rows + 20)]
+    rooms = [RoomRequest("whole", torch.tensor([4, 0, 2], device=DEVICE), 3 * 256),
+             RoomRequest("tail", torch.tensor([1, 3], dtype=torch.int32, device=DEVICE), 256 + 9),
+             RoomRequest("out of range", torch.tensor([2, 5, -1], device=DEVICE), 3 * 256)]
+    for room in rooms:
+        cells, contents, flags, plan = _kernel_cells(layout, buffers, [0, 7], [room], by_value=True, rows=rows,
+                                                     num_warps=num_warps)
+        want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [0, 7], [room], plan)
+        assert np.array_equal(cells, want_cells) and np.array_equal(contents, want_contents), room.key
+        assert np.array_equal(flags, want_flags), room.key
+    assert want_flags.sum() == 2 * 2  # the last room: two ids out of range in each of two layers
 
 
 def test_split_across_launches_gives_the_same_digests(random_buffers):
