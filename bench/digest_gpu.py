@@ -332,7 +332,7 @@ class Launch:
             self.one_room = (r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens)
         self.layers, self.base_align = layer_table(bufs, list(range(len(bufs))), device)
         self.cells = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, **where)
-        self.contents = torch.empty_like(self.cells)
+        self.contents = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, **where)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, **where)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
         self.tune(rows, warps)
