@@ -400,6 +400,7 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
+    engine_path = engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes)
     default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
     ratios = {}
     for m in METHODS:
@@ -411,9 +412,33 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     return {
         "layout": name, "row_bytes": layout.row_bytes, "bytes_read": read_bytes, "best": best,
         "engine_default": default and {m: read_bytes / (default["ms"][m] * 1e-3) / 1e12 for m in METHODS},
-        "gathered_read": gathered, "contiguous_same_size": same_size, "ratios": ratios,
+        "gathered_read": gathered, "contiguous_same_size": same_size, "ratios": ratios, "engine_path": engine_path,
         "all_exact": all(r["exact"] for r in sweep), "sweep": sweep,
     }
+
+
+def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes) -> dict:
+    """GPU time of the room as the engine digests it: `DigestEngine.submit` (the cells
+    stored on the device and copied down, the room by value), each submit timed alone
+    after a read flush; beside the kernel storing its cells straight into pinned host
+    memory, as the engine did before (a `Launch` with its table and outputs pinned)."""
+    if device.type != "cuda":
+        return {}
+    engine = DigestEngine(layout, list(range(len(bufs))), bufs)
+    rooms = [RoomRequest(f"e{i}", p, sizes.pages * 256) for i, p in enumerate(page_tables)]
+    delivered = []
+    engine.digest_now(rooms[:1])
+    ms = timer.ms("flush_read", [lambda r=r: engine.submit([r], delivered.append) for r in rooms])
+    deadline = time.monotonic() + 30
+    while engine.stats.completed_rooms < engine.stats.submitted_rooms and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dropped = engine.stats.dropped_batches
+    engine.close()
+    pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
+    pinned_ms = timer.ms("flush_read", pinned)
+    return {"engine_submit_us": ms * 1e3, "engine_read_TBps": read_bytes / (ms * 1e-3) / 1e12,
+            "engine_dropped_batches": dropped, "pinned_outputs_us": pinned_ms * 1e3,
+            "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12}
 
 
 # %% 4-5. short rooms, launch floor, enqueue cost
@@ -665,6 +690,12 @@ def print_report(report) -> None:
                   f"/ gathered {(q['gathered'] or 0):.3f} ({g.get('read_TBps', 0):.2f}), / copy {q['copy']:.3f}"
                   + (f"; engine default {d[m]:.2f} TB/s" if d else ""))
         print(f"{r['layout']}: every sweep point exact (cells and contents): {r['all_exact']}")
+        e = r["engine_path"]
+        if e:
+            print(f"[flush_read] {r['layout']} as the engine digests it (submit: cells on the device, copied down): "
+                  f"{e['engine_submit_us']:.1f} us = {e['engine_read_TBps']:.2f} TB/s ({e['engine_dropped_batches']} "
+                  f"batches dropped); the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
+                  f"{e['pinned_outputs_read_TBps']:.2f} TB/s")
     s, f = report["short_rooms"], report["launch_floor"]
     for m in METHODS:
         print(f"[{m}] {s['rooms']} short rooms ({s['pages']} pages x {s['layers']} layers) in one launch: "
