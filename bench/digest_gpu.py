@@ -418,10 +418,11 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
 
 
 def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes) -> dict:
-    """GPU time of the room as the engine digests it: `DigestEngine.submit` (the cells
-    stored on the device and copied down, the room by value), each submit timed alone
-    after a read flush; beside the kernel storing its cells straight into pinned host
-    memory, as the engine did before (a `Launch` with its table and outputs pinned)."""
+    """GPU time of the room as the engine digests it: `DigestEngine.submit`, the room by
+    value, each submit timed alone after a read flush; beside the kernel storing its
+    cells straight into pinned host memory (a `Launch` with its table and outputs in
+    pinned memory, as the engine keeps them today), and into device memory (the sweep).
+    Why: stores to pinned memory cross PCIe as small writes (bench/RESULTS.md, issue 21)."""
     if device.type != "cuda":
         return {}
     engine = DigestEngine(layout, list(range(len(bufs))), bufs)
@@ -692,7 +693,7 @@ def print_report(report) -> None:
         print(f"{r['layout']}: every sweep point exact (cells and contents): {r['all_exact']}")
         e = r["engine_path"]
         if e:
-            print(f"[flush_read] {r['layout']} as the engine digests it (submit: cells on the device, copied down): "
+            print(f"[flush_read] {r['layout']} as the engine digests it (DigestEngine.submit): "
                   f"{e['engine_submit_us']:.1f} us = {e['engine_read_TBps']:.2f} TB/s ({e['engine_dropped_batches']} "
                   f"batches dropped); the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
                   f"{e['pinned_outputs_read_TBps']:.2f} TB/s")

@@ -1,13 +1,12 @@
 """Digest rooms of one index-K pool without stalling the caller.
 
 `DigestEngine.submit` writes a small room table into a pinned staging
-buffer and, on the caller's current stream, copies it up to the staging
-buffer's device twin (not for a room alone, which the kernel takes by
-value), launches the Triton kernel, which stores its cells (and their
-content digests) in device memory, copies them down into the back of the
-pinned buffer and records a CUDA event: three or four device calls, whatever
-the batch. A background thread waits for the event (`WAITS`), folds the
-cells into room digests and hands them to the callback. The caller's thread never calls ``.item()``, ``.cpu()``,
+buffer, launches the Triton kernel on the caller's current stream and
+records a CUDA event right behind it: two device calls, whatever the batch.
+The kernel reads the table straight from pinned host memory and stores its
+cells (and their content digests) into the back of the same buffer. A
+background thread waits for the event (`WAITS`), folds the cells into room
+digests and hands them to the callback. The caller's thread never calls ``.item()``, ``.cpu()``,
 ``.tolist()`` or a synchronise on this path.
 
 Why the event is recorded on the caller's thread, although that is one more
@@ -303,12 +302,10 @@ class DigestEngine:
         return pages
 
     def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
-        """At most four device calls per batch, whatever its size: the tables up, the
-        launch, the cells down, and the batch's event right behind them (why here: the
-        module's docstring). On CUDA the kernel reads the room table (and the page tables
-        that live on the host) and stores cells, contents and flags in the staging
-        buffer's device twin, never in pinned memory over PCIe (`Staging`); under the
-        interpreter it reads and stores the host buffer itself."""
+        """Two device calls per batch, whatever its size: the launch, and the batch's
+        event right behind it (why here: the module's docstring). The kernel reads the
+        room table (and the page tables that live on the host) from pinned memory and
+        stores cells, contents and flags into the back of the same buffer, so nothing is copied."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):
@@ -318,8 +315,7 @@ class DigestEngine:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(staging_bytes(input_words, plan.n_cells, n_segments))
-        words = staging.words
-        base = staging.device_address if staging.device is not None else staging.host_address  # what the kernel reads
+        words, read_base = staging.words, staging.host_address
 
         # One NumPy write per page table and per table row: each call counts on a
         # serving thread that comes back to the probe after a model step.
@@ -330,7 +326,7 @@ class DigestEngine:
             else:
                 pages, n_pages = room.pages, plan.page_counts[slot]
                 words[cursor : cursor + n_pages] = pages.cpu() if isinstance(pages, torch.Tensor) else pages
-                address, id_bytes = base + 8 * cursor, 8
+                address, id_bytes = read_base + 8 * cursor, 8
                 cursor += n_pages
             row = ROOM_COLUMNS * slot
             words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
@@ -341,8 +337,8 @@ class DigestEngine:
         cells = words[input_words:cells_end].view(np.uint64).reshape(-1, n_segments)
         contents = words[cells_end:contents_end].view(np.uint64).reshape(-1, n_segments)
         flags = staging.host.numpy()[8 * contents_end : 8 * contents_end + plan.n_cells]  # then a byte per row
-        cells_address, contents_address = base + 8 * input_words, base + 8 * cells_end
-        flags_address = base + 8 * contents_end
+        cells_address, contents_address = staging.host_address + 8 * input_words, staging.host_address + 8 * cells_end
+        flags_address = staging.host_address + 8 * contents_end
 
         started = None
         if self.time_kernels:
@@ -350,19 +346,13 @@ class DigestEngine:
             started.record()
         keepalive = [d for d in on_device if d is not None]
         if self.device.type != "cuda":  # the interpreter runs it now
-            self._kernel.launch(base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
+            self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                                 one_room=one_room)
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
                                  contents=contents)
         device, raw_stream = self._current_stream()
-        twin = staging.device
-        if twin is not None and (one_room is None or cursor > table_words):  # the kernel reads the tables: up first
-            twin[: 8 * cursor].copy_(staging.host[: 8 * cursor], non_blocking=True)
-        self._kernel.launch(base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
+        self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                             one_room=one_room, device=device, stream=raw_stream)
-        if twin is not None:
-            outputs = slice(8 * input_words, 8 * contents_end + plan.n_cells)
-            staging.host[outputs].copy_(twin[outputs], non_blocking=True)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)

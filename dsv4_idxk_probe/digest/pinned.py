@@ -22,18 +22,13 @@ _MIN_BYTES = 128 * 1024
 
 @dataclass
 class Staging:
-    """A host buffer with its int64 NumPy view made once, and on CUDA a device buffer of
-    the same size: the submit writes tables into `words`, they go up into `device`
-    (one copy), the kernel reads them and stores its cells there, and the cells come
-    down into the back of `host` (one copy). Why not let the kernel read and store
-    pinned memory in place: its cells are small stores, and over PCIe they took six
-    times the kernel's read time on a large room (bench/RESULTS.md, issue 21)."""
+    """A host buffer with its int64 NumPy view made once: the submit writes tables into
+    `words`, the kernel reads them there and stores its cells into the back of `host`
+    (pinned memory the GPU addresses directly), so nothing is copied."""
 
     host: torch.Tensor  # uint8, pinned on CUDA
     words: np.ndarray  # int64 view of `host`
     host_address: int = 0
-    device: torch.Tensor | None = None  # uint8 on the GPU, as large as `host`; None without CUDA
-    device_address: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +52,7 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        device = torch.empty(size, dtype=torch.uint8, device=self.device) if self.pin else None
-        return Staging(host, host.numpy().view(np.int64), host.data_ptr(), device,
-                       device.data_ptr() if device is not None else 0)
+        return Staging(host, host.numpy().view(np.int64), host.data_ptr())
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""
