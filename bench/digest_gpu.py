@@ -581,7 +581,7 @@ def _compile_one(job) -> str:
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
             _digest_rooms_kernel.warmup(address, table, address, address, address, address, 8, 1024, 1 << 18,
-                                        **layout_constants(layout, align), ROWS=rows, PAGE_MAJOR=False,
+                                        **layout_constants(layout, align), ROWS=rows,
                                         ONE_ROOM=one_room, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps, policy = job

@@ -88,7 +88,7 @@ def plain_reads(timer, layout, bufs, launch, tables, device, shapes) -> list[dic
 def digest_reads(timer, layout, bufs, tables, device, shapes, rng, sample_pages) -> list[dict]:
     """The digest kernel over the same rows: the room passed by value (as the engine passes
     a room alone) or read from the room table, that table and the outputs in device
-    memory or in pinned host memory (where the engine keeps them), either grid order."""
+    memory or in pinned host memory (where the engine keeps them)."""
     n_pages = tables[0].numel()
     nbytes = len(bufs) * n_pages * layout.row_bytes
     results = []
@@ -96,15 +96,15 @@ def digest_reads(timer, layout, bufs, tables, device, shapes, rng, sample_pages)
         launches = [digest_gpu.Launch(layout, bufs, [RoomRequest(f"r{i}", t, n_pages * 256)], device,
                                       by_value=by_value, pinned=pinned) for i, t in enumerate(tables)]
         samples = [launch.sample_reference(rng, sample_pages) for launch in launches]
-        for (rows, warps), page_major in itertools.product(shapes, (False, True)):
+        for rows, warps in shapes:
             for launch in launches:
                 launch.kernel = digest_gpu.DigestKernel(launch.layers, len(bufs), layout, rows=rows, num_warps=warps,
-                                                        base_align=launch.base_align, page_major=page_major)
+                                                        base_align=launch.base_align)
                 launch.cells.fill_(0x5A5A)
                 launch.contents.fill_(0x5A5A)
             ms = timer.ms("steady", launches)
             compiled = launches[0].kernel.compiled.get(launches[0].one_room is not None)
-            results.append({"regs": _registers(compiled), "rows": rows, "warps": warps, "page_major": page_major, "by_value": by_value,
+            results.append({"regs": _registers(compiled), "rows": rows, "warps": warps, "by_value": by_value,
                             "pinned": pinned, "us": ms * 1e3, "read_TBps": nbytes / (ms * 1e-3) / 1e12,
                             "exact": all(launch.exact_on(s) for launch, s in zip(launches, samples))})
     return results

@@ -182,17 +182,12 @@ def _digest_rooms_kernel(
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
-    PAGE_MAJOR: tl.constexpr,  # grid (page block, layer, room) instead of (room, layer, page block)
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
 ):
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
-    if PAGE_MAJOR:
-        room = tl.program_id(2).to(tl.int64)
-        first_page = tl.program_id(0).to(tl.int64) * ROWS
-    else:
-        room = tl.program_id(0).to(tl.int64)
-        first_page = tl.program_id(2).to(tl.int64) * ROWS
+    room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
+    first_page = tl.program_id(2).to(tl.int64) * ROWS
     # Every table field is loaded before the test that ends programs past the room's
     # last page, so the loads go out together: a program waits for one round trip
     # to the tables, then one to the page table, before its rows. A launch of one
@@ -270,7 +265,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "PAGE_MAJOR", "ONE_ROOM",
+    "ONE_ROOM",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -334,12 +329,12 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, page_major: bool = False):
+                 base_align: int = 16):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "PAGE_MAJOR": page_major}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = {}  # ONE_ROOM -> the compiled kernel, launched directly once it is known to fit
@@ -360,8 +355,7 @@ class DigestKernel:
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         one_room = one_room if n_rooms == 1 else None
-        blocks = -(-max_pages // self.rows)
-        grid = (blocks, self.n_layers, n_rooms) if self.meta["PAGE_MAJOR"] else (n_rooms, self.n_layers, blocks)
+        grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
         if device is None or stream is None:
             device, stream = _current_device(), None
         variant = one_room is not None
