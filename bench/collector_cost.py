@@ -18,7 +18,13 @@ matching digest's content kept as the room's verified content, and the
 retirement moving it to the freed table; the serving thread's journal calls
 are counted by bench/hook_ops.py.
 
-Usage:  python3 bench/collector_cost.py [--rooms 2000] [--layers 30] [--pages 17] [--diagnosis] [--out DIR]
+Timings on a shared 2-core machine swing by half between runs, so a few more rooms
+(`--count-rooms`, before the timed ones) count instead the Python functions and C
+calls of a room's life on the collector: deterministic, so two versions of the code
+compare in one run each.
+
+Usage:  python3 bench/collector_cost.py [--rooms 2000] [--layers 30] [--pages 17] [--diagnosis]
+                                        [--count-rooms 20] [--profile FILE] [--out DIR]
 """
 
 from __future__ import annotations
@@ -55,6 +61,19 @@ def _median_us(samples: list[float]) -> float:
     return 1e6 * statistics.median(samples)
 
 
+class _CallCounter:
+    """Python functions entered and C functions called on this thread while set."""
+
+    def __init__(self):
+        self.calls = self.c_calls = 0
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            self.calls += 1
+        elif event == "c_call":
+            self.c_calls += 1
+
+
 def _timed(method, spent: list[float]):
     """`method`, adding the thread CPU each call takes to spent[0]."""
     def timed(*args, **kwargs):
@@ -79,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--pages", type=int, default=17)
     p.add_argument("--diagnosis", action="store_true", help="diagnosis on, with the shipped bounds")
+    p.add_argument("--count-rooms", type=int, default=20, help="rooms whose collector calls are counted, not timed")
     p.add_argument("--profile", type=Path, help="write a cProfile of the timed collector work here")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -88,9 +108,6 @@ def main(argv=None) -> int:
     pages, tokens = np.arange(args.pages) + 1, args.pages * 256 - 100
     diagnosis = shipped_diagnosis(layout, engine.layer_ids) if args.diagnosis else None
     in_diagnosis = [0.0]  # thread CPU inside the diagnosis's collector calls, this room so far
-    if diagnosis is not None:
-        for name in ("observe", "before", "retired"):
-            setattr(diagnosis, name, _timed(getattr(diagnosis, name), in_diagnosis))
     profiler = None
     if args.profile is not None:
         import cProfile
@@ -98,24 +115,32 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as logs:
         # The writer starts only once every record is queued, so its CPU per room is
         # measured alone, and it takes no GIL from the collector loop timed below.
-        writer = RoomLogWriter(logs, "decode", queue_size=args.rooms * len(STAGES), start=False)
+        writer = RoomLogWriter(logs, "decode", queue_size=(args.count_rooms + args.rooms) * len(STAGES), start=False)
         monitor = DecodeMonitor(engine, writer.emit, ProbeMetrics(CollectorRegistry(), role="decode"),
                                 diagnosis=diagnosis)
         # Cells computed once: the reference digest is not what a GPU collector pays. Every
         # stage of a room digests the same bytes, so one set of cells serves them all.
         request = lambda i: [RoomRequest(RoomId(i).key, pages, tokens)]  # noqa: E731
+        n_rooms = args.count_rooms + args.rooms
         tickets = [[engine._launch(request(i), lambda _: None) for _ in range(len(STAGES) + 1)]
-                   for i in range(args.rooms)]
+                   for i in range(n_rooms)]
         for room_tickets in tickets:
             room_tickets[-1].contents_only = True  # the allocation snapshot, as room_allocated submits it
         parts: dict[str, list[float]] = {"fold": [], "judge": [], "snapshot": [], "total": [], "diagnosis": []}
         parts.update({stage: [] for stage in STAGES})
+        counts: list[tuple[int, int]] = []
         for i, room_tickets in enumerate(tickets):
             room = RoomId(i)
+            if diagnosis is not None and i == args.count_rooms:  # timed from here on: counted rooms run bare
+                for name in ("observe", "before", "retired"):
+                    setattr(diagnosis, name, _timed(getattr(diagnosis, name), in_diagnosis))
             if diagnosis is not None:
                 diagnosis.allocated(room.key, pages)  # serving thread: not timed here (bench/hook_ops.py)
             room_cpu, in_diagnosis[0] = 0.0, 0.0
-            if profiler is not None:
+            counter = _CallCounter() if i < args.count_rooms else None
+            if counter is not None:
+                sys.setprofile(counter)
+            elif profiler is not None:
                 profiler.enable()
             if diagnosis is not None:
                 cpu_started = time.thread_time()
@@ -149,6 +174,12 @@ def main(argv=None) -> int:
                 if stage == "decode_recv":
                     parts["fold"].append(folded - started)
                     parts["judge"].append(time.perf_counter() - folded)
+            if counter is not None:
+                sys.setprofile(None)
+                counts.append((counter.calls, counter.c_calls))
+                if diagnosis is not None:
+                    diagnosis.freed(room.key, pages)
+                continue
             if profiler is not None:
                 profiler.disable()
             parts["total"].append(room_cpu)
@@ -162,7 +193,7 @@ def main(argv=None) -> int:
         writer_cpu = time.process_time() - writer_started
         written = writer.written
         writer.close()
-    expected = args.rooms * len(STAGES)
+    expected = n_rooms * len(STAGES)
     if written != expected:
         print(f"INVALID: the room log holds {written} of {expected} records", file=sys.stderr)
         return 1
@@ -180,6 +211,9 @@ def main(argv=None) -> int:
         # the snapshot's delivery plus the diagnosis's calls (observe, before, retired) in the stages
         "diagnosis_cpu_us": _median_us(parts["diagnosis"]) if parts["diagnosis"] else None,
         "log_writer_cpu_us_per_record": 1e6 * writer_cpu / expected,
+        # per room, the snapshot's delivery and every stage, on the first `count_rooms` rooms
+        "python_calls_per_room": statistics.median(c for c, _ in counts) if counts else None,
+        "c_calls_per_room": statistics.median(c for _, c in counts) if counts else None,
     }
     if diagnosis is not None:
         report["index_cells"] = diagnosis.index.cells
@@ -191,6 +225,8 @@ def main(argv=None) -> int:
           + (f", allocation snapshot {report['snapshot_cpu_us']:.1f} us" if report["snapshot_cpu_us"] is not None else "")
           + f"; the room's life {report['room_cpu_us']:.1f} us"
           + (f" (diagnosis's part {report['diagnosis_cpu_us']:.1f} us)" if report["diagnosis_cpu_us"] is not None else "")
+          + (f"; counted: {report['python_calls_per_room']:.0f} Python functions, {report['c_calls_per_room']:.0f} C calls"
+             if counts else "")
           + "; room-log writer "
           f"{report['log_writer_cpu_us_per_record']:.1f} us CPU per record (mean)")
     if args.out is not None:
