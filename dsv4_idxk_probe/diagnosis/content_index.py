@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,10 +32,10 @@ class Entry:
     pages: np.ndarray  # int64 [pages]: physical page of each logical page
     content: np.ndarray  # uint64 [layers, pages, segments]
     frozen: np.ndarray  # int [pages]: frozen slots of each logical page
+    cells: int = field(init=False, default=0)  # content.size, kept: the bound's bookkeeping reads it at every update
 
-    @property
-    def cells(self) -> int:
-        return int(self.content.size)
+    def __post_init__(self):
+        self.cells = int(self.content.size)
 
     @property
     def nbytes(self) -> int:

@@ -102,10 +102,16 @@ def test_frozen_slot_counts_are_the_clamped_division_for_every_page():
             assert got.dtype == np.int32 and got.tolist() == want.tolist(), (n_pages, n_tokens)
 
 
-def test_a_contents_only_batch_hands_out_the_same_contents_without_digests():
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the interpreter without a GPU
+def test_a_contents_only_batch_hands_out_the_same_contents_without_digests(backend):
     g = torch.Generator().manual_seed(3)
     buffers = [torch.randint(0, 256, (8, LAYOUT.row_bytes), dtype=torch.uint8, generator=g) for _ in range(LAYERS)]
-    engine = DigestEngine(LAYOUT, list(range(LAYERS)), buffers, backend="reference")
+    if backend == "triton":
+        buffers = [b.to(DEVICE) for b in buffers]
+    engine = DigestEngine(LAYOUT, list(range(LAYERS)), buffers, backend=backend, rows=2)
     rooms = [RoomRequest("a", [1, 2, 3], 2 * 256 + 40), RoomRequest("outside", [5, 99], 300)]
     got, done = {}, threading.Event()
     engine.submit(rooms, lambda batch: got.__setitem__("full", batch))
