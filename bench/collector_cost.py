@@ -10,7 +10,21 @@ the calling thread, with the product's own objects (DigestEngine with the
 NumPy reference backend, DecodeMonitor, RoomLogWriter, ProbeMetrics), so
 the number can be set against the loop's growth per batch.
 
-Usage:  python3 bench/collector_cost.py [--rooms 2000] [--layers 30] [--pages 17] [--out DIR]
+A room's life on the collector is timed stage by stage: its receipt
+(`decode_recv`), one `decode_step` and its finish (`decode_finish`, which
+retires it). `--diagnosis` adds what diagnosis costs there (docs/diagnosis.md):
+the allocation snapshot's delivery (fold and content into the index), each
+matching digest's content kept as the room's verified content, and the
+retirement moving it to the freed table; the serving thread's journal calls
+are counted by bench/hook_ops.py.
+
+Timings on a shared 2-core machine swing by half between runs, so a few more rooms
+(`--count-rooms`, before the timed ones) count instead the Python functions and C
+calls of a room's life on the collector: deterministic, so two versions of the code
+compare in one run each.
+
+Usage:  python3 bench/collector_cost.py [--rooms 2000] [--layers 30] [--pages 17] [--diagnosis]
+                                        [--count-rooms 20] [--profile FILE] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,15 +44,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from dsv4_idxk_probe.config import DiagnosisConfig  # noqa: E402
+from dsv4_idxk_probe.diagnosis.content_index import ContentIndex  # noqa: E402
+from dsv4_idxk_probe.diagnosis.journal import PageJournal  # noqa: E402
+from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics  # noqa: E402
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, RoomId  # noqa: E402
 from dsv4_idxk_probe.pd.decode import _Room  # noqa: E402
 from dsv4_idxk_probe.roomlog import RoomLogWriter  # noqa: E402
 
+STAGES = ("decode_recv", "decode_step", "decode_finish")
+
 
 def _median_us(samples: list[float]) -> float:
     return 1e6 * statistics.median(samples)
+
+
+class _CallCounter:
+    """Python functions entered and C functions called on this thread while set."""
+
+    def __init__(self):
+        self.calls = self.c_calls = 0
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            self.calls += 1
+        elif event == "c_call":
+            self.c_calls += 1
+
+
+def _timed(method, spent: list[float]):
+    """`method`, adding the thread CPU each call takes to spent[0]."""
+    def timed(*args, **kwargs):
+        started = time.thread_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - started
+    return timed
+
+
+def shipped_diagnosis(layout, layer_ids) -> DecodeDiagnosis:
+    """Decode's diagnosis with the shipped bounds (DiagnosisConfig's defaults)."""
+    cfg = DiagnosisConfig(enabled=True)
+    return DecodeDiagnosis(layout, layer_ids, PageJournal(cfg.journal_events, cfg.journal_per_page),
+                           ContentIndex(cfg.index_cells), max_cells=cfg.max_cells_per_room)
 
 
 def main(argv=None) -> int:
@@ -46,33 +97,95 @@ def main(argv=None) -> int:
     p.add_argument("--rooms", type=int, default=2000)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--pages", type=int, default=17)
+    p.add_argument("--diagnosis", action="store_true", help="diagnosis on, with the shipped bounds")
+    p.add_argument("--count-rooms", type=int, default=20, help="rooms whose collector calls are counted, not timed")
+    p.add_argument("--profile", type=Path, help="write a cProfile of the timed collector work here")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     layout = get_layout("fp8")
     buffers = [torch.randint(0, 256, (args.pages + 1, layout.row_bytes), dtype=torch.uint8) for _ in range(args.layers)]
     engine = DigestEngine(layout, list(range(args.layers)), buffers, backend="reference")
     pages, tokens = np.arange(args.pages) + 1, args.pages * 256 - 100
+    diagnosis = shipped_diagnosis(layout, engine.layer_ids) if args.diagnosis else None
+    in_diagnosis = [0.0]  # thread CPU inside the diagnosis's collector calls, this room so far
+    profiler = None
+    if args.profile is not None:
+        import cProfile
+        profiler = cProfile.Profile()
     with tempfile.TemporaryDirectory() as logs:
         # The writer starts only once every record is queued, so its CPU per room is
         # measured alone, and it takes no GIL from the collector loop timed below.
-        writer = RoomLogWriter(logs, "decode", queue_size=args.rooms, start=False)
-        monitor = DecodeMonitor(engine, writer.emit, ProbeMetrics(CollectorRegistry(), role="decode"))
-        # Cells computed once: the reference digest is not what a GPU collector pays.
-        tickets = [engine._launch([RoomRequest(RoomId(i).key, pages, tokens)], lambda _: None) for i in range(args.rooms)]
-        fold, verdict, cpu = [], [], []
-        for i, ticket in enumerate(tickets):
+        writer = RoomLogWriter(logs, "decode", queue_size=(args.count_rooms + args.rooms) * len(STAGES), start=False)
+        monitor = DecodeMonitor(engine, writer.emit, ProbeMetrics(CollectorRegistry(), role="decode"),
+                                diagnosis=diagnosis)
+        # Cells computed once: the reference digest is not what a GPU collector pays. Every
+        # stage of a room digests the same bytes, so one set of cells serves them all.
+        request = lambda i: [RoomRequest(RoomId(i).key, pages, tokens)]  # noqa: E731
+        n_rooms = args.count_rooms + args.rooms
+        tickets = [[engine._launch(request(i), lambda _: None) for _ in range(len(STAGES) + 1)]
+                   for i in range(n_rooms)]
+        for room_tickets in tickets:
+            room_tickets[-1].contents_only = True  # the allocation snapshot, as room_allocated submits it
+        parts: dict[str, list[float]] = {"fold": [], "judge": [], "snapshot": [], "total": [], "diagnosis": []}
+        parts.update({stage: [] for stage in STAGES})
+        counts: list[tuple[int, int]] = []
+        for i, room_tickets in enumerate(tickets):
             room = RoomId(i)
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            batch = engine._finish(ticket)
-            folded = time.perf_counter()
-            digest = batch.digests[0]
-            # The monitor's state of a received room, made here: room_received would also
-            # submit a digest, and its delivery would write a second record.
-            state = _Room(room, pages, tokens, InbandDigest(digest.room, digest.signature, tokens), in_flight=1)
-            monitor._on_result(state, "decode_recv", None, time.monotonic(), digest, batch.room_bytes[0])
-            fold.append(folded - started)
-            verdict.append(time.perf_counter() - folded)
-            cpu.append(time.thread_time() - cpu_started)
+            if diagnosis is not None and i == args.count_rooms:  # timed from here on: counted rooms run bare
+                for name in ("observe", "before", "retired"):
+                    setattr(diagnosis, name, _timed(getattr(diagnosis, name), in_diagnosis))
+            if diagnosis is not None:
+                diagnosis.allocated(room.key, pages)  # serving thread: not timed here (bench/hook_ops.py)
+            room_cpu, in_diagnosis[0] = 0.0, 0.0
+            counter = _CallCounter() if i < args.count_rooms else None
+            if counter is not None:
+                sys.setprofile(counter)
+            elif profiler is not None:
+                profiler.enable()
+            if diagnosis is not None:
+                cpu_started = time.thread_time()
+                monitor._on_before(room.key, pages, tokens, engine._finish(room_tickets[-1]))
+                spent = time.thread_time() - cpu_started
+                parts["snapshot"].append(spent)
+                room_cpu += spent
+                in_diagnosis[0] = spent  # all of the snapshot's delivery is diagnosis's
+            state = None
+            for stage, ticket in zip(STAGES, room_tickets):
+                started, cpu_started = time.perf_counter(), time.thread_time()
+                batch = engine._finish(ticket)
+                folded = time.perf_counter()
+                digest = batch.digests[0]
+                if state is None:
+                    # The monitor's state of a received room, made here: room_received would
+                    # also submit a digest, and its delivery would write a second record.
+                    state = _Room(room, pages, tokens, InbandDigest(digest.room, digest.signature, tokens))
+                    with monitor._lock:
+                        monitor._rooms[room.key] = state
+                state.in_flight += 1
+                state.finished = stage == "decode_finish"
+                content = batch.contents[0] if diagnosis is not None else None
+                enqueued_ns = time.monotonic_ns() if diagnosis is not None else None
+                step = 64 if stage == "decode_step" else None
+                monitor._on_result(state, stage, step, time.monotonic(), digest, batch.room_bytes[0], content,
+                                   enqueued_ns)
+                spent = time.thread_time() - cpu_started
+                parts[stage].append(spent)
+                room_cpu += spent
+                if stage == "decode_recv":
+                    parts["fold"].append(folded - started)
+                    parts["judge"].append(time.perf_counter() - folded)
+            if counter is not None:
+                sys.setprofile(None)
+                counts.append((counter.calls, counter.c_calls))
+                if diagnosis is not None:
+                    diagnosis.freed(room.key, pages)
+                continue
+            if profiler is not None:
+                profiler.disable()
+            parts["total"].append(room_cpu)
+            if diagnosis is not None:
+                parts["diagnosis"].append(in_diagnosis[0])
+                diagnosis.freed(room.key, pages)  # serving thread, as above
         engine.close()
         writer_started = time.process_time()
         writer.start()
@@ -80,22 +193,47 @@ def main(argv=None) -> int:
         writer_cpu = time.process_time() - writer_started
         written = writer.written
         writer.close()
-    if written != args.rooms:
-        print(f"INVALID: the room log holds {written} of {args.rooms} records", file=sys.stderr)
+    expected = n_rooms * len(STAGES)
+    if written != expected:
+        print(f"INVALID: the room log holds {written} of {expected} records", file=sys.stderr)
+        return 1
+    if monitor.tracked():
+        print(f"INVALID: {monitor.tracked()} rooms still tracked after their finish", file=sys.stderr)
         return 1
     report = {
         "rooms": args.rooms, "layers": args.layers, "pages": args.pages, "python": sys.version.split()[0],
-        "fold_us": _median_us(fold), "judge_record_metrics_us": _median_us(verdict),
-        "collector_thread_cpu_us": _median_us(cpu),
-        "log_writer_cpu_us_per_room": 1e6 * writer_cpu / args.rooms,
+        "diagnosis": args.diagnosis,
+        "fold_us": _median_us(parts["fold"]), "judge_record_metrics_us": _median_us(parts["judge"]),
+        "collector_thread_cpu_us": _median_us(parts["decode_recv"]),
+        "stage_cpu_us": {stage: _median_us(parts[stage]) for stage in STAGES},
+        "snapshot_cpu_us": _median_us(parts["snapshot"]) if parts["snapshot"] else None,
+        "room_cpu_us": _median_us(parts["total"]),
+        # the snapshot's delivery plus the diagnosis's calls (observe, before, retired) in the stages
+        "diagnosis_cpu_us": _median_us(parts["diagnosis"]) if parts["diagnosis"] else None,
+        "log_writer_cpu_us_per_record": 1e6 * writer_cpu / expected,
+        # per room, the snapshot's delivery and every stage, on the first `count_rooms` rooms
+        "python_calls_per_room": statistics.median(c for c, _ in counts) if counts else None,
+        "c_calls_per_room": statistics.median(c for _, c in counts) if counts else None,
     }
-    print(f"per room ({args.layers} layers x {args.pages} pages, {args.rooms} rooms, medians): fold {report['fold_us']:.1f} us, "
-          f"judge + record + metrics {report['judge_record_metrics_us']:.1f} us, collector thread CPU "
-          f"{report['collector_thread_cpu_us']:.1f} us; room-log writer "
-          f"{report['log_writer_cpu_us_per_room']:.1f} us CPU per room (mean)")
+    if diagnosis is not None:
+        report["index_cells"] = diagnosis.index.cells
+        report["journal_events"] = len(diagnosis.journal)
+    print(f"per room ({args.layers} layers x {args.pages} pages, {args.rooms} rooms, medians, diagnosis "
+          f"{'on' if args.diagnosis else 'off'}): receipt fold {report['fold_us']:.1f} us, "
+          f"judge + record + metrics {report['judge_record_metrics_us']:.1f} us; collector thread CPU: "
+          + ", ".join(f"{stage} {us:.1f} us" for stage, us in report["stage_cpu_us"].items())
+          + (f", allocation snapshot {report['snapshot_cpu_us']:.1f} us" if report["snapshot_cpu_us"] is not None else "")
+          + f"; the room's life {report['room_cpu_us']:.1f} us"
+          + (f" (diagnosis's part {report['diagnosis_cpu_us']:.1f} us)" if report["diagnosis_cpu_us"] is not None else "")
+          + (f"; counted: {report['python_calls_per_room']:.0f} Python functions, {report['c_calls_per_room']:.0f} C calls"
+             if counts else "")
+          + "; room-log writer "
+          f"{report['log_writer_cpu_us_per_record']:.1f} us CPU per record (mean)")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "collector_cost.json").write_text(json.dumps(report, indent=1))
+    if profiler is not None:
+        profiler.dump_stats(str(args.profile))
     return 0
 
 

@@ -19,7 +19,14 @@ fake is one Python call where the real one is a C call or a Python
 function of its own). The collector thread runs, as in serving, but only
 the calling thread is counted.
 
-Usage:  python3 bench/hook_ops.py [--layers 30] [--pages 17] [--calls 200] [--out DIR]
+`--diagnosis` turns decode's diagnosis on (shipped bounds, allocation
+snapshot on) and adds the allocation hook (`DecodeMonitor.room_allocated`:
+a journal event and the snapshot's submit); receipt and finish then journal
+too. Page tables are host lists here, so the device-to-host copy of a
+device page table (`host_ids.capture`: a pinned buffer, a copy, an event)
+is not counted.
+
+Usage:  python3 bench/hook_ops.py [--layers 30] [--pages 17] [--calls 200] [--diagnosis] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dsv4_idxk_probe.config import DiagnosisConfig  # noqa: E402
+from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, get_layout  # noqa: E402
 from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId  # noqa: E402
 
@@ -111,27 +120,42 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--pages", type=int, default=17)
     p.add_argument("--calls", type=int, default=200, help="calls of each kind; counts are per call (median)")
+    p.add_argument("--diagnosis", action="store_true", help="decode's diagnosis on (shipped bounds, snapshot on)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     engine = cuda_path_engine(args.layers, args.pages)
-    decode = DecodeMonitor(engine, lambda record: None)
+    diagnosis = None
+    if args.diagnosis:
+        diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), engine.layout,
+                                     engine.layer_ids)
+    decode = DecodeMonitor(engine, lambda record: None, diagnosis=diagnosis, snapshot_on_allocation=True)
     prefill = PrefillMonitor(engine, lambda record: None)
     pages, tokens = list(range(1, args.pages + 1)), args.pages * 256 - 100
     counter, results = Counter(), {}
     room_no = iter(range(10**9))
 
+    def allocation():
+        room = RoomId(next(room_no))
+        return lambda: decode.room_allocated(room, pages, tokens)
+
     def receipt():
-        decode.room_received(RoomId(next(room_no)), pages, tokens, None)
+        room = RoomId(next(room_no))
+        if diagnosis is not None:
+            decode.room_allocated(room, pages, tokens, snapshot=False)
+        return lambda: decode.room_received(room, pages, tokens, None)
 
     def finish():
         room = RoomId(next(room_no))
+        if diagnosis is not None:
+            decode.room_allocated(room, pages, tokens, snapshot=False)
         decode.room_received(room, pages, tokens, None)
         time.sleep(0.001)  # the collector takes the receipt first
         return lambda: decode.batch_done([room], [])
 
-    cases = {"decode receipt (room_received)": lambda: receipt,
+    cases = {"decode allocation (room_allocated)": allocation} if diagnosis is not None else {}
+    cases.update({"decode receipt (room_received)": receipt,
              "decode finishing batch of one room (batch_done)": finish,
-             "prefill send (room_sent)": lambda: lambda: prefill.room_sent(RoomId(next(room_no)), pages, tokens)}
+             "prefill send (room_sent)": lambda: lambda: prefill.room_sent(RoomId(next(room_no)), pages, tokens)})
     for name, make in cases.items():
         samples = []
         for _ in range(args.calls):
@@ -140,7 +164,7 @@ def main(argv=None) -> int:
         results[name] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
     engine.close()
     print(f"serving-thread work per probe call ({args.layers} layers x {args.pages} pages per room; "
-          "device calls faked; medians over the calls)")
+          f"diagnosis {'on' if args.diagnosis else 'off'}; device calls faked; medians over the calls)")
     print(f"{'call':<50} {'Python calls':>12} {'C calls':>8} {'bytecodes':>10}")
     for name, r in results.items():
         print(f"{name:<50} {r['python_calls']:12.0f} {r['c_calls']:8.0f} {r['opcodes']:10.0f}")

@@ -58,11 +58,14 @@ def zero_cell_digests(layout: RowLayout, frozen_slots) -> np.ndarray:
     frozen slot count (`reference.zero_content_digest`, the definition): a lookup in
     the layout's table, since every room the collector tracks needs one."""
     frozen = np.asarray(frozen_slots, dtype=np.int64).reshape(-1)
-    return _zero_table(layout)[frozen]
+    return zero_table(layout)[frozen]
 
 
 @lru_cache(maxsize=16)
-def _zero_table(layout: RowLayout) -> np.ndarray:
-    """uint64 [slots + 1, segments]: row n is the zero cell's content with n frozen slots."""
-    return np.array([[reference.zero_content_digest(layout, s, n) for s in range(len(layout.segments))]
-                     for n in range(layout.slots + 1)], dtype=np.uint64)
+def zero_table(layout: RowLayout) -> np.ndarray:
+    """uint64 [slots + 1, segments]: row n is the zero cell's content with n frozen slots
+    (read-only: every caller shares it)."""
+    table = np.array([[reference.zero_content_digest(layout, s, n) for s in range(len(layout.segments))]
+                      for n in range(layout.slots + 1)], dtype=np.uint64)
+    table.flags.writeable = False
+    return table

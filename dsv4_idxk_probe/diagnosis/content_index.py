@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,10 +32,10 @@ class Entry:
     pages: np.ndarray  # int64 [pages]: physical page of each logical page
     content: np.ndarray  # uint64 [layers, pages, segments]
     frozen: np.ndarray  # int [pages]: frozen slots of each logical page
+    cells: int = field(init=False, default=0)  # content.size, kept: the bound's bookkeeping reads it at every update
 
-    @property
-    def cells(self) -> int:
-        return int(self.content.size)
+    def __post_init__(self):
+        self.cells = int(self.content.size)
 
     @property
     def nbytes(self) -> int:
@@ -81,12 +81,30 @@ class ContentIndex:
             else:
                 break
 
-    def hold(self, room: str, pages, content: np.ndarray, frozen) -> None:
-        """Room `room`'s verified content (replaces what was kept for it)."""
+    def hold(self, room: str, pages, content: np.ndarray, frozen) -> Entry:
+        """Room `room`'s verified content (replaces what was kept for it); the entry made."""
         entry = Entry(room, np.asarray(pages, dtype=np.int64).reshape(-1), np.array(content, dtype=np.uint64),
                       np.asarray(frozen).reshape(-1))
         with self._lock:
             self._put(self._held, entry)
+        return entry
+
+    def renew(self, room: str, entry: Entry | None, content: np.ndarray) -> bool:
+        """`hold` again for a room that matched again with the content `entry` (made by its
+        last `hold`) keeps: the entry becomes the newest held one, as a replacement would
+        make it, with no new entry and no copy. False, and nothing done, when the index no
+        longer holds `entry` for the room (replaced, evicted, released) or the content
+        differs: the caller then holds it."""
+        if entry is None:
+            return False
+        with self._lock:
+            if self._held.get(room) is not entry:
+                return False
+            kept = entry.content
+            if kept.shape != content.shape or kept.tobytes() != content.tobytes():
+                return False
+            self._held.move_to_end(room)
+        return True
 
     def before(self, room: str, pages, content: np.ndarray, frozen) -> None:
         """What `room`'s pages held when they were allocated to it."""

@@ -118,6 +118,14 @@ class PageJournal:
             self._events.append(event)
             self.recorded += 1
 
+    def record_captured(self, kind: str, pages: Any, room: str | None = None) -> None:
+        """`record` for pages already captured by the caller (`host_ids.capture` of them, or
+        a host container): the serving thread's room events skip the capture checks."""
+        event = _Event(self._clock(), kind, room, pages, None, None, None)
+        with self._lock:
+            self._events.append(event)
+            self.recorded += 1
+
     def __len__(self) -> int:
         return len(self._events)
 

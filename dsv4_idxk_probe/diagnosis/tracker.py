@@ -13,6 +13,7 @@ localisation's bound.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..digest.layout import RowLayout
 from ..digest.room_table import frozen_slots_per_page
-from .content import zero_cell_digests
+from .content import zero_table
 from .content_index import ContentIndex
 from .diagnose import bad_cells, diagnose_cells
 from .host_ids import capture, host_ints
@@ -34,6 +35,8 @@ class _Track:
     zero: np.ndarray
     last_good_ns: int | None = None
     last_seen_ns: int | None = None
+    # the index entry its last match made, weakly: a track never keeps an evicted entry alive
+    held: weakref.ref | None = None
 
 
 class DecodeDiagnosis:
@@ -48,21 +51,23 @@ class DecodeDiagnosis:
         self._tracks: dict[str, _Track] = {}
         self._captured: dict[str, tuple[Any, Any]] = {}  # room -> (its page table, host_ids.capture of it)
         self._lock = threading.Lock()
+        # looked up once: `zero_cell_digests` would hash the layout again for every room
+        self._zeros = zero_table(layout)
 
     # %% serving thread (O(1))
 
     def allocated(self, key: str, pages: Any) -> None:
         ids = self._ids(key, pages)  # also marks the room live until its free (see `before`)
         if self.journal is not None:
-            self.journal.record("allocated", ids, key)
+            self.journal.record_captured("allocated", ids, key)
 
     def landed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("transfer_landed", self._ids(key, pages), key)
+            self.journal.record_captured("transfer_landed", self._ids(key, pages), key)
 
     def freed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
-            self.journal.record("freed", self._ids(key, pages), key)
+            self.journal.record_captured("freed", self._ids(key, pages), key)
 
     def _ids(self, key: str, pages: Any) -> Any:
         """The room's page ids on their way to the host: captured once per page table
@@ -89,7 +94,7 @@ class DecodeDiagnosis:
         if track is None:
             host = host_ints(self._ids(key, pages))
             frozen = frozen_slots_per_page(self.layout, len(host), n_tokens)
-            track = _Track(host, frozen, zero_cell_digests(self.layout, frozen))
+            track = _Track(host, frozen, self._zeros[frozen])  # zero_cell_digests(layout, frozen)
             with self._lock:
                 self._tracks[key] = track
                 while len(self._tracks) > self.max_tracks:
@@ -119,7 +124,10 @@ class DecodeDiagnosis:
             return None
         track = self._track(key, pages, n_tokens)
         if verdict == "match":
-            self.index.hold(key, track.pages, content, track.frozen)
+            # the common case, every digest of a clean room: its content is the one its last
+            # match kept, so that entry is only renewed
+            if not self.index.renew(key, track.held() if track.held is not None else None, content):
+                track.held = weakref.ref(self.index.hold(key, track.pages, content, track.frozen))
             track.last_good_ns = digested_ns
             return None
         if verdict != "mismatch":

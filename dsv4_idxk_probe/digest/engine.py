@@ -102,6 +102,7 @@ class PendingDigest:
     error: str | None = None  # recording `done` failed: the collector drops the batch
     flags: np.ndarray | None = None  # uint8 [n_cells]: 1 where the row's page id was out of range
     contents: np.ndarray | None = None  # uint64 [n_cells, n_segments]: each cell's content digest
+    contents_only: bool = False  # the caller wants the contents alone: no fold, no digests (see `submit`)
 
     def ready(self) -> bool:
         """Whether `room_digests` is readable now; never, for a batch whose event failed."""
@@ -236,16 +237,20 @@ class DigestEngine:
 
     # %% public API
 
-    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None]) -> PendingDigest | None:
+    def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None], *,
+               contents_only: bool = False) -> PendingDigest | None:
         """Digest `rooms` in one launch; `callback` runs later on the collector thread.
 
         Returns None (and counts the drop) when too many batches are pending;
-        it never waits.
+        it never waits. `contents_only`: the callback needs the cells' content
+        digests alone (a diagnosis snapshot), so the collector skips the fold:
+        its result has no digests and no room bytes, and the ticket no room digests.
         """
         if len(self._tickets.items) >= self.max_pending:  # before the launch: a launched batch is never dropped
             self.stats.dropped_batches += 1
             return None
         ticket = self._launch(list(rooms), callback)
+        ticket.contents_only = contents_only
         if not self._collecting:
             self._start_collector()
         self._tickets.put(ticket)
@@ -460,6 +465,8 @@ class DigestEngine:
 
     def _finish(self, ticket: PendingDigest) -> BatchResult:
         """Fold each room's cells (the event has completed), then recycle the buffers."""
+        if ticket.contents_only:
+            return self._finish_contents(ticket)
         plan, digests, room_bytes = ticket.plan, [], []
         out_of_range = out_of_range_counts(plan, ticket.flags)
         # One copy out of the staging buffer (recycled below); each room's block is a view of it.
@@ -499,6 +506,22 @@ class DigestEngine:
         room_contents = () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
                            out_of_range=tuple(out_of_range), contents=room_contents)
+
+    def _finish_contents(self, ticket: PendingDigest) -> BatchResult:
+        """A contents-only batch: one copy of its contents out of the staging buffer (each
+        room's block a view of it), its out-of-range rows counted as for any batch."""
+        plan = ticket.plan
+        out_of_range = out_of_range_counts(plan, ticket.flags)
+        contents = ticket.contents.copy() if ticket.contents is not None else None
+        if ticket.counted:
+            self.stats.completed_rooms += len(ticket.rooms)
+            if any(out_of_range):
+                self._count_out_of_range(ticket.rooms, out_of_range)
+        ticket.final_rooms = np.zeros(0, dtype=np.uint64)  # never folded: no room digests to read
+        ticket.contents = contents
+        self._release(ticket)
+        room_contents = () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
+        return BatchResult([], plan.n_cells, 0, out_of_range=tuple(out_of_range), contents=room_contents)
 
     def _count_out_of_range(self, rooms: list[RoomRequest], out_of_range: list[int]) -> None:
         """A page id outside a registered buffer is a probe failure (a wrong page table):

@@ -92,14 +92,15 @@ class DecodeMonitor:
         diagnosis = self.diagnosis
         if diagnosis is None:
             return
-        diagnosis.allocated(room.key, pages)
+        key = room.key
+        diagnosis.allocated(key, pages)
         # the verdicts' digests come first: with the collector's queue half full, no snapshot
         # (the room is then diagnosed without its pages' earlier bytes)
         if snapshot and self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
-            key = room.key
+            # contents only: the snapshot's fold and digests would never be read
             self.engine.submit([RoomRequest(key, pages, n_tokens)],
                                lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages,
-                                                         n_tokens, batch))
+                                                         n_tokens, batch), contents_only=True)
 
     def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult) -> None:
         contents = getattr(batch, "contents", ())

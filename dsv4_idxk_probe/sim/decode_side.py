@@ -130,7 +130,10 @@ class DecodeSide:
             self._resolve_faults(room)
             self.active[plan.room] = room
             if self.monitor is not None:  # diagnosis: the pages are the room's now, before the WRITE
-                self.monitor.room_allocated(room.rid, room.sent_phys, room.plan.sent_tokens)
+                # a probe call like the others (the journal event and, with diagnosis, the
+                # snapshot's launch), not the loop's own work
+                with self.clock.probe("allocate"):
+                    self.monitor.room_allocated(room.rid, room.sent_phys, room.plan.sent_tokens)
             self.peer.send(("transfer", TransferInfo(plan.room, 0, tuple(room.sent_phys), room.meta_row)))
             admitted = True
         return admitted

@@ -1,18 +1,30 @@
-"""bench/collector_cost.py keeps working: every room gets exactly one record, and the
-per-room costs it reports are measured, not defaulted."""
+"""bench/collector_cost.py keeps working: every room gets exactly one record per stage,
+and the per-room costs it reports are measured, not defaulted, with diagnosis off and on."""
 
 import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "collector_cost.py"
 
 
-def test_collector_cost_bench_writes_one_record_per_room(tmp_path):
+@pytest.mark.parametrize("diagnosis", [False, True])
+def test_collector_cost_bench_writes_one_record_per_room_and_stage(tmp_path, diagnosis):
     spec = importlib.util.spec_from_file_location("collector_cost", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--rooms", "40", "--layers", "2", "--pages", "3", "--out", str(tmp_path)]) == 0
+    argv = ["--rooms", "40", "--count-rooms", "5", "--layers", "2", "--pages", "3", "--out", str(tmp_path)] + (["--diagnosis"] if diagnosis else [])
+    assert bench.main(argv) == 0
     report = json.loads((tmp_path / "collector_cost.json").read_text())
-    assert report["rooms"] == 40
-    assert report["fold_us"] > 0 and report["judge_record_metrics_us"] > 0 and report["log_writer_cpu_us_per_room"] > 0
+    assert report["rooms"] == 40 and report["diagnosis"] is diagnosis
+    assert report["fold_us"] > 0 and report["judge_record_metrics_us"] > 0 and report["log_writer_cpu_us_per_record"] > 0
+    assert all(us > 0 for us in report["stage_cpu_us"].values())
+    assert report["python_calls_per_room"] > 10 and report["c_calls_per_room"] > 10
+    if diagnosis:
+        assert report["snapshot_cpu_us"] > 0 and report["room_cpu_us"] > report["diagnosis_cpu_us"] > report["snapshot_cpu_us"]
+        assert report["index_cells"] == 45 * 2 * 3 * 2  # every finished room's content, now its pages' last occupant's
+        assert report["journal_events"] == 45 * 2  # allocated and freed per room (the bench makes no landing)
+    else:
+        assert report["snapshot_cpu_us"] is None and report["diagnosis_cpu_us"] is None

@@ -53,11 +53,13 @@ def test_every_room_verified_and_nothing_mismatches(clean):
 
 
 def test_loop_clock_counts_every_probe_call_on_both_serving_loops(clean):
-    """What bench/overhead.py reads: one timed call per receipt, per finishing batch, per step batch, per send."""
+    """What bench/overhead.py reads: one timed call per allocation (the journal event and,
+    with diagnosis, the snapshot's launch: the probe's, not the loop's own work), per
+    receipt, per finishing batch, per step batch, per send."""
     result, *_ = clean
     decode, prefill = result.stats["decode"], result.stats["prefill"]
     calls = decode["probe_by_kind"]
-    assert calls["receive"]["calls"] == ROOMS
+    assert calls["allocate"]["calls"] == calls["receive"]["calls"] == ROOMS
     assert 0 < calls["finish"]["calls"] <= ROOMS and calls["step"]["calls"] <= decode["batches"] // INTERVAL
     assert prefill["probe_by_kind"]["send"]["calls"] == ROOMS
     assert decode["probe_s"] > 0 and decode["sleeps"] == 0  # this rig run models no forward time
