@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -45,9 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from dsv4_idxk_probe.config import DiagnosisConfig  # noqa: E402
-from dsv4_idxk_probe.diagnosis.content_index import ContentIndex  # noqa: E402
-from dsv4_idxk_probe.diagnosis.journal import PageJournal  # noqa: E402
-from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis  # noqa: E402
+from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics  # noqa: E402
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, RoomId  # noqa: E402
@@ -85,13 +84,6 @@ def _timed(method, spent: list[float]):
     return timed
 
 
-def shipped_diagnosis(layout, layer_ids) -> DecodeDiagnosis:
-    """Decode's diagnosis with the shipped bounds (DiagnosisConfig's defaults)."""
-    cfg = DiagnosisConfig(enabled=True)
-    return DecodeDiagnosis(layout, layer_ids, PageJournal(cfg.journal_events, cfg.journal_per_page),
-                           ContentIndex(cfg.index_cells), max_cells=cfg.max_cells_per_room)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rooms", type=int, default=2000)
@@ -106,7 +98,9 @@ def main(argv=None) -> int:
     buffers = [torch.randint(0, 256, (args.pages + 1, layout.row_bytes), dtype=torch.uint8) for _ in range(args.layers)]
     engine = DigestEngine(layout, list(range(args.layers)), buffers, backend="reference")
     pages, tokens = np.arange(args.pages) + 1, args.pages * 256 - 100
-    diagnosis = shipped_diagnosis(layout, engine.layer_ids) if args.diagnosis else None
+    # decode's diagnosis as the probe builds it, with the shipped bounds (DiagnosisConfig's defaults)
+    shipped = SimpleNamespace(diagnosis=DiagnosisConfig(enabled=args.diagnosis))
+    diagnosis = decode_diagnosis(shipped, layout, engine.layer_ids)
     in_diagnosis = [0.0]  # thread CPU inside the diagnosis's collector calls, this room so far
     profiler = None
     if args.profile is not None:

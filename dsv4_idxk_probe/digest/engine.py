@@ -469,8 +469,6 @@ class DigestEngine:
             return self._finish_contents(ticket)
         plan, digests, room_bytes = ticket.plan, [], []
         out_of_range = out_of_range_counts(plan, ticket.flags)
-        # One copy out of the staging buffer (recycled below); each room's block is a view of it.
-        contents = ticket.contents.copy() if ticket.contents is not None else None
         for slot, room in enumerate(ticket.rooms):
             layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
             digests.append(
@@ -495,33 +493,32 @@ class DigestEngine:
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
-        if ticket.counted:
-            self.stats.completed_rooms += len(digests)
-        if ticket.counted and any(out_of_range):
-            self._count_out_of_range(ticket.rooms, out_of_range)
         ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) if not n else secrets.randbits(64)
                                        for d, n in zip(digests, out_of_range)], dtype=np.uint64)
-        ticket.contents = contents
-        self._release(ticket)
-        room_contents = () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
+        room_contents = self._hand_back(ticket, out_of_range)
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
                            out_of_range=tuple(out_of_range), contents=room_contents)
 
     def _finish_contents(self, ticket: PendingDigest) -> BatchResult:
-        """A contents-only batch: one copy of its contents out of the staging buffer (each
-        room's block a view of it), its out-of-range rows counted as for any batch."""
-        plan = ticket.plan
-        out_of_range = out_of_range_counts(plan, ticket.flags)
-        contents = ticket.contents.copy() if ticket.contents is not None else None
+        """A contents-only batch: its contents and out-of-range rows, no fold."""
+        out_of_range = out_of_range_counts(ticket.plan, ticket.flags)
+        ticket.final_rooms = np.zeros(0, dtype=np.uint64)  # never folded: no room digests to read
+        room_contents = self._hand_back(ticket, out_of_range)
+        return BatchResult([], ticket.plan.n_cells, 0, out_of_range=tuple(out_of_range), contents=room_contents)
+
+    def _hand_back(self, ticket: PendingDigest, out_of_range: list[int]) -> tuple:
+        """What every finished batch does last: count its rooms and out-of-range rows, copy
+        its contents out of the staging buffer once, and recycle the buffers. Each room's
+        contents, a view of that copy."""
         if ticket.counted:
             self.stats.completed_rooms += len(ticket.rooms)
             if any(out_of_range):
                 self._count_out_of_range(ticket.rooms, out_of_range)
-        ticket.final_rooms = np.zeros(0, dtype=np.uint64)  # never folded: no room digests to read
+        contents = ticket.contents.copy() if ticket.contents is not None else None
         ticket.contents = contents
         self._release(ticket)
-        room_contents = () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
-        return BatchResult([], plan.n_cells, 0, out_of_range=tuple(out_of_range), contents=room_contents)
+        plan = ticket.plan
+        return () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
 
     def _count_out_of_range(self, rooms: list[RoomRequest], out_of_range: list[int]) -> None:
         """A page id outside a registered buffer is a probe failure (a wrong page table):
