@@ -580,7 +580,10 @@ def _compile_one(job) -> str:
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
-            _digest_rooms_kernel.warmup(address, table, address, address, address, address, 8, 1024, 1 << 18,
+            # the by-value fields as a launch passes them: a room's, or four zeros (ints typed
+            # by value: an address is i64, a zero i32, so each variant needs its own)
+            by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
+            _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
                                         **layout_constants(layout, align), ROWS=rows,
                                         ONE_ROOM=one_room, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
