@@ -419,27 +419,37 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
 
 def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes) -> dict:
     """GPU time of the room as the engine digests it: `DigestEngine.submit`, the room by
-    value, each submit timed alone after a read flush; beside the kernel storing its
-    cells straight into pinned host memory (a `Launch` with its table and outputs in
-    pinned memory, as the engine keeps them today), and into device memory (the sweep).
-    Why: stores to pinned memory cross PCIe as small writes (bench/RESULTS.md, issue 21)."""
+    value, each submit timed alone after a read flush (its outputs stored into the staging
+    buffer's device twin, then copied down); beside the kernel storing its cells straight
+    into pinned host memory (a `Launch` with its table and outputs in pinned memory, the
+    engine's first design), and into device memory (the sweep). Why: stores to pinned
+    memory cross PCIe as small writes (bench/RESULTS.md, issue 21)."""
     if device.type != "cuda":
         return {}
-    engine = DigestEngine(layout, list(range(len(bufs))), bufs)
     rooms = [RoomRequest(f"e{i}", p, sizes.pages * 256) for i, p in enumerate(page_tables)]
-    delivered = []
-    engine.digest_now(rooms[:1])
-    ms = timer.ms("flush_read", [lambda r=r: engine.submit([r], delivered.append) for r in rooms])
+    result = {}
+    for contents in (True, False):  # with diagnosis (contents copied down too) and without
+        ms, dropped = engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents),
+                                    [[r] for r in rooms])
+        tag = "" if contents else "_no_contents"
+        result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
+                       f"engine_dropped_batches{tag}": dropped})
+    pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
+    pinned_ms = timer.ms("flush_read", pinned)
+    result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
+    return result
+
+
+def engine_gpu_ms(timer, engine, batches) -> tuple[float, int]:
+    """GPU milliseconds per `engine.submit` of each batch (flush_read: each alone, from the
+    submit's first device call to its event), and the batches the engine dropped."""
+    engine.digest_now(batches[0])
+    ms = timer.ms("flush_read", [lambda b=b: engine.submit(b, lambda _: None) for b in batches])
     deadline = time.monotonic() + 30
     while engine.stats.completed_rooms < engine.stats.submitted_rooms and time.monotonic() < deadline:
         time.sleep(0.01)
-    dropped = engine.stats.dropped_batches
     engine.close()
-    pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
-    pinned_ms = timer.ms("flush_read", pinned)
-    return {"engine_submit_us": ms * 1e3, "engine_read_TBps": read_bytes / (ms * 1e-3) / 1e12,
-            "engine_dropped_batches": dropped, "pinned_outputs_us": pinned_ms * 1e3,
-            "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12}
+    return ms, engine.stats.dropped_batches
 
 
 # %% 4-5. short rooms, launch floor, enqueue cost
@@ -529,6 +539,10 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     engine.close()
+    # The engine's GPU time per room, copies included (with contents copied down, and without).
+    for contents in (True, False):
+        ms, _ = engine_gpu_ms(timer, DigestEngine(layout, list(range(sizes.layers)), bufs, contents=contents), batches)
+        result[f"engine_gpu_us_per_room{'' if contents else '_no_contents'}"] = ms * 1e3 / n_rooms
     result.update({
         "enqueue_cpu_us_per_room_batched": t_cpu * 1e6 / (iters * n_rooms),
         "enqueue_wall_us_per_room_batched": t_wall * 1e6 / (iters * n_rooms),
@@ -697,8 +711,10 @@ def print_report(report) -> None:
         e = r["engine_path"]
         if e:
             print(f"[flush_read] {r['layout']} as the engine digests it (DigestEngine.submit): "
-                  f"{e['engine_submit_us']:.1f} us = {e['engine_read_TBps']:.2f} TB/s ({e['engine_dropped_batches']} "
-                  f"batches dropped); the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
+                  f"{e['engine_submit_us']:.1f} us = {e['engine_read_TBps']:.2f} TB/s, without contents "
+                  f"{e['engine_submit_us_no_contents']:.1f} us = {e['engine_read_TBps_no_contents']:.2f} TB/s "
+                  f"({e['engine_dropped_batches'] + e['engine_dropped_batches_no_contents']} batches dropped); "
+                  f"the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
                   f"{e['pinned_outputs_read_TBps']:.2f} TB/s")
     s, f = report["short_rooms"], report["launch_floor"]
     for m in METHODS:
@@ -711,6 +727,9 @@ def print_report(report) -> None:
         print(f"launch floor: empty Triton kernel {f['empty_kernel_cpu_us_jit']:.1f} us CPU (JIT), "
               f"{f['empty_kernel_cpu_us_direct']:.1f} us CPU (C launcher)")
     if "zero_syncs" in s:
+        print(f"[flush_read] the same {s['rooms']} rooms as the engine digests them (copies included): "
+              f"{s['engine_gpu_us_per_room']:.2f} us GPU/room, without contents "
+              f"{s['engine_gpu_us_per_room_no_contents']:.2f}")
         print(f"enqueue CPU {s['enqueue_cpu_us_per_room_batched']:.1f} us/room batched, "
               f"{s['enqueue_cpu_us_per_room_single']:.1f} us/room single; zero syncs: {s['zero_syncs']}")
 

@@ -1,10 +1,11 @@
 """Digest rooms of one index-K pool without stalling the caller.
 
 `DigestEngine.submit` writes a small room table into a pinned staging
-buffer, launches the Triton kernel on the caller's current stream and
-records a CUDA event right behind it: two device calls, whatever the batch.
-The kernel reads the table straight from pinned host memory and stores its
-cells (and their content digests) into the back of the same buffer. A
+buffer, copies it up to the buffer's device twin (unless the kernel needs
+none of it: a one-room launch with its page table on the device), launches
+the Triton kernel on the caller's current stream, copies its cells (and
+their content digests) down, and records a CUDA event right behind: three
+or four device calls, whatever the batch. A
 background thread waits for the event (`WAITS`), folds the cells into room
 digests and hands them to the callback. The caller's thread never calls ``.item()``, ``.cpu()``,
 ``.tolist()`` or a synchronise on this path.
@@ -153,7 +154,10 @@ def poll_intervals(first: float, most: float) -> Iterator[float]:
 
 
 class DigestEngine:
-    """Digests rooms of one pool: `buffers[i]` is layer `layer_ids[i]`, uint8 [pages, row_bytes]."""
+    """Digests rooms of one pool: `buffers[i]` is layer `layer_ids[i]`, uint8 [pages, row_bytes].
+
+    `contents`: whether results carry each cell's content digest (what the
+    diagnosis needs); without, its copy down and its copy out are spared."""
 
     def __init__(
         self,
@@ -172,6 +176,7 @@ class DigestEngine:
         wait: str = "block",
         time_kernels: bool = False,
         prealloc: int = 32,
+        contents: bool = True,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -212,6 +217,7 @@ class DigestEngine:
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
+        self.contents = contents
         self.stats = EngineStats()
         self._frozen_bytes_per_slot = sum(s.slot_bytes for s in layout.segments)
         # Batches waiting for the collector; more are dropped before their launch (one or
@@ -283,7 +289,7 @@ class DigestEngine:
         plan = plan_cells(rooms, len(self.layer_ids))
         if self.backend == "reference":
             cells, contents, flags = self._reference_cells(plan, rooms)
-            return PendingDigest(plan, rooms, callback, cells, flags=flags, contents=contents)
+            return PendingDigest(plan, rooms, callback, cells, flags=flags, contents=contents if self.contents else None)
         return self._launch_triton(plan, rooms, callback)
 
     def _reference_cells(self, plan: CellPlan, rooms: list[RoomRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -307,10 +313,11 @@ class DigestEngine:
         return pages
 
     def _launch_triton(self, plan: CellPlan, rooms: list[RoomRequest], callback) -> PendingDigest:
-        """Two device calls per batch, whatever its size: the launch, and the batch's
-        event right behind it (why here: the module's docstring). The kernel reads the
-        room table (and the page tables that live on the host) from pinned memory and
-        stores cells, contents and flags into the back of the same buffer, so nothing is copied."""
+        """Three or four device calls per batch, whatever its size: the tables' copy up
+        (when the kernel reads any), the launch, the outputs' copy down, and the batch's
+        event right behind them (why here: the module's docstring). The kernel reads the
+        room table (and the page tables that live on the host) from the staging buffer's
+        device twin and stores cells, contents and flags into the back of it."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):
@@ -320,7 +327,7 @@ class DigestEngine:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(staging_bytes(input_words, plan.n_cells, n_segments))
-        words, read_base = staging.words, staging.host_address
+        words, read_base = staging.words, staging.device_address  # the kernel reads and stores the twin
 
         # One NumPy write per page table and per table row: each call counts on a
         # serving thread that comes back to the probe after a model step.
@@ -337,27 +344,35 @@ class DigestEngine:
             words[row : row + ROOM_COLUMNS] = (address, id_bytes, plan.page_counts[slot], room.n_tokens, plan.first_cells[slot])
         # One room: its fields go to the kernel by value too (it then never reads the table).
         one_room = (address, id_bytes, plan.page_counts[0], rooms[0].n_tokens) if n_rooms == 1 else None
+        # Cells, then a flag byte per row (padded to a word), then contents: without
+        # diagnosis the copy down stops before the contents, half the bytes.
         cells_end = input_words + plan.n_cells * n_segments
-        contents_end = cells_end + plan.n_cells * n_segments
+        contents_start = cells_end + -(-plan.n_cells // 8)
+        contents_end = contents_start + plan.n_cells * n_segments
         cells = words[input_words:cells_end].view(np.uint64).reshape(-1, n_segments)
-        contents = words[cells_end:contents_end].view(np.uint64).reshape(-1, n_segments)
-        flags = staging.host.numpy()[8 * contents_end : 8 * contents_end + plan.n_cells]  # then a byte per row
-        cells_address, contents_address = staging.host_address + 8 * input_words, staging.host_address + 8 * cells_end
-        flags_address = staging.host_address + 8 * contents_end
+        flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + plan.n_cells]
+        contents = words[contents_start:contents_end].view(np.uint64).reshape(-1, n_segments) if self.contents else None
+        download_end = 8 * contents_end if self.contents else 8 * cells_end + plan.n_cells
+        cells_address, flags_address = read_base + 8 * input_words, read_base + 8 * cells_end
+        contents_address = read_base + 8 * contents_start
 
         started = None
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         keepalive = [d for d in on_device if d is not None]
+        if one_room is None or cursor > table_words:  # the kernel reads a table or host page ids
+            staging.upload(8 * cursor)
         if self.device.type != "cuda":  # the interpreter runs it now
             self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                                 one_room=one_room)
+            staging.download(8 * input_words, download_end)
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
                                  contents=contents)
         device, raw_stream = self._current_stream()
         self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                             one_room=one_room, device=device, stream=raw_stream)
+        staging.download(8 * input_words, download_end)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)
@@ -544,9 +559,9 @@ def flag_block(plan: CellPlan, flags: np.ndarray, slot: int) -> np.ndarray:
 
 
 def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
-    """A batch's staging buffer: its tables, then its cells, then their contents, then a
-    flag byte per cell row."""
-    return 8 * (input_words + 2 * n_cells * n_segments) + n_cells
+    """A batch's staging buffer: its tables, then its cells, then a flag byte per cell row
+    (padded to 8 bytes), then the cells' contents."""
+    return 8 * (input_words + 2 * n_cells * n_segments + -(-n_cells // 8))
 
 
 def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int],

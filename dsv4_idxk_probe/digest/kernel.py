@@ -28,9 +28,10 @@ so the engine counts it and never lets such a room match (docs/digest.md).
 
 The room table and the outputs are passed as plain addresses and the layer
 table is the pool's own, so a launch hands Triton five integers and nothing to
-inspect. The same code reads device memory and
-pinned host memory (the engine has the kernel store its cells straight into
-pinned host memory, which spares a download), and runs under
+inspect. The engine
+passes device memory (its staging buffer's device twin: stores straight into
+pinned host memory cross PCIe as small writes, 6x the kernel's time on a
+large room, bench/RESULTS.md issue 21); the same code runs under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
 """
 
@@ -192,7 +193,7 @@ def _digest_rooms_kernel(
     # last page, so the loads go out together: a program waits for one round trip
     # to the tables, then one to the page table, before its rows. A launch of one
     # room passes its fields by value, which spares every program the first of
-    # those round trips (the room table sits in pinned host memory; issue 21).
+    # those round trips (and the engine the table's copy up; issue 21).
     if ONE_ROOM:
         page_table, id_bytes, n_pages, n_tokens = one_pages, one_id_bytes, one_n_pages, one_n_tokens
         first_cell = 0

@@ -1,9 +1,9 @@
 """Reusable staging buffers and CUDA events.
 
 Allocating pinned memory (cudaHostAlloc) costs hundreds of microseconds; a
-digest batch needs one staging buffer, and one event. Both come back to
-their pool once the batch's event has completed, so steady state allocates
-nothing and creates no event.
+digest batch needs one staging buffer (a pinned host half and its device
+twin), and one event. Both come back to their pool once the batch's event
+has completed, so steady state allocates nothing and creates no event.
 """
 
 from __future__ import annotations
@@ -22,13 +22,30 @@ _MIN_BYTES = 128 * 1024
 
 @dataclass
 class Staging:
-    """A host buffer with its int64 NumPy view made once: the submit writes tables into
-    `words`, the kernel reads them there and stores its cells into the back of `host`
-    (pinned memory the GPU addresses directly), so nothing is copied."""
+    """A host buffer, its int64 NumPy view made once, and a device twin of the same size.
+
+    The submit writes tables into `words` and copies them up into `device`; the
+    kernel reads them there and stores its cells into the back of `device`, which
+    one copy brings down into `host`. Why not have the kernel read and store
+    pinned memory directly (the first design): its few bytes per row cross PCIe
+    as small scattered writes, which made a 43 x 1024-page room take 6x the
+    kernel's own GPU time (bench/RESULTS.md, 2026-12-01 issue 21). Without CUDA
+    the twin is a second host buffer, so the same offsets and copies run (and
+    are tested) under the interpreter."""
 
     host: torch.Tensor  # uint8, pinned on CUDA
     words: np.ndarray  # int64 view of `host`
     host_address: int = 0
+    device: torch.Tensor | None = None  # uint8, same size, on the kernel's device
+    device_address: int = 0
+
+    def upload(self, nbytes: int) -> None:
+        """Copy the first `nbytes` (the tables) up, on the current stream."""
+        self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+
+    def download(self, start: int, end: int) -> None:
+        """Copy bytes [start, end) (the kernel's outputs) down, on the current stream."""
+        self.host[start:end].copy_(self.device[start:end], non_blocking=True)
 
     @property
     def nbytes(self) -> int:
@@ -52,7 +69,8 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        return Staging(host, host.numpy().view(np.int64), host.data_ptr())
+        device = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return Staging(host, host.numpy().view(np.int64), host.data_ptr(), device, device.data_ptr())
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""

@@ -42,7 +42,10 @@ class _Side:
         self.runtime = runtime
         self.geometry = geometry
         self.layout = layout
-        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=runtime.config.digest.collector_wait)
+        # Content digests feed decode's diagnosis only; without it they stay on the GPU.
+        contents = self.role == "decode" and runtime.config.diagnosis.enabled
+        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=runtime.config.digest.collector_wait,
+                                   contents=contents)
         self.signature = self.engine.signature
 
 

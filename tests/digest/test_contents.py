@@ -94,3 +94,25 @@ def test_contents_outlive_the_staging_buffer_they_were_stored_in(random_buffers)
     host = [b.cpu() for b in buffers]
     for kept, pages in zip(got, ([0, 1], [2, 3], [3, 0])):
         assert np.array_equal(kept, ref.room_contents(host, pages, 2 * 256, layout))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_an_engine_without_contents_hands_out_none_and_the_same_digests(layout, random_buffers, backend):
+    """Without diagnosis the contents stay on the GPU (their copy down is spared); the
+    digests and the out-of-range flags, which sit before them, come down whole."""
+    buffers = random_buffers(layout, 3, 6, seed=11)
+    bufs = [b.to(DEVICE) for b in buffers] if backend == "triton" else buffers
+    rooms = [RoomRequest("a", torch.tensor([4, 1], device=DEVICE if backend == "triton" else "cpu"), 256 + 37),
+             RoomRequest("b", [0, 5, 99], 3 * 256)]  # 99: out of range, flagged
+    batches = {}
+    for contents in (True, False):
+        engine = DigestEngine(layout, [2, 5, 9], bufs, backend=backend, contents=contents)
+        got, done = [], threading.Event()
+        engine.submit(rooms, lambda batch: (got.append(batch), done.set()))
+        assert done.wait(60)
+        engine.close()
+        batches[contents] = got[0]
+    assert batches[False].contents == () and len(batches[True].contents) == 2
+    assert batches[False].out_of_range == batches[True].out_of_range == (0, 3)
+    kept, spared = batches[True].digests[0], batches[False].digests[0]
+    assert np.array_equal(kept.pages, spared.pages) and np.array_equal(kept.layer_segment, spared.layer_segment)
