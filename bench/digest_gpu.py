@@ -317,7 +317,7 @@ def gathered_read(timer, layout, bufs, table, base_align, page_tables, device) -
 class Launch:
     """The kernel on `rooms`, launched again and again: a room alone passed by value, as
     the engine passes it (`by_value`), the room table and the outputs in device memory,
-    or in pinned host memory as the engine keeps them (`pinned`)."""
+    or in pinned host memory, where the engine's first design kept them (`pinned`)."""
 
     def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False):
         self.plan = plan_cells(rooms, len(bufs))
@@ -437,14 +437,40 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
     pinned_ms = timer.ms("flush_read", pinned)
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
+    # A room of a serving size (64 pages, 16k tokens), the same three ways.
+    medium = [RoomRequest(f"m{i}", p[:64].contiguous(), 64 * 256) for i, p in enumerate(page_tables)]
+    for contents in (True, False):
+        ms, _ = engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents),
+                              [[r] for r in medium])
+        result[f"medium_engine_us{'' if contents else '_no_contents'}"] = ms * 1e3
+    launches = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=pin) for r in medium
+                for pin in (True, False)]
+    result["medium_pinned_outputs_us"] = timer.ms("flush_read", launches[0::2]) * 1e3
+    result["medium_device_outputs_us"] = timer.ms("flush_read", launches[1::2]) * 1e3
     return result
 
 
-def engine_gpu_ms(timer, engine, batches) -> tuple[float, int]:
-    """GPU milliseconds per `engine.submit` of each batch (flush_read: each alone, from the
-    submit's first device call to its event), and the batches the engine dropped."""
+def engine_gpu_ms(timer, engine, batches, reps: int = 20) -> tuple[float, int]:
+    """GPU milliseconds per `engine.submit` of each batch, rotated (each alone after a read
+    flush, from the submit's first device call to its event; median), and the batches the
+    engine dropped. A GPU sleep queued before the start event keeps the submit's own host
+    time (tens of us a room) out of the measure: the GPU reaches the start only once the
+    whole submit is queued behind it."""
     engine.digest_now(batches[0])
-    ms = timer.ms("flush_read", [lambda b=b: engine.submit(b, lambda _: None) for b in batches])
+    if timer.cuda:
+        times = []
+        for i in range(reps):
+            timer._flush_read()
+            torch.cuda._sleep(8_000_000)  # ~4 ms at 2 GHz, far more than a submit's host time
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.submit(batches[i % len(batches)], lambda _: None)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = float(np.median(times))
+    else:
+        ms = timer.ms("flush_read", [lambda b=b: engine.submit(b, lambda _: None) for b in batches])
     deadline = time.monotonic() + 30
     while engine.stats.completed_rooms < engine.stats.submitted_rooms and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -539,10 +565,13 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     engine.close()
-    # The engine's GPU time per room, copies included (with contents copied down, and without).
+    # The engine's GPU time per room, copies included (with contents copied down, and without),
+    # beside the kernel storing its outputs straight into pinned host memory (the first design).
     for contents in (True, False):
         ms, _ = engine_gpu_ms(timer, DigestEngine(layout, list(range(sizes.layers)), bufs, contents=contents), batches)
         result[f"engine_gpu_us_per_room{'' if contents else '_no_contents'}"] = ms * 1e3 / n_rooms
+    pinned = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"], pinned=True) for batch in batches]
+    result["pinned_outputs_us_per_room"] = timer.ms("flush_read", pinned) * 1e3 / n_rooms
     result.update({
         "enqueue_cpu_us_per_room_batched": t_cpu * 1e6 / (iters * n_rooms),
         "enqueue_wall_us_per_room_batched": t_wall * 1e6 / (iters * n_rooms),
@@ -716,6 +745,9 @@ def print_report(report) -> None:
                   f"({e['engine_dropped_batches'] + e['engine_dropped_batches_no_contents']} batches dropped); "
                   f"the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
                   f"{e['pinned_outputs_read_TBps']:.2f} TB/s")
+            print(f"[flush_read] {r['layout']} room of 64 pages: engine {e['medium_engine_us']:.1f} us, without "
+                  f"contents {e['medium_engine_us_no_contents']:.1f}; kernel alone, outputs in pinned memory "
+                  f"{e['medium_pinned_outputs_us']:.1f}, in device memory {e['medium_device_outputs_us']:.1f}")
     s, f = report["short_rooms"], report["launch_floor"]
     for m in METHODS:
         print(f"[{m}] {s['rooms']} short rooms ({s['pages']} pages x {s['layers']} layers) in one launch: "
@@ -729,7 +761,8 @@ def print_report(report) -> None:
     if "zero_syncs" in s:
         print(f"[flush_read] the same {s['rooms']} rooms as the engine digests them (copies included): "
               f"{s['engine_gpu_us_per_room']:.2f} us GPU/room, without contents "
-              f"{s['engine_gpu_us_per_room_no_contents']:.2f}")
+              f"{s['engine_gpu_us_per_room_no_contents']:.2f}; the kernel storing into pinned host memory "
+              f"{s['pinned_outputs_us_per_room']:.2f}")
         print(f"enqueue CPU {s['enqueue_cpu_us_per_room_batched']:.1f} us/room batched, "
               f"{s['enqueue_cpu_us_per_room_single']:.1f} us/room single; zero syncs: {s['zero_syncs']}")
 

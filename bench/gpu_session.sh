@@ -63,7 +63,7 @@ two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
 gpu_wait=$([ "$gpus" -gt 1 ] && echo gpu || echo sleep)
 echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "$log"
 # These legs also run the collector's other way of waiting ("observe-poll"),
-# unless RIG_VARIANTS names others. "observe" has diagnosis on (its default);
+# unless RIG_VARIANTS names others. "observe" runs the defaults (diagnosis off);
 # RIG_VARIANTS=off,observe,observe-diag shows what diagnosis adds (docs/diagnosis.md).
 variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
 step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
