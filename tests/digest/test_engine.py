@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -132,6 +133,9 @@ def _engine_with_full_queue(random_buffers):
     callback until `gate` is set, and a second batch fills the queue."""
     engine = DigestEngine(LAYOUT, [0], [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=2)],
                           backend="triton", max_pending=1)
+    deadline = time.monotonic() + 60  # on CUDA the start-up batch holds the one place until collected
+    while engine.backlog() and time.monotonic() < deadline:
+        time.sleep(0.01)
     started, gate = threading.Event(), threading.Event()
     engine.submit([RoomRequest("first", [0], 256)], lambda b: started.set() or gate.wait(10))
     assert started.wait(10)  # the collector holds "first"; the queue's one place is free
