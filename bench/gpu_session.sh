@@ -66,16 +66,19 @@ echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "
 # unless RIG_VARIANTS names others. "observe" runs the defaults (diagnosis off);
 # RIG_VARIANTS=off,observe,observe-diag shows what diagnosis adds (docs/diagnosis.md).
 variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
+# Runs per rep (one per variant): the long legs' time limits scale with them (measured
+# 2026-12-02 on one H200: a servinglong run takes ~15 s, a servingdeploy run ~30 s).
+runs=$(( $(tr -cd , <<< "${RIG_VARIANTS:-off,observe,observe-poll}" | wc -c) + 1 ))
 step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
-step servinglong $(( 60 + 50 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
+step servinglong $(( 60 + 18 * runs * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
     --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
 # Model time closer to a DeepSeek-V4 decode instance at serving batch sizes (30 ms per
 # step; large-EP decode steps take tens of ms), the long leg's churn otherwise.
-step servingdeploy $(( 60 + 60 * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 12 --warmup-frac 0.25 \
+step servingdeploy $(( 60 + 35 * runs * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 12 --warmup-frac 0.25 \
     --decode-step-ms 30 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_deploy"
 step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \

@@ -296,7 +296,9 @@ def run_rig_leg(args, work: Path) -> dict:
             run = one_rig_run(args, variant, rooms, work, f"rep{rep}-{variant}")
             runs[variant].append(run)
             lat, loop = run.get("latency_ms", {}), run["loop"]
-            print(f"  rep {rep} {variant:<12} {run['steady_rooms_per_s']:8.1f} rooms/s  latency p50 "
+            off = runs["off"][-1]["steady_rooms_per_s"]
+            paired = run["steady_rooms_per_s"] / off if off > 0 else float("nan")
+            print(f"  rep {rep} {variant:<12} {run['steady_rooms_per_s']:8.3f} rooms/s ({paired:.3f} of off)  latency p50 "
                   f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
                   f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
                   f"sleep late {loop['decode_sleep_late_us_per_batch']:6.1f} us, "
@@ -304,6 +306,11 @@ def run_rig_leg(args, work: Path) -> dict:
                   f"(busy {loop['decode_busy_batch_ms']:6.2f}), "
                   f"rest {loop['decode_rest_us_per_batch']:7.1f} us (CPU {loop['decode_rest_cpu_us_per_batch']:7.1f})"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
+        if args.out is not None:  # every finished rep kept: a leg cut by its time limit still leaves its pairs
+            args.out.mkdir(parents=True, exist_ok=True)
+            partial = {"rooms_per_run": rooms, "reps_done": rep + 1, "runs": runs,
+                       "steady_rooms_per_s_ratio": ratios(runs, "steady_rooms_per_s", "off")}
+            (args.out / "overhead.partial.json").write_text(json.dumps(partial, indent=1, default=float))
     return {
         "rooms_per_run": rooms,
         "config": {k: getattr(args, k) for k in ("layers", "layout", "min_tokens", "max_tokens", "min_steps",

@@ -64,3 +64,7 @@ def test_a_three_variant_run_reports_each_against_off(overhead, tmp_path):
         assert run["probe_log"]["ok"] and run["decode_busy_tokens_per_s"] > 0
         assert len(report["steady_rooms_per_s_ratio"][variant]["per_pair"]) == 1
         assert len(report["decode_busy_tokens_per_s_ratio"][variant]["per_pair"]) == 1
+    # Each finished rep is kept as it ends, so a run cut by a time limit still leaves its pairs.
+    partial = json.loads((tmp_path / "overhead.partial.json").read_text())
+    assert partial["reps_done"] == 1
+    assert partial["steady_rooms_per_s_ratio"] == report["steady_rooms_per_s_ratio"]
