@@ -67,6 +67,7 @@ class DigestConfig:
     """How the background collector learns that a batch's digest kernel is done."""
 
     collector_wait: str = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
+    outputs: str = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies; engine.OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ _CHECKS = {
         "queue_size": _bounded(1, 1_000_000),
     },
     "metrics": {"port": _port, "addr": _str},
-    "digest": {"collector_wait": _choice("block", "poll")},  # digest.engine.WAITS (a test keeps them equal)
+    # digest.engine.WAITS and OUTPUTS (a test keeps them equal)
+    "digest": {"collector_wait": _choice("block", "poll"), "outputs": _choice("device", "pinned")},
     "diagnosis": {
         "enabled": _bool,
         "journal_events": _bounded(1, 10_000_000),

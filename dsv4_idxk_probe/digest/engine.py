@@ -51,6 +51,12 @@ BACKENDS = ("auto", "triton", "reference")
 # woken once when the kernel is done. "poll": query it, sleeping between
 # (`poll_intervals`); each wake-up takes the GIL and makes a driver call.
 WAITS = ("block", "poll")
+# Where the kernel reads its tables and stores its outputs. "device": the staging
+# buffer's device twin, one copy up (when it reads a table) and one down per batch;
+# "pinned": the pinned host buffer itself, no copies, but each row's outputs cross
+# PCIe as small writes (a 43 x 1024-page fp8 room: 280 us of GPU against 113-124 us;
+# 64 pages: 24 against 19 us; bf16 rows gain nothing; bench/RESULTS.md 2026-12-02).
+OUTPUTS = ("device", "pinned")
 
 
 @dataclass
@@ -157,7 +163,8 @@ class DigestEngine:
     """Digests rooms of one pool: `buffers[i]` is layer `layer_ids[i]`, uint8 [pages, row_bytes].
 
     `contents`: whether results carry each cell's content digest (what the
-    diagnosis needs); without, its copy down and its copy out are spared."""
+    diagnosis needs); without, its copy down and its copy out are spared.
+    `outputs`: where the kernel reads and stores (`OUTPUTS`)."""
 
     def __init__(
         self,
@@ -177,11 +184,14 @@ class DigestEngine:
         time_kernels: bool = False,
         prealloc: int = 32,
         contents: bool = True,
+        outputs: str = "device",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+        if outputs not in OUTPUTS:
+            raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
         if len(buffers) != len(layer_ids):
             raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
         for i, buf in enumerate(buffers):
@@ -206,7 +216,8 @@ class DigestEngine:
         shape = kernel_shape(layout)
         self.rows = rows or shape["rows"]
         self.num_warps = num_warps or shape["num_warps"]
-        self._staging = StagingPool(self.device)
+        self.outputs = outputs
+        self._staging = StagingPool(self.device, twin=outputs == "device")
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
         if self.backend == "triton" and self.device.type == "cuda":
@@ -327,7 +338,8 @@ class DigestEngine:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(staging_bytes(input_words, plan.n_cells, n_segments))
-        words, read_base = staging.words, staging.device_address  # the kernel reads and stores the twin
+        copies = self.outputs == "device"  # the kernel reads and stores the twin, else the pinned buffer
+        words, read_base = staging.words, staging.device_address if copies else staging.host_address
 
         # One NumPy write per page table and per table row: each call counts on a
         # serving thread that comes back to the probe after a model step.
@@ -361,18 +373,20 @@ class DigestEngine:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         keepalive = [d for d in on_device if d is not None]
-        if one_room is None or cursor > table_words:  # the kernel reads a table or host page ids
+        if copies and (one_room is None or cursor > table_words):  # the kernel reads a table or host page ids
             staging.upload(8 * cursor)
         if self.device.type != "cuda":  # the interpreter runs it now
             self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                                 one_room=one_room)
-            staging.download(8 * input_words, download_end)
+            if copies:
+                staging.download(8 * input_words, download_end)
             return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
                                  contents=contents)
         device, raw_stream = self._current_stream()
         self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                             one_room=one_room, device=device, stream=raw_stream)
-        staging.download(8 * input_words, download_end)
+        if copies:
+            staging.download(8 * input_words, download_end)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)

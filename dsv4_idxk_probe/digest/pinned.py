@@ -55,9 +55,10 @@ class Staging:
 class StagingPool:
     """Free lists of `Staging` buffers by power-of-two size class."""
 
-    def __init__(self, device: torch.device, max_free_per_class: int = 64):
+    def __init__(self, device: torch.device, max_free_per_class: int = 64, *, twin: bool = True):
         self.device = device
         self.pin = device.type == "cuda"
+        self.twin = twin  # each buffer gets its device twin (the engine's outputs "device")
         self.max_free_per_class = max_free_per_class
         self._free: dict[int, list[Staging]] = {}
         self._lock = threading.Lock()
@@ -69,6 +70,8 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        if not self.twin:
+            return Staging(host, host.numpy().view(np.int64), host.data_ptr())
         device = torch.empty(size, dtype=torch.uint8, device=self.device)
         return Staging(host, host.numpy().view(np.int64), host.data_ptr(), device, device.data_ptr())
 

@@ -44,8 +44,9 @@ class _Side:
         self.layout = layout
         # Content digests feed decode's diagnosis only; without it they stay on the GPU.
         contents = self.role == "decode" and runtime.config.diagnosis.enabled
-        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=runtime.config.digest.collector_wait,
-                                   contents=contents)
+        digest = runtime.config.digest
+        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=digest.collector_wait,
+                                   contents=contents, outputs=digest.outputs)
         self.signature = self.engine.signature
 
 

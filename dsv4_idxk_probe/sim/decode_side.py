@@ -90,7 +90,7 @@ class DecodeSide:
             self.sinks = ProbeSinks(config, "decode")
             self.fetcher = VectorFetcher(config, self.sinks.metrics, parse_address(cfg.exchange_address))
             engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=config.digest.collector_wait,
-                                  contents=config.diagnosis.enabled)
+                                  contents=config.diagnosis.enabled, outputs=config.digest.outputs)
             self.monitor = DecodeMonitor(
                 engine, self.sinks.emit, self.sinks.metrics,
                 fetch_vectors=self.fetcher, fetch_always=config.exchange.fetch_always, step_interval=self.interval,

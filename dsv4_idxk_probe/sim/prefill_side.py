@@ -73,8 +73,9 @@ class PrefillSide:
         self.monitor = self.sinks = self.server = None
         if self.settings.enabled:
             self.sinks = ProbeSinks(self.settings.config, "prefill")
-            engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=self.settings.config.digest.collector_wait,
-                                  contents=False)  # decode's diagnosis alone reads contents
+            digest = self.settings.config.digest
+            engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=digest.collector_wait,
+                                  contents=False, outputs=digest.outputs)  # decode's diagnosis alone reads contents
             self.monitor = PrefillMonitor(engine, self.sinks.emit, self.sinks.metrics, self.settings.config.exchange.table_size)
             self.server = start_exchange(self.monitor.lookup, self.settings.config, self.sinks.metrics)
 

@@ -152,6 +152,16 @@ def test_the_collector_waits_a_config_accepts_are_the_engines():
         parse_config({"digest": {"collector_wait": "spin"}})
 
 
+def test_the_digest_outputs_a_config_accepts_are_the_engines():
+    from dsv4_idxk_probe.digest.engine import OUTPUTS
+
+    assert parse_config({}).digest.outputs == OUTPUTS[0]
+    for outputs in OUTPUTS:
+        assert parse_config({"digest": {"outputs": outputs}}).digest.outputs == outputs
+    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(OUTPUTS)}")):
+        parse_config({"digest": {"outputs": "host"}})
+
+
 # %% hostile files and values (issue 17)
 
 

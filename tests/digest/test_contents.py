@@ -116,3 +116,26 @@ def test_an_engine_without_contents_hands_out_none_and_the_same_digests(layout, 
     assert batches[False].out_of_range == batches[True].out_of_range == (0, 3)
     kept, spared = batches[True].digests[0], batches[False].digests[0]
     assert np.array_equal(kept.pages, spared.pages) and np.array_equal(kept.layer_segment, spared.layer_segment)
+
+
+def test_both_output_places_give_the_references_digests_contents_and_flags(layout, random_buffers):
+    """`outputs="device"` (tables copied up, outputs down) and `"pinned"` (the kernel reads
+    and stores the pinned buffer) are two routes to the same bytes: several rooms (the
+    room table read), host and device page tables, an out-of-range id."""
+    buffers = random_buffers(layout, 3, 6, seed=13)
+    rooms = [RoomRequest("dev", torch.tensor([4, 1, 3], device=DEVICE), 2 * 256 + 9),
+             RoomRequest("host", [0, 5, 99], 3 * 256), RoomRequest("one", [2], 256)]
+    reference = _results(layout, [2, 5, 9], buffers, rooms)["reference"]
+    for outputs in ("device", "pinned"):
+        engine = DigestEngine(layout, [2, 5, 9], [b.to(DEVICE) for b in buffers], backend="triton", outputs=outputs)
+        got, done = [], threading.Event()
+        engine.submit(rooms, lambda batch: (got.append(batch), done.set()))
+        assert done.wait(60)
+        engine.submit(rooms[2:], lambda batch: (got.append(batch), done.set()))  # one room, by value
+        engine.close()
+        batch, alone = got[0], got[-1]
+        assert batch.out_of_range == reference.out_of_range == (0, 3, 0), outputs
+        for mine, want in zip(batch.digests, reference.digests):
+            assert (mine.room, list(mine.pages)) == (want.room, list(want.pages)), (outputs, mine.key)
+        assert all(np.array_equal(a, b) for a, b in zip(batch.contents, reference.contents)), outputs
+        assert alone.digests[0].room == reference.digests[2].room, outputs

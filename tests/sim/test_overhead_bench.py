@@ -34,8 +34,8 @@ def test_each_variant_becomes_the_config_its_children_load(overhead, tmp_path):
 
     assert overhead.parse_args(["--rig-variants", "off, observe-poll"]).rig_variants == ("off", "observe-poll")
     assert overhead.rig_env("off", tmp_path, 8).common == {}
-    waits, diagnosis = {}, {}
-    for variant in ("observe", "observe-poll", "observe-diag"):
+    waits, diagnosis, outputs = {}, {}, {}
+    for variant in ("observe", "observe-poll", "observe-diag", "observe-pinned"):
         run_dir = tmp_path / variant
         run_dir.mkdir()
         env = overhead.rig_env(variant, run_dir, 8).common
@@ -43,8 +43,10 @@ def test_each_variant_becomes_the_config_its_children_load(overhead, tmp_path):
         assert config.step_interval == 8 and config.roomlog.dir == str(run_dir / "logs")
         waits[variant] = config.digest.collector_wait
         diagnosis[variant] = config.diagnosis.enabled
-    assert waits == {"observe": "block", "observe-poll": "poll", "observe-diag": "block"}
-    assert diagnosis == {"observe": False, "observe-poll": False, "observe-diag": True}  # defaults: diagnosis off
+        outputs[variant] = config.digest.outputs
+    assert waits == {"observe": "block", "observe-poll": "poll", "observe-diag": "block", "observe-pinned": "block"}
+    assert diagnosis == {"observe": False, "observe-poll": False, "observe-diag": True, "observe-pinned": False}
+    assert outputs == {"observe": "device", "observe-poll": "device", "observe-diag": "device", "observe-pinned": "pinned"}
 
 
 def test_a_three_variant_run_reports_each_against_off(overhead, tmp_path):
