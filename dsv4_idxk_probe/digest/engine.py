@@ -328,7 +328,8 @@ class DigestEngine:
         (when the kernel reads any), the launch, the outputs' copy down, and the batch's
         event right behind them (why here: the module's docstring). The kernel reads the
         room table (and the page tables that live on the host) from the staging buffer's
-        device twin and stores cells, contents and flags into the back of it."""
+        device twin and stores cells, flags and contents into the back of it. With
+        `outputs="pinned"`: two calls, the kernel reading and storing the pinned buffer."""
         n_rooms, n_segments = len(rooms), len(self.layout.segments)
         on_device, host_words = [], 0  # per room: its page table where the kernel reads it in place, else None
         for slot, room in enumerate(rooms):
