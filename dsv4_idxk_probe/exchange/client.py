@@ -88,6 +88,12 @@ class VectorClient:
         self._reused = False
         self.failures: dict[str, int] = {}
 
+    @classmethod
+    def from_config(cls, exchange: Any, metrics: Any = None) -> "VectorClient":
+        """A client set up by the probe config's `exchange` section (what every decode side builds)."""
+        return cls(timeout_ms=exchange.timeout_ms, backoff_s=exchange.backoff_s,
+                   backoff_initial_s=exchange.backoff_initial_s, metrics=metrics, secret_file=exchange.secret_file)
+
     def fetch(self, endpoint: Endpoint | None, key: str, *, retry_s: float = 0.0) -> RoomDigest | None:
         """The peer's digest of room `key`, or None (unknown peer or room, timeout, bad answer).
 

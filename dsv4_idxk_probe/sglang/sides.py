@@ -94,11 +94,7 @@ class DecodeSide(_Side):
         if config.exchange.enabled:
             from ..exchange import VectorClient
 
-            self.client = VectorClient(
-                timeout_ms=config.exchange.timeout_ms, backoff_s=config.exchange.backoff_s,
-                backoff_initial_s=config.exchange.backoff_initial_s, metrics=runtime.metrics,
-                secret_file=config.exchange.secret_file,
-            )
+            self.client = VectorClient.from_config(config.exchange, runtime.metrics)
         self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._peers_cap = config.exchange.table_size
         self._retry_s = config.exchange.retry_s

@@ -69,9 +69,7 @@ class VectorFetcher:
 
     def __init__(self, config: ProbeConfig, metrics, override: tuple[str, int] | None = None):
         ex = config.exchange
-        self.client = VectorClient(timeout_ms=ex.timeout_ms, backoff_s=ex.backoff_s,
-                                   backoff_initial_s=ex.backoff_initial_s, metrics=metrics,
-                                   secret_file=ex.secret_file) if ex.enabled else None
+        self.client = VectorClient.from_config(ex, metrics) if ex.enabled else None
         self.retry_s = ex.retry_s
         self.override = override
         self.endpoints: dict[str, tuple[str, int]] = {}

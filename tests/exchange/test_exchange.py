@@ -265,3 +265,16 @@ def test_endpoint_slot_round_trip(host, port, expected):
 @pytest.mark.parametrize("value", [0, 7, 2**64 - 1, 0x1D4B_0000_0000_0001])
 def test_foreign_slot_values_are_not_endpoints(value):
     assert unpack_endpoint(value) is None
+
+
+def test_a_client_from_the_config_takes_its_timeouts_backoff_and_secret(tmp_path):
+    from dsv4_idxk_probe.config import parse_config
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    exchange = parse_config({"exchange": {"timeout_ms": 77, "backoff_s": 9.0, "backoff_initial_s": 0.5,
+                                          "secret_file": str(secret)}}).exchange
+    client = VectorClient.from_config(exchange, metrics="m")
+    assert (client.timeout_ms, client.backoff_s, client.backoff_initial_s, client.metrics) == (77, 9.0, 0.5, "m")
+    assert client.secret == b"s" * 32
