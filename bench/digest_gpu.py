@@ -319,8 +319,9 @@ class Launch:
     the engine passes it (`by_value`), the room table and the outputs in device memory,
     or in pinned host memory, where the engine's first design kept them (`pinned`)."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False, contents=True):
         self.plan = plan_cells(rooms, len(bufs))
+        self.store_contents = contents  # the kernel stores content digests (the engine: with diagnosis)
         pinned = pinned and device.type == "cuda"
         where = {"device": "cpu", "pin_memory": True} if pinned else {"device": device}
         table = torch.tensor([[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
@@ -339,7 +340,7 @@ class Launch:
 
     def tune(self, rows, warps):
         self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
-                                   base_align=self.base_align)
+                                   base_align=self.base_align, contents=self.store_contents)
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
@@ -372,7 +373,7 @@ class Launch:
         for slot, logical, want, want_contents in samples:
             if not np.array_equal(self.plan.block(cells, slot)[:, logical], want):
                 return False
-            if not np.array_equal(self.plan.block(contents, slot)[:, logical], want_contents):
+            if self.store_contents and not np.array_equal(self.plan.block(contents, slot)[:, logical], want_contents):
                 return False
         return not flags.any()
 
@@ -400,6 +401,14 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
+    # The engine's shape without content digests stored (diagnosis off, the default).
+    bare = [Launch(layout, bufs, launch.rooms, device, shape["rows"], shape["num_warps"], contents=False)
+            for launch in launches]
+    for launch in bare:
+        launch.cells.fill_(0x5A5A)
+    bare_ms = timer.all(bare)
+    no_contents = {"ms": bare_ms, "read_TBps": {m: read_bytes / (ms * 1e-3) / 1e12 for m, ms in bare_ms.items()},
+                   "exact": all(launch.exact_on(sample) for launch, sample in zip(bare, samples))}
     engine_path = engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes)
     default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
     ratios = {}
@@ -413,7 +422,9 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
         "layout": name, "row_bytes": layout.row_bytes, "bytes_read": read_bytes, "best": best,
         "engine_default": default and {m: read_bytes / (default["ms"][m] * 1e-3) / 1e12 for m in METHODS},
         "gathered_read": gathered, "contiguous_same_size": same_size, "ratios": ratios, "engine_path": engine_path,
-        "all_exact": all(r["exact"] for r in sweep), "sweep": sweep,
+        "no_contents": no_contents, "no_contents_ratio": {m: no_contents["read_TBps"][m] / ceilings["contiguous"][m]["read_TBps"]
+                                                          for m in METHODS},
+        "all_exact": all(r["exact"] for r in sweep) and no_contents["exact"], "sweep": sweep,
     }
 
 
@@ -607,7 +618,9 @@ def profile_one(name, device, sizes, shapes) -> None:
 
 def _compile_jobs(sizes) -> list[tuple]:
     shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
-    jobs = [("digest", *shape, one_room) for shape in sorted(shapes) for one_room in (False, True)]
+    jobs = [("digest", *shape, one_room, True) for shape in sorted(shapes) for one_room in (False, True)]
+    defaults = {(name, kernel_shape(get_layout(name))["rows"], kernel_shape(get_layout(name))["num_warps"]) for name in LAYOUTS}
+    jobs += [("digest", *shape, one_room, False) for shape in sorted(defaults) for one_room in (False, True)]
     jobs += [("contiguous", *config) for config in CONTIGUOUS_CONFIGS]
     jobs += [("gathered", name, *config) for name in LAYOUTS for config in GATHERED_CONFIGS]
     return jobs
@@ -619,7 +632,7 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, one_room = job
+            _, name, rows, warps, one_room, contents = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
@@ -628,7 +641,7 @@ def _compile_one(job) -> str:
             by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
             _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
                                         **layout_constants(layout, align), ROWS=rows,
-                                        ONE_ROOM=one_room, num_warps=warps, grid=(1,))
+                                        ONE_ROOM=one_room, CONTENTS=contents, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps, policy = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
@@ -736,6 +749,9 @@ def print_report(report) -> None:
                   f"{q['contiguous']:.3f}, / same bytes {q['contiguous_same_size']:.3f} ({same['read_TBps']:.2f}), "
                   f"/ gathered {(q['gathered'] or 0):.3f} ({g.get('read_TBps', 0):.2f}), / copy {q['copy']:.3f}"
                   + (f"; engine default {d[m]:.2f} TB/s" if d else ""))
+        n = r["no_contents"]
+        print(f"[steady] {r['layout']} at the engine's shape without contents stored (diagnosis off): "
+              f"{n['read_TBps']['steady']:.2f} TB/s = {r['no_contents_ratio']['steady']:.3f} of the 2 GiB read")
         print(f"{r['layout']}: every sweep point exact (cells and contents): {r['all_exact']}")
         e = r["engine_path"]
         if e:

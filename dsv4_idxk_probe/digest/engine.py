@@ -247,7 +247,7 @@ class DigestEngine:
             self._layer_table, base_align = layer_table(self.buffers, self.layer_ids, self.device)
             self._kernel = DigestKernel(
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
-                base_align=base_align,
+                base_align=base_align, contents=contents,
             )
             if self.device.type == "cuda":
                 self._warm_up()

@@ -5,8 +5,9 @@ room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
 layer's buffer and the room's page table, hashes the frozen words of
 each segment into two 32-bit lane sums, and stores each (layer, page,
-segment) cell contribution and, beside it, the cell's segment digest (its
-content digest, docs/digest.md "Content digests"). Programs past a room's
+segment) cell contribution and, beside it when asked (CONTENTS: decode's
+diagnosis reads them), the cell's segment digest (its content digest,
+docs/digest.md "Content digests"). Programs past a room's
 last page return at once.
 Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
@@ -144,17 +145,18 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
 
 
 @triton.jit
-def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr):
-    """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, d itself (the
-    content digest) into the contents; both 0 for a row not read."""
+def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr, CONTENTS: tl.constexpr):
+    """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, and with CONTENTS
+    d itself (the content digest) into the contents; both 0 for a row not read."""
     salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + SEGMENT * _CELL_SEGMENT
     cell = tl.where(readable, _fmix64(d ^ salt), 0)
     tl.store(out + (SEGMENT - 1), cell, mask=valid)
-    tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
+    if CONTENTS:
+        tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
 
 
 @triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags", "one_pages", "one_id_bytes", "one_n_pages",
-                               "one_n_tokens"])  # two compiled kernels per layout: ONE_ROOM or not
+                               "one_n_tokens"])  # per layout and CONTENTS, two compiled kernels: ONE_ROOM or not
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
@@ -184,6 +186,7 @@ def _digest_rooms_kernel(
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
+    CONTENTS: tl.constexpr,  # store each cell's content digest (diagnosis reads them); else `contents` is unused
 ):
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
@@ -248,13 +251,13 @@ def _digest_rooms_kernel(
     row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
     content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1)
+    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1, CONTENTS)
     if NUM_SEGMENTS > 1:
-        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2)
+        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2, CONTENTS)
     if NUM_SEGMENTS > 2:
-        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3)
+        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3, CONTENTS)
     if NUM_SEGMENTS > 3:
-        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4)
+        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4, CONTENTS)
     tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
@@ -266,7 +269,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "ONE_ROOM",
+    "ONE_ROOM", "CONTENTS",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -330,12 +333,13 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16):
+                 base_align: int = 16, contents: bool = True):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
         self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
+        self.contents = contents  # whether launches store the content digests
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = {}  # ONE_ROOM -> the compiled kernel, launched directly once it is known to fit
@@ -344,7 +348,7 @@ class DigestKernel:
     def launch_args(self, room_table: int, cells: int, contents: int, flags: int, one_room: tuple | None = None) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
         return (room_table, self.layer_table_address, cells, contents, flags, *(one_room or _NOT_ONE_ROOM),
-                *self.meta.values(), one_room is not None)
+                *self.meta.values(), one_room is not None, self.contents)
 
     def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
                one_room: tuple | None = None, device: int | None = None, stream: int | None = None) -> None:
@@ -370,7 +374,7 @@ class DigestKernel:
             return
         compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags,
                                               *(one_room or _NOT_ONE_ROOM), **self.meta, ONE_ROOM=variant,
-                                              num_warps=self.num_warps)
+                                              CONTENTS=self.contents, num_warps=self.num_warps)
         if _fits(compiled):
             self.compiled[variant], self.compiled_on[variant] = compiled, device
 

@@ -122,6 +122,21 @@ def test_a_room_passed_by_value_stores_what_the_table_gives(rows, num_warps, lay
     assert want_flags.sum() == 2 * 2  # the last room: two ids out of range in each of two layers
 
 
+@pytest.mark.parametrize("by_value", [False, True])
+def test_without_contents_the_cells_are_the_same_and_the_contents_untouched(by_value, layout, random_buffers):
+    """CONTENTS off (diagnosis off): the same cells and flags; the contents buffer is
+    never written (it keeps its sentinel)."""
+    buffers = [b.to(DEVICE) for b in random_buffers(layout, 2, 5, seed=31)]
+    rooms = [RoomRequest("a", torch.tensor([4, 0, 9], device=DEVICE), 2 * 256 + 9)]  # 9: out of range
+    if not by_value:
+        rooms.append(RoomRequest("b", torch.tensor([1, 3], dtype=torch.int32, device=DEVICE), 2 * 256))
+    cells, contents, flags, plan = _kernel_cells(layout, buffers, [0, 7], rooms, by_value=by_value, rows=2,
+                                                 contents=False)
+    want_cells, _, want_flags = _reference_cells(layout, buffers, [0, 7], rooms, plan)
+    assert np.array_equal(cells, want_cells) and np.array_equal(flags, want_flags) and want_flags.sum() == 2
+    assert (contents == 0x3C3C3C3C).all()
+
+
 def test_split_across_launches_gives_the_same_digests(random_buffers):
     layout = get_layout("fp4")
     buffers = random_buffers(layout, 2, 6, seed=8)
