@@ -3,15 +3,16 @@
 Why: on a host where every CUDA driver call is expensive (a sandboxed
 runtime intercepts each one), the fixed cost of a submit decides the probe's
 overhead per room. This times each part of one submit on the caller's thread
-(cell plan, room table, launch, queue) for single-room
-batches and for 16-room batches, after a warm-up, with sync debug mode
-"error" on, and prints medians.
+(cell plan, room table, launch, the copies up and down, queue) for
+single-room batches and for 16-room batches, after a warm-up, with sync
+debug mode "error" on, and prints medians. `--outputs pinned`: the engine
+without copies (digest.outputs), so two runs on one machine compare them.
 
 Then times one-room submits after gaps of `--gap-ms` (default 10 ms, the rig's
 model step) passed in different ways (`gap_study`).
 
 Usage (CUDA):  python3 bench/submit_profile.py [--out DIR] [--layers 30] [--pages 17] [--calls 300]
-                   [--gap-ms 10] [--gap-calls 200]
+                   [--gap-ms 10] [--gap-calls 200] [--outputs device|pinned]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
+from dsv4_idxk_probe.digest.pinned import Staging  # noqa: E402
 from dsv4_idxk_probe.sim.modeltime import GpuForward, spin  # noqa: E402
 
 
@@ -159,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--gap-ms", type=float, default=10.0, help="gap before each submit of the gap study")
     p.add_argument("--gap-calls", type=int, default=200)
+    p.add_argument("--outputs", choices=engine_module.OUTPUTS, default="device", help="the engine's digest.outputs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -167,14 +170,16 @@ def main(argv=None) -> int:
     pool_pages = 64 * args.pages + 1
     buffers = [torch.randint(0, 256, (pool_pages, layout.row_bytes), dtype=torch.uint8, device="cuda")
                for _ in range(args.layers)]
-    engine = DigestEngine(layout, list(range(args.layers)), buffers)
+    engine = DigestEngine(layout, list(range(args.layers)), buffers, outputs=args.outputs)
     timer = PartTimer()
+    timer.wrap(Staging, "upload", "copy up (tables)")
+    timer.wrap(Staging, "download", "copy down (outputs)")
     timer.wrap(engine_module, "plan_cells", "cell plan")
     timer.wrap(engine._kernel, "launch", "kernel launch (Triton)")
     timer.wrap(engine._staging, "take", "staging take")
     timer.wrap(engine._events, "take", "event take")
     timer.wrap(torch.cuda, "current_stream", "torch.cuda.current_stream()")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "outputs": args.outputs, "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
     for rooms_per_submit in (1, 16):
         for host_pages in (True, False):
@@ -208,8 +213,8 @@ def main(argv=None) -> int:
     report["gaps"] = gap_study(engine, args)
     report["host_ops"] = host_ops(engine, args)
     engine.close()
-    print(f"submit on {report['device']}, {args.layers} layers x {args.pages} pages per room, {args.calls} submits per case; "
-          "sync debug mode 'error' (no sync raised)")
+    print(f"submit on {report['device']}, outputs {args.outputs}, {args.layers} layers x {args.pages} pages per room, "
+          f"{args.calls} submits per case; sync debug mode 'error' (no sync raised)")
     for case, r in report["cases"].items():
         print(f"{case:<48} median {r['median_us']:8.1f} us  per room {r['per_room_us']:7.1f} us")
         for part, us in r["parts_mean_us"].items():
