@@ -237,6 +237,7 @@ class DigestEngine:
         self._tickets = HandOff()
         self._thread: threading.Thread | None = None
         self._collecting = False  # the collector thread runs: one attribute read per submit
+        self._warm_up_queued = False  # the start-up batch waits in the queue: it takes no caller's place
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         if self.backend == "triton":
@@ -263,7 +264,8 @@ class DigestEngine:
         digests alone (a diagnosis snapshot), so the collector skips the fold:
         its result has no digests and no room bytes, and the ticket no room digests.
         """
-        if len(self._tickets.items) >= self.max_pending:  # before the launch: a launched batch is never dropped
+        # Before the launch: a launched batch is never dropped.
+        if len(self._tickets.items) - self._warm_up_queued >= self.max_pending:
             self.stats.dropped_batches += 1
             return None
         ticket = self._launch(list(rooms), callback)
@@ -420,6 +422,7 @@ class DigestEngine:
             return
         ticket.counted = False
         self._start_collector()
+        self._warm_up_queued = True
         self._tickets.put(ticket)
 
     # %% collection
@@ -438,6 +441,8 @@ class DigestEngine:
                 ticket = self._tickets.get()
                 if ticket is None:
                     return
+                if not ticket.counted:
+                    self._warm_up_queued = False
                 if self._await(ticket):
                     self._deliver(ticket, self._finish)
                 if self._tickets.items:

@@ -206,3 +206,19 @@ def test_a_room_with_out_of_range_page_ids_is_counted_and_matches_nothing(engine
     assert batch.room_bytes == ((64 + 64) * 2 * 132, (64 + 11) * 2 * 132)
     assert engine.stats.out_of_range_rooms == 2 and engine.stats.out_of_range_rows == 8
     assert error_counts().get("digest.page_out_of_range", 0) == errors_before + 2
+
+
+def test_the_start_up_batch_takes_no_place_of_a_callers_batch(random_buffers):
+    """The start-up batch (queued at construction on CUDA) waits in the queue beside the
+    callers' batches; a queue of one place still takes a caller's batch beside it."""
+    engine, gate = _engine_with_full_queue(random_buffers)
+    engine._tickets.items.popleft()  # the queued batch gone: the queue's one place is free again
+    engine._warm_up()  # queued behind the collector, which still holds "first"
+    assert engine.backlog() == 1
+    delivered = threading.Event()
+    assert engine.submit([RoomRequest("real", [1], 256)], lambda b: delivered.set()) is not None
+    assert engine.stats.dropped_batches == 0
+    gate.set()
+    assert delivered.wait(30)
+    engine.close()
+    assert engine.stats.completed_rooms == 2  # "first" and "real"; the start-up batch counts no room
