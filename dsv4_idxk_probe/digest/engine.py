@@ -3,9 +3,9 @@
 `DigestEngine.submit` writes a small room table into a pinned staging
 buffer, copies it up to the buffer's device twin (unless the kernel needs
 none of it: a one-room launch with its page table on the device), launches
-the Triton kernel on the caller's current stream, copies its cells (and
-their content digests) down, and records a CUDA event right behind: three
-or four device calls, whatever the batch. A
+the Triton kernel on the caller's current stream, copies its cells (and,
+for diagnosis, their content digests) down, and records a CUDA event right
+behind: three or four device calls, whatever the batch (`OUTPUTS`). A
 background thread waits for the event (`WAITS`), folds the cells into room
 digests and hands them to the callback. The caller's thread never calls ``.item()``, ``.cpu()``,
 ``.tolist()`` or a synchronise on this path.

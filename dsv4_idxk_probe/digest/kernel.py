@@ -30,9 +30,10 @@ so the engine counts it and never lets such a room match (docs/digest.md).
 The room table and the outputs are passed as plain addresses and the layer
 table is the pool's own, so a launch hands Triton five integers and nothing to
 inspect. The engine
-passes device memory (its staging buffer's device twin: stores straight into
-pinned host memory cross PCIe as small writes, 6x the kernel's time on a
-large room, bench/RESULTS.md issue 21); the same code runs under
+passes device memory by default (its staging buffer's device twin: stores
+straight into pinned host memory, `digest.outputs: pinned`, cross PCIe as
+small writes, 2-6x the kernel's time on fp8 and fp4 rooms, bench/RESULTS.md
+issue 21); the same code runs under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
 """
 
