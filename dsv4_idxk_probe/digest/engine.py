@@ -378,18 +378,15 @@ class DigestEngine:
         keepalive = [d for d in on_device if d is not None]
         if copies and (one_room is None or cursor > table_words):  # the kernel reads a table or host page ids
             staging.upload(8 * cursor)
-        if self.device.type != "cuda":  # the interpreter runs it now
-            self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
-                                one_room=one_room)
-            if copies:
-                staging.download(8 * input_words, download_end)
-            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
-                                 contents=contents)
-        device, raw_stream = self._current_stream()
+        on_cuda = self.device.type == "cuda"  # else the interpreter runs the kernel now, on no stream
+        device, raw_stream = self._current_stream() if on_cuda else (None, None)
         self._kernel.launch(read_base, cells_address, contents_address, flags_address, n_rooms, plan.max_pages,
                             one_room=one_room, device=device, stream=raw_stream)
         if copies:
             staging.download(8 * input_words, download_end)
+        if not on_cuda:
+            return PendingDigest(plan, rooms, callback, cells, staging=staging, keepalive=keepalive, flags=flags,
+                                 contents=contents)
         stream = self._streams.get(raw_stream)
         if stream is None:
             stream = self._stream_object(raw_stream)
