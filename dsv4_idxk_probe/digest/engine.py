@@ -253,6 +253,14 @@ class DigestEngine:
             if self.device.type == "cuda":
                 self._warm_up()
 
+    @classmethod
+    def from_config(cls, layout: RowLayout, layer_ids: Sequence[int], buffers: Sequence[torch.Tensor], config: Any, *,
+                    role: str) -> "DigestEngine":
+        """An engine set up by the probe config (its `digest` section), for `role`'s side:
+        content digests only on decode with diagnosis on, the one reader of them."""
+        return cls(layout, layer_ids, buffers, wait=config.digest.collector_wait, outputs=config.digest.outputs,
+                   contents=role == "decode" and config.diagnosis.enabled)
+
     # %% public API
 
     def submit(self, rooms: Sequence[RoomRequest], callback: Callable[[BatchResult], None], *,

@@ -42,11 +42,7 @@ class _Side:
         self.runtime = runtime
         self.geometry = geometry
         self.layout = layout
-        # Content digests feed decode's diagnosis only; without it they stay on the GPU.
-        contents = self.role == "decode" and runtime.config.diagnosis.enabled
-        digest = runtime.config.digest
-        self.engine = DigestEngine(layout, geometry.layer_ids, geometry.buffers, wait=digest.collector_wait,
-                                   contents=contents, outputs=digest.outputs)
+        self.engine = DigestEngine.from_config(layout, geometry.layer_ids, geometry.buffers, runtime.config, role=self.role)
         self.signature = self.engine.signature
 
 

@@ -89,8 +89,7 @@ class DecodeSide:
             config = self.settings.config
             self.sinks = ProbeSinks(config, "decode")
             self.fetcher = VectorFetcher(config, self.sinks.metrics, parse_address(cfg.exchange_address))
-            engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=config.digest.collector_wait,
-                                  contents=config.diagnosis.enabled, outputs=config.digest.outputs)
+            engine = DigestEngine.from_config(self.layout, self.layer_ids, self.bufs, config, role="decode")
             self.monitor = DecodeMonitor(
                 engine, self.sinks.emit, self.sinks.metrics,
                 fetch_vectors=self.fetcher, fetch_always=config.exchange.fetch_always, step_interval=self.interval,

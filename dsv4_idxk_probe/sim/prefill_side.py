@@ -73,9 +73,7 @@ class PrefillSide:
         self.monitor = self.sinks = self.server = None
         if self.settings.enabled:
             self.sinks = ProbeSinks(self.settings.config, "prefill")
-            digest = self.settings.config.digest
-            engine = DigestEngine(self.layout, self.layer_ids, self.bufs, wait=digest.collector_wait,
-                                  contents=False, outputs=digest.outputs)  # decode's diagnosis alone reads contents
+            engine = DigestEngine.from_config(self.layout, self.layer_ids, self.bufs, self.settings.config, role="prefill")
             self.monitor = PrefillMonitor(engine, self.sinks.emit, self.sinks.metrics, self.settings.config.exchange.table_size)
             self.server = start_exchange(self.monitor.lookup, self.settings.config, self.sinks.metrics)
 

@@ -222,3 +222,16 @@ def test_the_start_up_batch_takes_no_place_of_a_callers_batch(random_buffers):
     assert delivered.wait(30)
     engine.close()
     assert engine.stats.completed_rooms == 2  # "first" and "real"; the start-up batch counts no room
+
+
+def test_an_engine_from_the_config_hands_out_contents_only_to_decode_with_diagnosis(random_buffers):
+    from dsv4_idxk_probe.config import parse_config
+
+    buffers = random_buffers(LAYOUT, 1, 2, seed=4)
+    for diagnosis in (False, True):
+        config = parse_config({"diagnosis": {"enabled": diagnosis},
+                               "digest": {"collector_wait": "poll", "outputs": "pinned"}})
+        for role in ("prefill", "decode"):
+            engine = DigestEngine.from_config(LAYOUT, [0], buffers, config, role=role)
+            assert engine.contents == (diagnosis and role == "decode"), (diagnosis, role)
+            assert (engine.wait, engine.outputs) == ("poll", "pinned")
