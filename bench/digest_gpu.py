@@ -439,10 +439,7 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
         return {}
     rooms = [RoomRequest(f"e{i}", p, sizes.pages * 256) for i, p in enumerate(page_tables)]
     result = {}
-    for contents in (True, False):  # with diagnosis (contents copied down too) and without
-        ms, dropped = engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents),
-                                    [[r] for r in rooms])
-        tag = "" if contents else "_no_contents"
+    for tag, (ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
         result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
                        f"engine_dropped_batches{tag}": dropped})
     pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
@@ -450,15 +447,21 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
     # A room of a serving size (64 pages, 16k tokens), the same three ways.
     medium = [RoomRequest(f"m{i}", p[:64].contiguous(), 64 * 256) for i, p in enumerate(page_tables)]
-    for contents in (True, False):
-        ms, _ = engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents),
-                              [[r] for r in medium])
-        result[f"medium_engine_us{'' if contents else '_no_contents'}"] = ms * 1e3
+    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in medium]).items():
+        result[f"medium_engine_us{tag}"] = ms * 1e3
     launches = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=pin) for r in medium
                 for pin in (True, False)]
     result["medium_pinned_outputs_us"] = timer.ms("flush_read", launches[0::2]) * 1e3
     result["medium_device_outputs_us"] = timer.ms("flush_read", launches[1::2]) * 1e3
     return result
+
+
+def engine_gpu_ms_both(timer, layout, bufs, batches) -> dict:
+    """`engine_gpu_ms` of an engine that copies contents down (diagnosis on; key "") and
+    of one that does not (key "_no_contents")."""
+    return {"" if contents else "_no_contents":
+            engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents), batches)
+            for contents in (True, False)}
 
 
 def engine_gpu_ms(timer, engine, batches, reps: int = 20) -> tuple[float, int]:
@@ -578,9 +581,8 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     engine.close()
     # The engine's GPU time per room, copies included (with contents copied down, and without),
     # beside the kernel storing its outputs straight into pinned host memory (the first design).
-    for contents in (True, False):
-        ms, _ = engine_gpu_ms(timer, DigestEngine(layout, list(range(sizes.layers)), bufs, contents=contents), batches)
-        result[f"engine_gpu_us_per_room{'' if contents else '_no_contents'}"] = ms * 1e3 / n_rooms
+    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, batches).items():
+        result[f"engine_gpu_us_per_room{tag}"] = ms * 1e3 / n_rooms
     pinned = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"], pinned=True) for batch in batches]
     result["pinned_outputs_us_per_room"] = timer.ms("flush_read", pinned) * 1e3 / n_rooms
     result.update({
