@@ -50,7 +50,7 @@ step auditdiag 45 python3 bench/sync_audit.py --diagnosis --out "$res/sync_audit
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
 # The submit's parts with the engine's two output places (digest.outputs), one after the other.
-step profile 90 bash -c "python3 bench/submit_profile.py --calls 200 --out $res/profile && \
+step profile 150 bash -c "python3 bench/submit_profile.py --calls 200 --out $res/profile && \
     python3 bench/submit_profile.py --calls 200 --outputs pinned --out $res/profile_pinned"
 step serving 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving"

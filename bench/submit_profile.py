@@ -153,6 +153,51 @@ def host_ops(engine: DigestEngine, args) -> dict:
     return results
 
 
+def allocation_study(engine: DigestEngine, args) -> dict:
+    """Decode's allocation hook with diagnosis on (`DecodeMonitor.room_allocated`: the
+    page ids' copy down, a journal event, the snapshot's one-room submit), whole and by
+    part, one call after each `--gap-ms` sleep as in the rig's decode loop.
+
+    Why: in the serving legs this hook is what diagnosis adds to the serving thread
+    (273-416 us median per call on the H200 host, 2026-12-02)."""
+    from dsv4_idxk_probe.diagnosis import ContentIndex, PageJournal
+    from dsv4_idxk_probe.diagnosis.host_ids import capture
+    from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis
+    from dsv4_idxk_probe.pd import DecodeMonitor, RoomId
+
+    torch.cuda.set_sync_debug_mode(0)
+    diagnosis = DecodeDiagnosis(engine.layout, engine.layer_ids, PageJournal(capacity=4096), ContentIndex(100_000))
+    monitor = DecodeMonitor(engine, lambda *_: None, diagnosis=diagnosis, snapshot_on_allocation=True)
+    tables = [torch.as_tensor(np.arange(args.pages) + (i % 64) * args.pages + 1, device="cuda")
+              for i in range(args.gap_calls)]
+    tokens = args.pages * 256 - 100
+    ops = {
+        "room_allocated (copy on the snapshot's event)": lambda i: monitor.room_allocated(RoomId(i), tables[i], tokens),
+        "room_allocated, no snapshot (copy, own event)": lambda i: monitor.room_allocated(RoomId(10**6 + i), tables[i], tokens,
+                                                                                          snapshot=False),
+        "page ids copy down with its own event (capture)": lambda i: capture(tables[i]),
+        "page ids copy down, event left to the caller": lambda i: capture(tables[i], deferred=True),
+        "snapshot submit alone (one room, contents only)": lambda i: engine.submit(
+            [RoomRequest(f"s{i}", tables[i], tokens)], lambda _: None, contents_only=True),
+    }
+    results = {}
+    for name, op in ops.items():
+        for i in range(20):
+            op(i)
+        torch.cuda.synchronize()
+        walls = []
+        for i in range(args.gap_calls):
+            time.sleep(args.gap_ms / 1e3)
+            started = time.perf_counter()
+            op(i)
+            walls.append(time.perf_counter() - started)
+        walls.sort()
+        results[name] = {"median_us": 1e6 * statistics.median(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
+        torch.cuda.synchronize()
+        time.sleep(0.05)  # the collector catches up between ops
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
@@ -212,6 +257,7 @@ def main(argv=None) -> int:
     torch.cuda.set_sync_debug_mode(0)
     report["gaps"] = gap_study(engine, args)
     report["host_ops"] = host_ops(engine, args)
+    report["allocation"] = allocation_study(engine, args)
     engine.close()
     print(f"submit on {report['device']}, outputs {args.outputs}, {args.layers} layers x {args.pages} pages per room, "
           f"{args.calls} submits per case; sync debug mode 'error' (no sync raised)")
@@ -225,6 +271,9 @@ def main(argv=None) -> int:
     print(f"host-side operations, one at a time (median us; back to back / after a {args.gap_ms:g} ms sleep):")
     for op, r in report["host_ops"].items():
         print(f"    {op:<62} {r['back_to_back_us']:8.2f} / {r['after_gap_us']:8.2f}")
+    print(f"decode allocation hook with diagnosis, device page table, one call after each {args.gap_ms:g} ms sleep:")
+    for op, r in report["allocation"].items():
+        print(f"    {op:<62} median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "submit_profile.json").write_text(json.dumps(report, indent=1))

@@ -6,7 +6,11 @@ then (`.cpu()`) would wait for the whole stream, and would read the values as
 they are then, not as they were at the hook. `capture` instead queues a copy
 into pinned host memory on the current stream, at the hook, with an event
 behind it: a few microseconds, no wait. `host_ints` waits for that event
-only, off the serving thread.
+only, off the serving thread. Where the hook queues a digest launch right after
+the copy (decode's allocation snapshot), `capture(..., deferred=True)` and
+`HostIds.settle(batch_event)` let the copy ride on the batch's event: on the
+same stream, it completes after the copy, and one event fewer is created,
+recorded and destroyed per room (each a driver call on the serving thread).
 
 Host containers (lists, arrays, CPU tensors) are kept as they are. torch is
 not imported here: where it is not loaded no value can be a tensor, and the
@@ -26,6 +30,9 @@ def _tensor_type():
     return torch.Tensor if torch is not None else None
 
 
+_UNSETTLED = object()  # a deferred capture's event, until `settle` names one
+
+
 class HostIds:
     """A device tensor's values as the stream had them at `capture`: copied to pinned
     memory, readable once the copy's event has completed."""
@@ -35,9 +42,21 @@ class HostIds:
     def __init__(self, host: Any, event: Any):
         self._host, self._event = host, event
 
+    def settle(self, event: Any = None) -> None:
+        """A deferred capture's event: `event`, recorded on the copy's stream after it (a
+        pooled event recycled later only waits longer), or, when None, one of its own now."""
+        if self._event is not _UNSETTLED:
+            return
+        if event is None:
+            event = sys.modules["torch"].cuda.Event()
+            event.record()
+        self._event = event
+
     def numpy(self) -> np.ndarray:
         """The values (waits for the copy: collector thread only)."""
         event = self._event
+        if event is _UNSETTLED:
+            raise RuntimeError("captured page ids read before their copy's event was settled")
         if event is not None:
             event.synchronize()
             self._event = None
@@ -48,14 +67,17 @@ class HostIds:
         return self._host.numel() * self._host.element_size()
 
 
-def capture(values: Any) -> Any:
-    """`values` as host memory will hold them: a `HostIds` for a CUDA tensor, else `values`."""
+def capture(values: Any, *, deferred: bool = False) -> Any:
+    """`values` as host memory will hold them: a `HostIds` for a CUDA tensor, else `values`.
+    `deferred`: no event yet; the caller settles it (`HostIds.settle`) before it returns."""
     tensor = _tensor_type()
     if tensor is None or not isinstance(values, tensor) or values.device.type != "cuda":
         return values
     torch = sys.modules["torch"]
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values.detach(), non_blocking=True)
+    if deferred:
+        return HostIds(host, _UNSETTLED)
     event = torch.cuda.Event()
     event.record()
     return HostIds(host, event)

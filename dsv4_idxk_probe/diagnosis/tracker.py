@@ -24,7 +24,7 @@ from ..digest.room_table import frozen_slots_per_page
 from .content import zero_table
 from .content_index import ContentIndex
 from .diagnose import bad_cells, diagnose_cells
-from .host_ids import capture, host_ints
+from .host_ids import HostIds, capture, host_ints
 from .journal import PageJournal
 
 
@@ -56,10 +56,13 @@ class DecodeDiagnosis:
 
     # %% serving thread (O(1))
 
-    def allocated(self, key: str, pages: Any) -> None:
-        ids = self._ids(key, pages)  # also marks the room live until its free (see `before`)
+    def allocated(self, key: str, pages: Any, *, deferred: bool = False) -> HostIds | None:
+        """`deferred`: the page ids' copy, when this call queues it, is returned unsettled,
+        for the caller to settle with the event of the launch it queues next (or none)."""
+        ids, fresh = self._capture(key, pages, deferred)  # also marks the room live until its free (see `before`)
         if self.journal is not None:
             self.journal.record_captured("allocated", ids, key)
+        return ids if deferred and fresh and isinstance(ids, HostIds) else None
 
     def landed(self, key: str, pages: Any) -> None:
         if self.journal is not None:
@@ -70,21 +73,25 @@ class DecodeDiagnosis:
             self.journal.record_captured("freed", self._ids(key, pages), key)
 
     def _ids(self, key: str, pages: Any) -> Any:
-        """The room's page ids on their way to the host: captured once per page table
-        (allocation, landing and free hand the hooks the same tensor), so a room costs
-        one device-to-host copy, queued at its first event. Kept until the collector
-        retires the room (or it is abandoned), not only until its free: the collector may
-        still be behind, with the room's snapshot and digests queued (see `before`)."""
+        return self._capture(key, pages)[0]
+
+    def _capture(self, key: str, pages: Any, deferred: bool = False) -> tuple[Any, bool]:
+        """The room's page ids on their way to the host, and whether this call queued
+        their copy: captured once per page table (allocation, landing and free hand the
+        hooks the same tensor), so a room costs one device-to-host copy, queued at its
+        first event. Kept until the collector retires the room (or it is abandoned), not
+        only until its free: the collector may still be behind, with the room's snapshot
+        and digests queued (see `before`)."""
         with self._lock:
             known = self._captured.get(key)
         if known is not None and known[0] is pages:
-            return known[1]
-        ids = capture(pages)
+            return known[1], False
+        ids = capture(pages, deferred=deferred)
         with self._lock:
             self._captured[key] = (pages, ids)
             while len(self._captured) > self.max_tracks:
                 self._captured.pop(next(iter(self._captured)))
-        return ids
+        return ids, True
 
     # %% collector thread
 

@@ -93,14 +93,21 @@ class DecodeMonitor:
         if diagnosis is None:
             return
         key = room.key
-        diagnosis.allocated(key, pages)
-        # the verdicts' digests come first: with the collector's queue half full, no snapshot
-        # (the room is then diagnosed without its pages' earlier bytes)
-        if snapshot and self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
-            # contents only: the snapshot's fold and digests would never be read
-            self.engine.submit([RoomRequest(key, pages, n_tokens)],
-                               lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages,
-                                                         n_tokens, batch), contents_only=True)
+        # the page ids' copy down rides on the snapshot's batch event, queued right behind it
+        copy = diagnosis.allocated(key, pages, deferred=True)
+        ticket = None
+        try:
+            # the verdicts' digests come first: with the collector's queue half full, no snapshot
+            # (the room is then diagnosed without its pages' earlier bytes)
+            if snapshot and self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
+                # contents only: the snapshot's fold and digests would never be read
+                ticket = self.engine.submit(
+                    [RoomRequest(key, pages, n_tokens)],
+                    lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages, n_tokens, batch),
+                    contents_only=True)
+        finally:
+            if copy is not None:  # without a recorded batch event, its own
+                copy.settle(ticket.done if ticket is not None and ticket.error is None else None)
 
     def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult) -> None:
         contents = getattr(batch, "contents", ())

@@ -4,8 +4,10 @@ copy's event, once; host containers pass through untouched."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from dsv4_idxk_probe.diagnosis import host_ids
 from dsv4_idxk_probe.diagnosis.host_ids import HostIds, capture, host_ints
 from dsv4_idxk_probe.diagnosis.journal import PageGroups, PageJournal
 
@@ -43,3 +45,71 @@ def test_the_journal_reads_captured_pages_and_page_groups():
     assert [e["event"] for e in journal.events_for(12)] == ["allocated"] and event.waits == 1
     load = journal.events_for(5)
     assert [(e["event"], e["host_row"]) for e in load] == [("hicache_load", 1)]
+
+
+class RecordedEvent(CountingEvent):
+    made = []
+
+    def __init__(self):
+        super().__init__()
+        self.recorded = 0
+        RecordedEvent.made.append(self)
+
+    def record(self, *_):
+        self.recorded += 1
+
+
+def test_a_deferred_capture_is_read_only_after_its_event_is_settled(monkeypatch):
+    ids = HostIds(torch.tensor([5, 6]), host_ids._UNSETTLED)
+    with pytest.raises(RuntimeError, match="settled"):
+        ids.numpy()  # would read a copy that may not have landed
+    batch_event, later = CountingEvent(), CountingEvent()
+    ids.settle(batch_event)
+    ids.settle(later)  # the first settle names the event; a second changes nothing
+    assert host_ints(ids).tolist() == [5, 6] and batch_event.waits == 1 and later.waits == 0
+    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
+    own = HostIds(torch.tensor([1]), host_ids._UNSETTLED)
+    own.settle(None)  # no batch event to ride on: one of its own, recorded now
+    assert RecordedEvent.made[-1].recorded == 1 and host_ints(own).tolist() == [1]
+
+
+def test_decode_allocation_settles_the_page_ids_copy_on_the_snapshot_event(monkeypatch):
+    """The allocation hook's page-id copy waits on the snapshot launch's event when one is
+    queued (one event fewer per room), and records its own when the snapshot is skipped."""
+    from dsv4_idxk_probe.diagnosis import ContentIndex, tracker
+    from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis
+    from dsv4_idxk_probe.digest import DigestEngine, get_layout
+    from dsv4_idxk_probe.pd import DecodeMonitor, RoomId
+
+    layout = get_layout("fp8")
+    made = []
+
+    def deferred_capture(pages, *, deferred=False):  # what `capture` does with a CUDA tensor
+        ids = HostIds(torch.as_tensor(pages), host_ids._UNSETTLED if deferred else CountingEvent())
+        made.append(ids)
+        return ids
+
+    monkeypatch.setattr(tracker, "capture", deferred_capture)
+    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
+    engine = DigestEngine(layout, [0], [torch.zeros((8, layout.row_bytes), dtype=torch.uint8)])
+    batch_event = CountingEvent()
+    submitted = []
+
+    def submit(rooms, callback, **kw):
+        ticket = type("Ticket", (), {"done": batch_event, "error": None})()
+        submitted.append(ticket)
+        return ticket
+
+    monkeypatch.setattr(engine, "submit", submit)
+    diagnosis = DecodeDiagnosis(layout, [0], PageJournal(capacity=16), ContentIndex(1000))
+    decode = DecodeMonitor(engine, lambda *_: None, diagnosis=diagnosis, snapshot_on_allocation=True)
+    try:
+        decode.room_allocated(RoomId(1), [2, 3], 512)
+        assert len(submitted) == 1 and made[0]._event is batch_event
+        RecordedEvent.made.clear()
+        decode.room_allocated(RoomId(2), [4, 5], 512, snapshot=False)  # no launch to ride on
+        assert len(submitted) == 1 and made[1]._event is RecordedEvent.made[-1] and RecordedEvent.made[-1].recorded == 1
+        decode.room_allocated(RoomId(1), [2, 3], 512)  # ids already captured (another tensor: a fresh copy)
+        assert all(ids._event is not host_ids._UNSETTLED for ids in made)
+    finally:
+        engine.close()
