@@ -64,9 +64,7 @@ from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, la
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
-# rows per block x warps x blocks per program (software-pipelined: the next block's loads first)
-SWEEP = ([(rows, warps, 1) for rows in (1, 2, 4) for warps in (1, 2, 4)]
-         + [(rows, warps, loop) for loop in (2, 4, 8) for rows in (1, 2) for warps in (1, 2, 4)])
+SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per program x warps
 METHODS = ("steady", "flush_read", "flush_write")
 POLICIES = ("", "evict_first")  # the loads' eviction policy: Triton's default, or lines evicted first
 # The contiguous ceiling's tilings: words per program x warps x eviction policy.
@@ -77,14 +75,8 @@ GATHERED_CONFIGS = [(r, w, m, p) for r, w in ((1, 1), (1, 2), (1, 4), (2, 1), (1
 
 
 def sweep_for(layout, sweep) -> list[tuple]:
-    """The sweep's points whose threads hold at most 136 words of the tile (more spill);
-    a pipelined program holds two blocks' words at once."""
-    return [(r, w, l) for r, w, l in sweep if r * layout.row_bytes // 4 * (2 if l > 1 else 1) <= 136 * 32 * w]
-
-
-def shape_of(shape: dict) -> tuple:
-    """(rows, warps, loop) of a `kernel_shape` dict."""
-    return shape["rows"], shape["num_warps"], shape.get("loop", 1)
+    """The sweep's points whose threads hold at most 136 words of the tile (more spill)."""
+    return [(r, w) for r, w in sweep if r * layout.row_bytes // 4 <= 136 * 32 * w]
 
 
 class Sizes:
@@ -97,7 +89,7 @@ class Sizes:
         self.short_rooms, self.short_pages = (4, 2) if smoke else (64, 16)
         self.contiguous_bytes = (1 << 20) if smoke else (2 << 30)
         self.sample_pages = 4 if smoke else 32
-        self.sweep = [(1, 2, 1), (2, 4, 1), (1, 1, 4), (2, 1, 2)] if smoke else SWEEP
+        self.sweep = [(1, 2), (2, 4)] if smoke else SWEEP
 
 
 class Timer:
@@ -327,7 +319,7 @@ class Launch:
     the engine passes it (`by_value`), the room table and the outputs in device memory,
     or in pinned host memory, where the engine's first design kept them (`pinned`)."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, loop=1, by_value=True, pinned=False, contents=True):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False, contents=True):
         self.plan = plan_cells(rooms, len(bufs))
         self.store_contents = contents  # the kernel stores content digests (the engine: with diagnosis)
         pinned = pinned and device.type == "cuda"
@@ -344,10 +336,10 @@ class Launch:
         self.contents = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, **where)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, **where)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
-        self.tune(rows, warps, loop)
+        self.tune(rows, warps)
 
-    def tune(self, rows, warps, loop=1):
-        self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps, loop=loop,
+    def tune(self, rows, warps):
+        self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
                                    base_align=self.base_align, contents=self.store_contents)
 
     def __call__(self):
@@ -399,18 +391,18 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     gathered = gathered_read(timer, layout, bufs, launches[0].layers, launches[0].base_align, page_tables, device)
     same_size = contiguous_read(timer, device, read_bytes, ceilings["contiguous_configs"])
     sweep = []
-    for rows, warps, loop in sweep_for(layout, sizes.sweep):
+    for rows, warps in sweep_for(layout, sizes.sweep):
         for launch in launches:
-            launch.tune(rows, warps, loop)
+            launch.tune(rows, warps)
             launch.cells.fill_(0x5A5A)
             launch.contents.fill_(0x5A5A)
         ms = timer.all(launches)
-        sweep.append({"rows": rows, "warps": warps, "loop": loop, "ms": ms,
+        sweep.append({"rows": rows, "warps": warps, "ms": ms,
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
     # The engine's shape without content digests stored (diagnosis off, the default).
-    bare = [Launch(layout, bufs, launch.rooms, device, *shape_of(shape), contents=False)
+    bare = [Launch(layout, bufs, launch.rooms, device, shape["rows"], shape["num_warps"], contents=False)
             for launch in launches]
     for launch in bare:
         launch.cells.fill_(0x5A5A)
@@ -418,7 +410,7 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     no_contents = {"ms": bare_ms, "read_TBps": {m: read_bytes / (ms * 1e-3) / 1e12 for m, ms in bare_ms.items()},
                    "exact": all(launch.exact_on(sample) for launch, sample in zip(bare, samples))}
     engine_path = engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes)
-    default = next((r for r in sweep if (r["rows"], r["warps"], r["loop"]) == shape_of(shape)), None)
+    default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
     ratios = {}
     for m in METHODS:
         tbps = best[m]["read_TBps"]
@@ -450,14 +442,14 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     for tag, (ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
         result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
                        f"engine_dropped_batches{tag}": dropped})
-    pinned = [Launch(layout, bufs, [r], device, *shape_of(shape), pinned=True) for r in rooms]
+    pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
     pinned_ms = timer.ms("flush_read", pinned)
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
     # A room of a serving size (64 pages, 16k tokens), the same three ways.
     medium = [RoomRequest(f"m{i}", p[:64].contiguous(), 64 * 256) for i, p in enumerate(page_tables)]
     for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in medium]).items():
         result[f"medium_engine_us{tag}"] = ms * 1e3
-    launches = [Launch(layout, bufs, [r], device, *shape_of(shape), pinned=pin) for r in medium
+    launches = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=pin) for r in medium
                 for pin in (True, False)]
     result["medium_pinned_outputs_us"] = timer.ms("flush_read", launches[0::2]) * 1e3
     result["medium_device_outputs_us"] = timer.ms("flush_read", launches[1::2]) * 1e3
@@ -538,18 +530,10 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     batches = [[RoomRequest(f"s{i}", perm[i * n_pages : (i + 1) * n_pages].contiguous(), n_pages * 256 - 37)
                 for i in range(k * n_rooms, (k + 1) * n_rooms)] for k in range(2)]
     rooms = batches[0]
-    launches = [Launch(layout, bufs, batch, device, *shape_of(shape)) for batch in batches]
+    launches = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"]) for batch in batches]
     samples = [launch.sample_reference(rng, 2) for launch in launches]
     kernel_ms = timer.all(launches)
     exact = all(launch.exact_on(sample) for launch, sample in zip(launches, samples))
-    by_loop = {}  # GPU us per room with 1, 2, 4 blocks per program (the engine's rows and warps)
-    for loop in (1, 2, 4):
-        for launch in launches:
-            launch.tune(shape["rows"], shape["num_warps"], loop)
-        by_loop[loop] = {m: ms * 1e3 / n_rooms for m, ms in timer.all(launches).items()}
-        exact = exact and all(launch.exact_on(sample) for launch, sample in zip(launches, samples))
-    for launch in launches:
-        launch.tune(*shape_of(shape))
     launch = launches[0]
     no_pages = torch.tensor([[perm.data_ptr(), 8, 0, 0, 0]], dtype=torch.int64, device=device)  # every program returns
     empty_ms = timer.all(lambda: launch.kernel.launch(no_pages.data_ptr(), launch.cells.data_ptr(),
@@ -559,7 +543,6 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     result = {"rooms": n_rooms, "pages": n_pages, "layers": sizes.layers, "shape": shape, "exact": exact,
               "kernel_us": {m: ms * 1e3 for m, ms in kernel_ms.items()},
               "kernel_us_per_room": {m: ms * 1e3 / n_rooms for m, ms in kernel_ms.items()},
-              "kernel_us_per_room_by_loop": by_loop,
               "read_TBps": {m: read / (ms * 1e-3) / 1e12 for m, ms in kernel_ms.items()},
               "digest_kernel_no_pages_gpu_us": {m: ms * 1e3 for m, ms in empty_ms.items()}}
     if device.type != "cuda":
@@ -600,7 +583,7 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     # beside the kernel storing its outputs straight into pinned host memory (the first design).
     for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, batches).items():
         result[f"engine_gpu_us_per_room{tag}"] = ms * 1e3 / n_rooms
-    pinned = [Launch(layout, bufs, batch, device, *shape_of(shape), pinned=True) for batch in batches]
+    pinned = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"], pinned=True) for batch in batches]
     result["pinned_outputs_us_per_room"] = timer.ms("flush_read", pinned) * 1e3 / n_rooms
     result.update({
         "enqueue_cpu_us_per_room_batched": t_cpu * 1e6 / (iters * n_rooms),
@@ -636,9 +619,9 @@ def profile_one(name, device, sizes, shapes) -> None:
 
 
 def _compile_jobs(sizes) -> list[tuple]:
-    shapes = {(name, *point) for name in LAYOUTS for point in sweep_for(get_layout(name), sizes.sweep)}
+    shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
     jobs = [("digest", *shape, one_room, True) for shape in sorted(shapes) for one_room in (False, True)]
-    defaults = {(name, *shape_of(kernel_shape(get_layout(name)))) for name in LAYOUTS}
+    defaults = {(name, kernel_shape(get_layout(name))["rows"], kernel_shape(get_layout(name))["num_warps"]) for name in LAYOUTS}
     jobs += [("digest", *shape, one_room, False) for shape in sorted(defaults) for one_room in (False, True)]
     jobs += [("contiguous", *config) for config in CONTIGUOUS_CONFIGS]
     jobs += [("gathered", name, *config) for name in LAYOUTS for config in GATHERED_CONFIGS]
@@ -651,7 +634,7 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, loop, one_room, contents = job
+            _, name, rows, warps, one_room, contents = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
@@ -659,7 +642,7 @@ def _compile_one(job) -> str:
             # by value: an address is i64, a zero i32, so each variant needs its own)
             by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
             _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
-                                        **layout_constants(layout, align), ROWS=rows, LOOP=loop,
+                                        **layout_constants(layout, align), ROWS=rows,
                                         ONE_ROOM=one_room, CONTENTS=contents, num_warps=warps, grid=(1,))
         elif job[0] == "contiguous":
             _, block, warps, policy = job
@@ -700,7 +683,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="no GPU: the interpreter, tiny sizes")
     parser.add_argument("--profile-one", choices=LAYOUTS, help="only launch --shapes twice each (for ncu)")
-    parser.add_argument("--shapes", default="1x1", help="rows x warps [x blocks per program], comma separated")
+    parser.add_argument("--shapes", default="1x1", help="rows x warps, comma separated")
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
@@ -789,8 +772,6 @@ def print_report(report) -> None:
               f"{s['kernel_us'][m]:.1f} us, {s['kernel_us_per_room'][m]:.2f} us GPU/room ({s['read_TBps'][m]:.2f} TB/s); "
               f"digest kernel on a room with no pages {s['digest_kernel_no_pages_gpu_us'][m]:.1f} us"
               + (f"; empty Triton kernel {f['empty_kernel_gpu_us'][m]:.1f} us GPU" if f else ""))
-    print("short rooms by blocks per program (us GPU/room, steady / flush_read): " + ", ".join(
-        f"{loop}: {v['steady']:.2f} / {v['flush_read']:.2f}" for loop, v in s["kernel_us_per_room_by_loop"].items()))
     print(f"short rooms exact: {s['exact']}")
     if f:
         print(f"launch floor: empty Triton kernel {f['empty_kernel_cpu_us_jit']:.1f} us CPU (JIT), "

@@ -177,7 +177,6 @@ class DigestEngine:
         block: int | None = None,
         rows: int | None = None,
         num_warps: int | None = None,
-        loop: int | None = None,
         max_pending: int = 1024,
         poll_interval_s: float = 0.0005,
         max_poll_interval_s: float = 0.004,
@@ -217,7 +216,6 @@ class DigestEngine:
         shape = kernel_shape(layout)
         self.rows = rows or shape["rows"]
         self.num_warps = num_warps or shape["num_warps"]
-        self.loop = loop or shape.get("loop", 1)
         self.outputs = outputs
         self._staging = StagingPool(self.device, twin=outputs == "device")
         self.wait = wait
@@ -250,7 +248,7 @@ class DigestEngine:
             self._layer_table, base_align = layer_table(self.buffers, self.layer_ids, self.device)
             self._kernel = DigestKernel(
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
-                loop=self.loop, base_align=base_align, contents=contents,
+                base_align=base_align, contents=contents,
             )
             if self.device.type == "cuda":
                 self._warm_up()

@@ -117,58 +117,32 @@ def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _load_row(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-              S0_OFFSET: tl.constexpr, S0_SLOT_WORDS: tl.constexpr, S0_TILE: tl.constexpr,
-              S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
-              S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
-              S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
-              MASKED: tl.constexpr):
-    """Every segment's words of each row, issued together (a row costs one round trip);
-    an unused segment repeats the first (never hashed)."""
+def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                 S0_OFFSET: tl.constexpr, S0_SLOT_WORDS: tl.constexpr, S0_TILE: tl.constexpr,
+                 S1_OFFSET: tl.constexpr, S1_SLOT_WORDS: tl.constexpr, S1_TILE: tl.constexpr,
+                 S2_OFFSET: tl.constexpr, S2_SLOT_WORDS: tl.constexpr, S2_TILE: tl.constexpr,
+                 S3_OFFSET: tl.constexpr, S3_SLOT_WORDS: tl.constexpr, S3_TILE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Each segment's digest of each row, uint64 [ROWS] x 4 (unused segments: 0).
+    Every segment's loads come before any hashing, so a row costs one round trip."""
     w0 = _load_segment(rows, n_frozen, readable, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, SLOTS, MASKED)
-    w1 = w0
-    w2 = w0
-    w3 = w0
     if NUM_SEGMENTS > 1:
         w1 = _load_segment(rows, n_frozen, readable, S1_OFFSET, S1_SLOT_WORDS, S1_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 2:
         w2 = _load_segment(rows, n_frozen, readable, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, SLOTS, MASKED)
     if NUM_SEGMENTS > 3:
         w3 = _load_segment(rows, n_frozen, readable, S3_OFFSET, S3_SLOT_WORDS, S3_TILE, SLOTS, MASKED)
-    return w0, w1, w2, w3
-
-
-@triton.jit
-def _page_ids(page_table, id_bytes, page):
-    """The physical ids of logical pages `page` (int64), from 4- or 8-byte ids without a
-    branch: both 32-bit halves are loaded (the same word twice for 4-byte ids)."""
-    stride = id_bytes // 4
-    words = page_table.to(tl.pointer_type(tl.int32)) + page * stride
-    low = tl.load(words)
-    high = tl.load(words + (stride - 1))
-    wide = (high.to(tl.int64) << 32) | low.to(tl.uint32).to(tl.int64)
-    return tl.where(stride == 2, wide, low.to(tl.int64))
-
-
-@triton.jit
-def _store_row(cells, contents, flags, row_cell, w0, w1, w2, w3, readable, valid, layer_id, page,
-               NUM_SEGMENTS: tl.constexpr, S0_OFFSET: tl.constexpr, S0_TILE: tl.constexpr,
-               S1_OFFSET: tl.constexpr, S1_TILE: tl.constexpr, S2_OFFSET: tl.constexpr, S2_TILE: tl.constexpr,
-               S3_OFFSET: tl.constexpr, S3_TILE: tl.constexpr, CONTENTS: tl.constexpr):
-    """Hash the rows' loaded words and store their cells, contents and flags."""
-    out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    _store_cell(out, content_out, _segment_digest(w0, S0_OFFSET, S0_TILE), readable, valid, layer_id, page, 1, CONTENTS)
+    d0 = _segment_digest(w0, S0_OFFSET, S0_TILE)
+    d1 = tl.zeros_like(d0)
+    d2 = tl.zeros_like(d0)
+    d3 = tl.zeros_like(d0)
     if NUM_SEGMENTS > 1:
-        _store_cell(out, content_out, _segment_digest(w1, S1_OFFSET, S1_TILE), readable, valid, layer_id, page, 2,
-                    CONTENTS)
+        d1 = _segment_digest(w1, S1_OFFSET, S1_TILE)
     if NUM_SEGMENTS > 2:
-        _store_cell(out, content_out, _segment_digest(w2, S2_OFFSET, S2_TILE), readable, valid, layer_id, page, 3,
-                    CONTENTS)
+        d2 = _segment_digest(w2, S2_OFFSET, S2_TILE)
     if NUM_SEGMENTS > 3:
-        _store_cell(out, content_out, _segment_digest(w3, S3_OFFSET, S3_TILE), readable, valid, layer_id, page, 4,
-                    CONTENTS)
-    tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
+        d3 = _segment_digest(w3, S3_OFFSET, S3_TILE)
+    return d0, d1, d2, d3
 
 
 @triton.jit
@@ -211,16 +185,14 @@ def _digest_rooms_kernel(
     S3_SLOT_WORDS: tl.constexpr,
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
-    ROWS: tl.constexpr,  # pages per block: one block's rows are loaded and hashed together
-    LOOP: tl.constexpr,  # blocks per program, one after another: the next block's loads go out first
+    ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
     CONTENTS: tl.constexpr,  # store each cell's content digest (diagnosis reads them); else `contents` is unused
 ):
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
-    PROGRAM_PAGES: tl.constexpr = ROWS * LOOP
     room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
-    first_page = tl.program_id(2).to(tl.int64) * PROGRAM_PAGES
+    first_page = tl.program_id(2).to(tl.int64) * ROWS
     # Every table field is loaded before the test that ends programs past the room's
     # last page, so the loads go out together: a program waits for one round trip
     # to the tables, then one to the page table, before its rows. A launch of one
@@ -248,63 +220,46 @@ def _digest_rooms_kernel(
     if first_page >= n_pages:
         return
     base = layer_table.to(tl.pointer_type(tl.uint32)) + (distance // BASE_ALIGN) * (BASE_ALIGN // 4)
-    layer_cells = first_cell + layer * n_pages
-    lanes = tl.arange(0, ROWS)
 
-    # Whole programs (every page of the program in the room with every slot frozen, and
-    # a buffer with a first row): no masks at all. A row whose id is out of range reads
-    # the buffer's first row instead (inside the buffer; its cells are stored as 0 and
-    # flagged), so one bad id does not send the program down the masked path. The
-    # blocks are software-pipelined: block i+1's rows are requested before block i is
-    # hashed and stored, and page ids two blocks ahead, so a warp always has a row in
-    # flight (a program of one row waits a round trip, hashes, stores and ends).
-    whole = (first_page + PROGRAM_PAGES <= n_pages) & (n_tokens >= (first_page + PROGRAM_PAGES) * PAGE_TOKENS)
-    if whole & (layer_pages > 0):
-        page = first_page + lanes
-        physical = _page_ids(page_table, id_bytes, page)
-        upcoming = physical
-        if LOOP > 1:
-            upcoming = _page_ids(page_table, id_bytes, page + ROWS)
-        readable = (physical >= 0) & (physical < layer_pages)
-        w0, w1, w2, w3 = _load_row(base + tl.where(readable, physical, 0) * ROW_WORDS, 0, readable, SLOTS, NUM_SEGMENTS, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS,
-                                   S1_TILE, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
-                                   False)
-        for i in tl.static_range(LOOP):
-            this_page, this_readable = page, readable
-            v0, v1, v2, v3 = w0, w1, w2, w3
-            if i + 1 < LOOP:
-                page = page + ROWS
-                physical = upcoming
-                if i + 2 < LOOP:
-                    upcoming = _page_ids(page_table, id_bytes, page + ROWS)
-                readable = (physical >= 0) & (physical < layer_pages)
-                w0, w1, w2, w3 = _load_row(base + tl.where(readable, physical, 0) * ROW_WORDS, 0, readable, SLOTS,
-                                           NUM_SEGMENTS, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS,
-                                           S1_TILE, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS,
-                                           S3_TILE, False)
-            _store_row(cells, contents, flags, layer_cells + this_page, v0, v1, v2, v3, this_readable,
-                       this_page < n_pages, layer_id, this_page, NUM_SEGMENTS, S0_OFFSET, S0_TILE, S1_OFFSET, S1_TILE,
-                       S2_OFFSET, S2_TILE, S3_OFFSET, S3_TILE, CONTENTS)
+    # Lanes past the room's last page re-read its last page, so the table loads
+    # are in bounds and need no mask; only their stores are masked off.
+    logical = first_page + tl.arange(0, ROWS)
+    valid = logical < n_pages
+    page = tl.minimum(logical, n_pages - 1)
+    if id_bytes == 8:
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page)
     else:
-        # A room's last program (its tail page, pages past its end) or an empty buffer:
-        # block by block, only the frozen words of rows whose id is in range are read.
-        # Lanes past the room's last page re-read its last page, so the page-id loads are
-        # in bounds and need no mask; only their stores are masked off.
-        for i in tl.range(0, LOOP):
-            logical = first_page + i * ROWS + lanes
-            if first_page + i * ROWS < n_pages:
-                valid = logical < n_pages
-                page = tl.minimum(logical, n_pages - 1)
-                physical = _page_ids(page_table, id_bytes, page)
-                readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
-                n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
-                w0, w1, w2, w3 = _load_row(base + tl.where(readable, physical, 0) * ROW_WORDS, n_frozen, readable,
-                                           SLOTS, NUM_SEGMENTS, S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET,
-                                           S1_SLOT_WORDS, S1_TILE, S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET,
-                                           S3_SLOT_WORDS, S3_TILE, True)
-                _store_row(cells, contents, flags, layer_cells + page, w0, w1, w2, w3, readable, valid, layer_id,
-                           page, NUM_SEGMENTS, S0_OFFSET, S0_TILE, S1_OFFSET, S1_TILE, S2_OFFSET, S2_TILE, S3_OFFSET,
-                           S3_TILE, CONTENTS)
+        physical = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
+    readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
+    rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
+    n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
+
+    # Whole rows (every lane a page of the room, every slot frozen, every id in range)
+    # take the branch without masks: all a room's pages but its last.
+    whole = (first_page + ROWS <= n_pages) & (n_tokens >= (first_page + ROWS) * PAGE_TOKENS)
+    whole = whole & (tl.sum(readable.to(tl.int32), axis=0) == ROWS)
+    if whole:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      False)
+    else:
+        d0, d1, d2, d3 = _row_digests(rows, n_frozen, readable, SLOTS, NUM_SEGMENTS,
+                                      S0_OFFSET, S0_SLOT_WORDS, S0_TILE, S1_OFFSET, S1_SLOT_WORDS, S1_TILE,
+                                      S2_OFFSET, S2_SLOT_WORDS, S2_TILE, S3_OFFSET, S3_SLOT_WORDS, S3_TILE,
+                                      True)
+
+    row_cell = first_cell + layer * n_pages + page
+    out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
+    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1, CONTENTS)
+    if NUM_SEGMENTS > 1:
+        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2, CONTENTS)
+    if NUM_SEGMENTS > 2:
+        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3, CONTENTS)
+    if NUM_SEGMENTS > 3:
+        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4, CONTENTS)
+    tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
 # %% launcher
@@ -315,7 +270,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "LOOP", "ONE_ROOM", "CONTENTS",
+    "ONE_ROOM", "CONTENTS",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -379,18 +334,15 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 loop: int = 1, base_align: int = 16, contents: bool = True):
+                 base_align: int = 16, contents: bool = True):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
-        if loop < 1:
-            raise ValueError(f"loop ({loop}) must be at least 1")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "LOOP": loop}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.contents = contents  # whether launches store the content digests
         self.num_warps = num_warps
         self.rows = rows
-        self.loop = loop
         self.compiled = {}  # ONE_ROOM -> the compiled kernel, launched directly once it is known to fit
         self.compiled_on = {}  # ONE_ROOM -> the device it was loaded on: another device takes the JIT path
 
@@ -409,7 +361,7 @@ class DigestKernel:
         if n_rooms == 0 or max_pages == 0 or self.n_layers == 0:
             return
         one_room = one_room if n_rooms == 1 else None
-        grid = (n_rooms, self.n_layers, -(-max_pages // (self.rows * self.loop)))
+        grid = (n_rooms, self.n_layers, -(-max_pages // self.rows))
         if device is None or stream is None:
             device, stream = _current_device(), None
         variant = one_room is not None

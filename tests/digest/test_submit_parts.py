@@ -68,8 +68,8 @@ def _kernel(monkeypatch, signature):
 
 # The fp8 layout's compile-time constants, in the kernel's order: row words, slots, tokens
 # per slot, segments; per segment (4) word offset, words per slot, tile; base alignment,
-# rows per block, blocks per program.
-_FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16, 2, 1)
+# rows per program.
+_FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16, 2)
 _NO_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 # After the constants: ONE_ROOM, then CONTENTS (content digests stored: the default).
 
@@ -84,18 +84,6 @@ def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(mo
     assert grid == (2, 3, 1)
     assert args == (1001, 111, 2001, 2501, 3001, *_NO_ROOM, *_FP8_CONSTANTS, False, True)
     assert kernel.launch_args(1001, 2001, 2501, 3001) == args
-
-
-def test_a_program_covers_its_blocks_of_rows(monkeypatch):
-    """With `loop` blocks of `rows` pages per program, the grid has one program per
-    rows x loop pages of the longest room, and LOOP reaches the kernel."""
-    fake = _FakeJit({name: "i64" for name in kernel_module._ARG_NAMES})
-    monkeypatch.setattr(kernel_module, "_digest_rooms_kernel", fake)
-    kernel = kernel_module.DigestKernel(_Table(), 3, get_layout("fp8"), rows=2, loop=3)
-    kernel.launch(1000, 2000, 2500, 3000, n_rooms=4, max_pages=13)
-    assert fake.jit_launches[0][0] == (4, 3, 3) and fake.jit_launches[0][2]["LOOP"] == 3
-    with pytest.raises(ValueError, match="loop"):
-        kernel_module.DigestKernel(_Table(), 3, get_layout("fp8"), loop=0)
 
 
 def test_a_one_room_launch_passes_the_room_by_value_to_a_kernel_of_its_own(monkeypatch):
