@@ -401,7 +401,7 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
-    # The engine's shape without content digests stored (diagnosis off, the default).
+    # The engine's shape without content digests stored (prefill, and decode with diagnosis off).
     bare = [Launch(layout, bufs, launch.rooms, device, shape["rows"], shape["num_warps"], contents=False)
             for launch in launches]
     for launch in bare:

@@ -45,7 +45,7 @@ step() {  # name, time limit (s), command...
 }
 
 step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
-# With diagnosis on (off by default): its journal, snapshots and page-id copies too.
+# With diagnosis on (the default; `audit` runs verification alone): its journal, snapshots and page-id copies too.
 step auditdiag 45 python3 bench/sync_audit.py --diagnosis --out "$res/sync_audit_diagnosis"
 step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
@@ -65,8 +65,8 @@ two_gpus="--prefill-gpu 0 --decode-gpu $(( gpus > 1 ? 1 : 0 ))"
 gpu_wait=$([ "$gpus" -gt 1 ] && echo gpu || echo sleep)
 echo "model step for servinggpu / servinglong: $gpu_wait ($gpus GPU)" | tee -a "$log"
 # These legs also run the collector's other way of waiting ("observe-poll"),
-# unless RIG_VARIANTS names others. "observe" runs the defaults (diagnosis off);
-# RIG_VARIANTS=off,observe,observe-diag shows what diagnosis adds (docs/diagnosis.md).
+# unless RIG_VARIANTS names others. "observe" runs the defaults (diagnosis on);
+# RIG_VARIANTS=off,observe-nodiag,observe-diag shows what diagnosis adds (docs/diagnosis.md).
 variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
 # Runs per rep (one per variant): the long legs' time limits scale with them (measured
 # 2026-12-02 on one H200: a servinglong run takes ~15 s, a servingdeploy run ~30 s).

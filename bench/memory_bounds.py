@@ -22,7 +22,7 @@ resident-memory baseline is not polluted by another part:
   with lookups and malformed requests, and both room logs rotate under a
   small configured size. A sampler thread records the table sizes and the
   log folder sizes as the flood runs; RSS is read every --sample-every rooms.
-  With --diagnosis (off by default, as in the probe) decode keeps its page
+  With --diagnosis (the probe's default; without it, verification alone) decode keeps its page
   journal and content index too, and their peak sizes are checked against
   their bounds.
 
@@ -180,12 +180,12 @@ class Pair:
         self.sinks = {role: Counting(w) for role, w in self.writers.items()}
         self.prefill = PrefillMonitor(DigestEngine(layout, ids, self.pre_buffers), self.sinks["prefill"],
                                       self.metrics["prefill"], table_size=table_size)
-        # diagnosis (off by default in the probe; --diagnosis): decode's own page journal and
+        # diagnosis (--diagnosis; None: verification alone): decode's own page journal and
         # content index, and a digest of each room's pages when they are allocated
         from dsv4_idxk_probe.config import DiagnosisConfig, ProbeConfig
         from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis
 
-        self.diagnosis_config = diagnosis or DiagnosisConfig()
+        self.diagnosis_config = diagnosis or DiagnosisConfig(enabled=False)
         self.diagnosis = decode_diagnosis(ProbeConfig(diagnosis=self.diagnosis_config), layout, ids)
         self.decode = DecodeMonitor(DigestEngine(layout, ids, self.dec_buffers), self.sinks["decode"],
                                     self.metrics["decode"], fetch_vectors=self.prefill.lookup,
@@ -617,7 +617,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flood-index-cells", type=int, default=20_000,
                    help="diagnosis.index_cells for the flood: small, so the bound is reached and held")
     p.add_argument("--diagnosis", action="store_true",
-                   help="diagnosis on (off by default in the probe): its journal, index and snapshots are measured too")
+                   help="diagnosis on (the probe's default; without this flag, verification alone): "
+                        "its journal, index and snapshots are measured too")
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace Python allocations in the flood (slower): traced memory per sample, top growth at the end")
     p.add_argument("--flat-tolerance-mib", type=float, default=8.0,

@@ -66,12 +66,14 @@ from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this scrip
 
 # Rig variants: the probe config each one adds ("off": the probe not enabled).
 # "observe-poll" tells the collector's two ways of waiting apart in one run.
-# "observe" runs the defaults (diagnosis off: docs/diagnosis.md); "observe-diag" with
-# diagnosis on, so one run shows what diagnosis costs on top of verification;
+# "observe" runs the defaults (diagnosis on: docs/diagnosis.md); "observe-nodiag" runs
+# verification alone and "observe-diag" names diagnosis on explicitly, so
+# off,observe-nodiag,observe-diag shows in one run what diagnosis costs on top of verification;
 # "observe-pinned" with the kernel storing into pinned memory (no copies on the
 # serving thread, more GPU time: digest.outputs in docs/configuration.md).
 RIG_VARIANTS = {"off": None, "observe": {}, "observe-poll": {"digest": {"collector_wait": "poll"}},
-                "observe-diag": {"diagnosis": {"enabled": True}}, "observe-pinned": {"digest": {"outputs": "pinned"}}}
+                "observe-diag": {"diagnosis": {"enabled": True}}, "observe-nodiag": {"diagnosis": {"enabled": False}},
+                "observe-pinned": {"digest": {"outputs": "pinned"}}}
 HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
 HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
 HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale

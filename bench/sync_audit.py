@@ -229,7 +229,8 @@ def main(argv_=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: run every step on CPU tensors, without sync checks")
     p.add_argument("--rooms", type=int, default=64, help="rooms through the PD hooks")
     p.add_argument("--diagnosis", action="store_true",
-                   help="diagnosis on (off by default in the probe): its journal, snapshots and page-id copies are audited too")
+                   help="diagnosis on (the probe's default; without this flag the audit runs verification alone): "
+                        "its journal, snapshots and page-id copies are audited too")
     p.add_argument("--layers", type=int, default=30, help="C4 layers of the PD pools")
     p.add_argument("--hp-calls", type=int, default=200, help="call groups per host-pool variant")
     p.add_argument("--hp-rounds", type=int, default=5)

@@ -80,7 +80,7 @@ class MetricsConfig:
 class DiagnosisConfig:
     """What a mismatch's bad cells became, and the page events behind them (docs/diagnosis.md)."""
 
-    enabled: bool = False  # off by default until the 30 ms serving leg has measured it (docs/diagnosis.md)
+    enabled: bool = True  # serving cost measured within 1% on both serving legs (docs/diagnosis.md)
     journal_events: int = 16384  # page events kept per process (the oldest go first)
     journal_per_page: int = 8  # events shown per bad cell
     index_cells: int = 4_000_000  # content digests kept on decode (8 bytes each)

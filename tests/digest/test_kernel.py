@@ -238,6 +238,18 @@ def test_out_of_range_page_ids_are_flagged_not_read_and_stored_as_zero(layout, r
     assert (plan.block(contents, 0)[flag_block(plan, flags, 0) == 1] == 0).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_layer_with_an_empty_buffer_flags_every_row(rows, layout, random_buffers):
+    """A layer whose buffer has no row: its rows are flagged, never read, stored as 0."""
+    buffers = [random_buffers(layout, 1, 4, seed=5)[0].to(DEVICE),
+               torch.empty((0, layout.row_bytes), dtype=torch.uint8, device=DEVICE)]
+    rooms = [RoomRequest("r", torch.tensor([3, 1, 0, 2], device=DEVICE), 4 * 256)]
+    cells, contents, flags, plan = _kernel_cells(layout, buffers, [3, 8], rooms, rows=rows)
+    want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [3, 8], rooms, plan)
+    assert np.array_equal(flags, want_flags) and np.array_equal(cells, want_cells)
+    assert np.array_equal(contents, want_contents) and want_flags.reshape(2, 4).tolist() == [[0] * 4, [1] * 4]
+
+
 _GUARD_SCRIPT = r"""
 import mmap, ctypes, sys
 import numpy as np, torch
