@@ -106,8 +106,9 @@ class DecodeMonitor:
                     lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages, n_tokens, batch),
                     contents_only=True)
         finally:
-            if copy is not None:  # without a recorded batch event, its own
-                copy.settle(ticket.done if ticket is not None and ticket.error is None else None)
+            if copy is not None:  # the batch's event orders the copy only on the same device's stream
+                rides = ticket is not None and ticket.error is None and getattr(pages, "device", None) == self.engine.device
+                copy.settle(ticket.done if rides else None)
 
     def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult) -> None:
         contents = getattr(batch, "contents", ())

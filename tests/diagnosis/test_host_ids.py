@@ -104,12 +104,13 @@ def test_decode_allocation_settles_the_page_ids_copy_on_the_snapshot_event(monke
     diagnosis = DecodeDiagnosis(layout, [0], PageJournal(capacity=16), ContentIndex(1000))
     decode = DecodeMonitor(engine, lambda *_: None, diagnosis=diagnosis, snapshot_on_allocation=True)
     try:
-        decode.room_allocated(RoomId(1), [2, 3], 512)
+        decode.room_allocated(RoomId(1), torch.tensor([2, 3]), 512)  # on the engine's device
         assert len(submitted) == 1 and made[0]._event is batch_event
         RecordedEvent.made.clear()
-        decode.room_allocated(RoomId(2), [4, 5], 512, snapshot=False)  # no launch to ride on
+        decode.room_allocated(RoomId(2), torch.tensor([4, 5]), 512, snapshot=False)  # no launch to ride on
         assert len(submitted) == 1 and made[1]._event is RecordedEvent.made[-1] and RecordedEvent.made[-1].recorded == 1
-        decode.room_allocated(RoomId(1), [2, 3], 512)  # ids already captured (another tensor: a fresh copy)
+        decode.room_allocated(RoomId(3), torch.tensor([6, 7], device="meta"), 512)  # not the engine's device
+        assert len(submitted) == 2 and made[2]._event is RecordedEvent.made[-1] and made[2]._event is not batch_event
         assert all(ids._event is not host_ids._UNSETTLED for ids in made)
     finally:
         engine.close()

@@ -35,7 +35,7 @@ def test_each_variant_becomes_the_config_its_children_load(overhead, tmp_path):
     assert overhead.parse_args(["--rig-variants", "off, observe-poll"]).rig_variants == ("off", "observe-poll")
     assert overhead.rig_env("off", tmp_path, 8).common == {}
     waits, diagnosis, outputs = {}, {}, {}
-    for variant in ("observe", "observe-poll", "observe-diag", "observe-pinned"):
+    for variant in ("observe", "observe-poll", "observe-diag", "observe-nodiag", "observe-pinned"):
         run_dir = tmp_path / variant
         run_dir.mkdir()
         env = overhead.rig_env(variant, run_dir, 8).common
@@ -44,9 +44,13 @@ def test_each_variant_becomes_the_config_its_children_load(overhead, tmp_path):
         waits[variant] = config.digest.collector_wait
         diagnosis[variant] = config.diagnosis.enabled
         outputs[variant] = config.digest.outputs
-    assert waits == {"observe": "block", "observe-poll": "poll", "observe-diag": "block", "observe-pinned": "block"}
-    assert diagnosis == {"observe": False, "observe-poll": False, "observe-diag": True, "observe-pinned": False}
-    assert outputs == {"observe": "device", "observe-poll": "device", "observe-diag": "device", "observe-pinned": "pinned"}
+    assert waits == {"observe": "block", "observe-poll": "poll", "observe-diag": "block", "observe-nodiag": "block",
+                     "observe-pinned": "block"}
+    # the defaults have diagnosis on; observe-nodiag is verification alone
+    assert diagnosis == {"observe": True, "observe-poll": True, "observe-diag": True, "observe-nodiag": False,
+                         "observe-pinned": True}
+    assert outputs == {"observe": "device", "observe-poll": "device", "observe-diag": "device",
+                       "observe-nodiag": "device", "observe-pinned": "pinned"}
 
 
 def test_a_three_variant_run_reports_each_against_off(overhead, tmp_path):
