@@ -76,11 +76,10 @@ def capture(values: Any, *, deferred: bool = False) -> Any:
     torch = sys.modules["torch"]
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values.detach(), non_blocking=True)
-    if deferred:
-        return HostIds(host, _UNSETTLED)
-    event = torch.cuda.Event()
-    event.record()
-    return HostIds(host, event)
+    ids = HostIds(host, _UNSETTLED)
+    if not deferred:
+        ids.settle()  # its own event, right behind the copy
+    return ids
 
 
 def host_ints(values: Any) -> np.ndarray:

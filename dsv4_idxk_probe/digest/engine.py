@@ -217,7 +217,8 @@ class DigestEngine:
         self.rows = rows or shape["rows"]
         self.num_warps = num_warps or shape["num_warps"]
         self.outputs = outputs
-        self._staging = StagingPool(self.device, twin=outputs == "device")
+        self._copies = outputs == "device"  # the kernel reads and stores the twin, copied up and down
+        self._staging = StagingPool(self.device, twin=self._copies)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
         if self.backend == "triton" and self.device.type == "cuda":
@@ -349,7 +350,7 @@ class DigestEngine:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         staging = self._staging.take(staging_bytes(input_words, plan.n_cells, n_segments))
-        copies = self.outputs == "device"  # the kernel reads and stores the twin, else the pinned buffer
+        copies = self._copies  # else the kernel reads and stores the pinned buffer
         words, read_base = staging.words, staging.device_address if copies else staging.host_address
 
         # One NumPy write per page table and per table row: each call counts on a
