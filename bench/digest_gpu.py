@@ -11,7 +11,10 @@ One run measures, in order:
      sums the words of the same gathered rows the digest reads;
   3. the digest of one large room (43 layers x 1024 pages) for fp8, fp4 and bf16
      rows over a sweep of rows per program and warps, each point checked exact
-     on a sample of its cells and contents; ratios to each ceiling;
+     on a sample of its cells and contents; ratios to each ceiling. Where the
+     GPU has programmatic dependent launches (compute capability 9+; the
+     engine's default there), every sweep point and every tiling of the
+     contiguous ceiling is timed both plain and as a dependent launch;
   4. 64 short rooms (16 pages x 43 layers, fp8) in one launch: GPU time per room,
      beside the launch floor (an empty Triton kernel, and the digest kernel on a
      room with no pages);
@@ -23,6 +26,7 @@ Usage:  python bench/digest_gpu.py [--out DIR]
         python bench/digest_gpu.py --precompile-only   (fill Triton's cache, 16 processes)
         python bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4   (for ncu)
         python bench/digest_gpu.py --smoke      (no GPU: the interpreter, tiny sizes)
+        python bench/digest_gpu.py --layouts fp4 --sweep 1x1 --methods steady   (a quick look)
 Every ceiling and every digest is timed by each of three methods (`METHODS`), and
 each ratio divides numbers of one method: "steady" (the headline: back-to-back
 launches rotating over two copies of the inputs, per-launch time of the run),
@@ -54,6 +58,7 @@ if "--smoke" in sys.argv:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton.testing  # noqa: E402
+from triton.language.extra.cuda import gdc_wait  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,7 +73,7 @@ SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per
 METHODS = ("steady", "flush_read", "flush_write")
 POLICIES = ("", "evict_first")  # the loads' eviction policy: Triton's default, or lines evicted first
 # The contiguous ceiling's tilings: words per program x warps x eviction policy.
-CONTIGUOUS_CONFIGS = [(b, w, p) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16) for p in POLICIES]
+CONTIGUOUS_CONFIGS = [(b, w, p, False) for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16) for p in POLICIES]
 # The gathered read's tilings: rows per program x warps x grid order (page block fastest?) x policy.
 GATHERED_CONFIGS = [(r, w, m, p) for r, w in ((1, 1), (1, 2), (1, 4), (2, 1), (1, 8)) for m in (False, True)
                     for p in POLICIES]
@@ -90,6 +95,7 @@ class Sizes:
         self.contiguous_bytes = (1 << 20) if smoke else (2 << 30)
         self.sample_pages = 4 if smoke else 32
         self.sweep = [(1, 2), (2, 4)] if smoke else SWEEP
+        self.pdl = (False,)  # where the GPU has them: every sweep point also as a programmatic dependent launch
 
 
 class Timer:
@@ -117,7 +123,7 @@ class Timer:
     def _flush_read(self):
         block = 16384 if self.flush_words.numel() >= 16384 else self.flush_words.numel()
         _contiguous_sum[(self.flush_words.numel() // block,)](self.flush_words, self.flush_out, BLOCK=block, POLICY="",
-                                                              num_warps=8)
+                                                              PDL=False, num_warps=8)
 
     def ms(self, method, fns, calls=20, reps=7, warmup=3) -> float:
         fns = fns if isinstance(fns, (list, tuple)) else [fns]
@@ -216,9 +222,13 @@ def check_exactness(device, sizes) -> list[dict]:
 
 
 @triton.jit
-def _contiguous_sum(src, out, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+def _contiguous_sum(src, out, BLOCK: tl.constexpr, POLICY: tl.constexpr, PDL: tl.constexpr):
     """Sum BLOCK consecutive 32-bit words per program: a pure read at the memory's rate.
-    POLICY: the loads' eviction policy ("" or "evict_first")."""
+    POLICY: the loads' eviction policy ("" or "evict_first"); PDL: launched as a
+    programmatic dependent launch, as the digest is where the GPU has them, so the
+    ceiling gets the same early start after the kernel before it."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
     words = tl.load(src + pid * BLOCK + tl.arange(0, BLOCK), eviction_policy=POLICY)
     tl.store(out + pid, tl.sum(words, axis=0))
@@ -278,11 +288,12 @@ def contiguous_read(timer, device, nbytes, configs) -> dict:
     copies = [torch.randint(-(1 << 31), 1 << 31, (nbytes // 4,), dtype=torch.int32, device=device).view(torch.uint32)
               for _ in range(2)]
     sweep = []
-    for block, warps, policy in configs:
+    for block, warps, policy, pdl in configs:
         grid = (copies[0].numel() // block,)
         out = torch.empty(grid[0], dtype=torch.uint32, device=device)
-        fns = [lambda w=w: _contiguous_sum[grid](w, out, BLOCK=block, POLICY=policy, num_warps=warps) for w in copies]
-        sweep.append({"block": block, "warps": warps, "policy": policy,
+        fns = [lambda w=w: _contiguous_sum[grid](w, out, BLOCK=block, POLICY=policy, PDL=pdl, num_warps=warps,
+                                                 **({"launch_pdl": True} if pdl else {})) for w in copies]
+        sweep.append({"block": block, "warps": warps, "policy": policy, "pdl": pdl,
                       "ms": timer.all(fns, calls=max(4, min(40, (8 << 30) // nbytes)))})
     del copies
     return {"bytes": nbytes, "best": _best(sweep, nbytes), "sweep": sweep}
@@ -319,7 +330,8 @@ class Launch:
     the engine passes it (`by_value`), the room table and the outputs in device memory,
     or in pinned host memory, where the engine's first design kept them (`pinned`)."""
 
-    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False, contents=True):
+    def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False, contents=True,
+                 pdl=False):
         self.plan = plan_cells(rooms, len(bufs))
         self.store_contents = contents  # the kernel stores content digests (the engine: with diagnosis)
         pinned = pinned and device.type == "cuda"
@@ -336,11 +348,11 @@ class Launch:
         self.contents = torch.empty((self.plan.n_cells, len(layout.segments)), dtype=torch.int64, **where)
         self.flags = torch.empty(self.plan.n_cells, dtype=torch.uint8, **where)
         self.layout, self.rooms, self.bufs = layout, rooms, bufs
-        self.tune(rows, warps)
+        self.tune(rows, warps, pdl)
 
-    def tune(self, rows, warps):
+    def tune(self, rows, warps, pdl=False):
         self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
-                                   base_align=self.base_align, contents=self.store_contents)
+                                   base_align=self.base_align, contents=self.store_contents, pdl=pdl)
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
@@ -391,18 +403,19 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     gathered = gathered_read(timer, layout, bufs, launches[0].layers, launches[0].base_align, page_tables, device)
     same_size = contiguous_read(timer, device, read_bytes, ceilings["contiguous_configs"])
     sweep = []
-    for rows, warps in sweep_for(layout, sizes.sweep):
+    for (rows, warps), pdl in ((shape, pdl) for shape in sweep_for(layout, sizes.sweep) for pdl in sizes.pdl):
         for launch in launches:
-            launch.tune(rows, warps)
+            launch.tune(rows, warps, pdl)
             launch.cells.fill_(0x5A5A)
             launch.contents.fill_(0x5A5A)
         ms = timer.all(launches)
-        sweep.append({"rows": rows, "warps": warps, "ms": ms,
+        sweep.append({"rows": rows, "warps": warps, "pdl": pdl, "ms": ms,
                       "exact": all(launch.exact_on(sample) for launch, sample in zip(launches, samples))})
     best = _best(sweep, read_bytes)
     shape = kernel_shape(layout)
+    engine_pdl = True in sizes.pdl  # the engine's "auto": dependent launches where the GPU has them
     # The engine's shape without content digests stored (prefill, and decode with diagnosis off).
-    bare = [Launch(layout, bufs, launch.rooms, device, shape["rows"], shape["num_warps"], contents=False)
+    bare = [Launch(layout, bufs, launch.rooms, device, shape["rows"], shape["num_warps"], contents=False, pdl=engine_pdl)
             for launch in launches]
     for launch in bare:
         launch.cells.fill_(0x5A5A)
@@ -410,7 +423,8 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     no_contents = {"ms": bare_ms, "read_TBps": {m: read_bytes / (ms * 1e-3) / 1e12 for m, ms in bare_ms.items()},
                    "exact": all(launch.exact_on(sample) for launch, sample in zip(bare, samples))}
     engine_path = engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_bytes)
-    default = next((r for r in sweep if (r["rows"], r["warps"]) == (shape["rows"], shape["num_warps"])), None)
+    default = next((r for r in sweep if (r["rows"], r["warps"], r["pdl"]) == (shape["rows"], shape["num_warps"], engine_pdl)),
+                   None)
     ratios = {}
     for m in METHODS:
         tbps = best[m]["read_TBps"]
@@ -613,17 +627,19 @@ def profile_one(name, device, sizes, shapes) -> None:
     for nbytes in (sizes.layers * sizes.pages * layout.row_bytes, sizes.contiguous_bytes):
         words = torch.empty(nbytes // 4 // 16384 * 16384, dtype=torch.uint32, device=device)
         out = torch.empty(words.numel() // 16384, dtype=torch.uint32, device=device)
-        _contiguous_sum[(out.numel(),)](words, out, BLOCK=16384, POLICY="", num_warps=8)
+        _contiguous_sum[(out.numel(),)](words, out, BLOCK=16384, POLICY="", PDL=False, num_warps=8)
         del words, out
     torch.cuda.synchronize()
 
 
 def _compile_jobs(sizes) -> list[tuple]:
     shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
-    jobs = [("digest", *shape, one_room, True) for shape in sorted(shapes) for one_room in (False, True)]
+    jobs = [("digest", *shape, one_room, True, pdl) for shape in sorted(shapes) for one_room in (False, True)
+            for pdl in sizes.pdl]
     defaults = {(name, kernel_shape(get_layout(name))["rows"], kernel_shape(get_layout(name))["num_warps"]) for name in LAYOUTS}
-    jobs += [("digest", *shape, one_room, False) for shape in sorted(defaults) for one_room in (False, True)]
-    jobs += [("contiguous", *config) for config in CONTIGUOUS_CONFIGS]
+    jobs += [("digest", *shape, one_room, False, pdl) for shape in sorted(defaults) for one_room in (False, True)
+             for pdl in sizes.pdl]
+    jobs += [("contiguous", *config[:3], pdl) for config in CONTIGUOUS_CONFIGS for pdl in sizes.pdl]
     jobs += [("gathered", name, *config) for name in LAYOUTS for config in GATHERED_CONFIGS]
     return jobs
 
@@ -634,7 +650,7 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, one_room, contents = job
+            _, name, rows, warps, one_room, contents, pdl = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
@@ -643,11 +659,13 @@ def _compile_one(job) -> str:
             by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
             _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
                                         **layout_constants(layout, align), ROWS=rows,
-                                        ONE_ROOM=one_room, CONTENTS=contents, num_warps=warps, grid=(1,))
+                                        ONE_ROOM=one_room, CONTENTS=contents, PDL=pdl, num_warps=warps, grid=(1,),
+                                        **({"launch_pdl": True} if pdl else {}))
         elif job[0] == "contiguous":
-            _, block, warps, policy = job
+            _, block, warps, policy, pdl = job
             words = torch.empty(block, dtype=torch.uint32, device=device)
-            _contiguous_sum.warmup(words, words, BLOCK=block, POLICY=policy, num_warps=warps, grid=(1,))
+            _contiguous_sum.warmup(words, words, BLOCK=block, POLICY=policy, PDL=pdl, num_warps=warps, grid=(1,),
+                                   **({"launch_pdl": True} if pdl else {}))
         else:
             _, name, rows, warps, page_major, policy = job
             layout = get_layout(name)
@@ -679,6 +697,7 @@ def precompile(sizes) -> None:
 
 
 def main() -> int:
+    global METHODS  # --methods: the timing methods every measurement uses
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true", help="no GPU: the interpreter, tiny sizes")
@@ -686,8 +705,16 @@ def main() -> int:
     parser.add_argument("--shapes", default="1x1", help="rows x warps, comma separated")
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--sweep", help="rows x warps of the large room's sweep, comma separated (default: all)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="timing methods, comma separated")
+    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launches, even where the GPU has them")
     args = parser.parse_args()
+    METHODS = tuple(m for m in args.methods.split(",") if m in METHODS)
     sizes = Sizes(args.smoke)
+    if args.sweep:
+        sizes.sweep = [tuple(int(v) for v in shape.split("x")) for shape in args.sweep.split(",")]
+    if not (args.smoke or args.no_pdl or torch.cuda.get_device_capability()[0] < 9):
+        sizes.pdl = (False, True)  # the interpreter has no grid dependency control
     if args.precompile_only:
         precompile(sizes)
         return 0
@@ -707,7 +734,9 @@ def main() -> int:
     print("exactness:", report["exactness"], f"({time.perf_counter() - t0:.0f} s)", flush=True)
     timer = Timer(device, sizes.smoke)
     copy = copy_bandwidth(timer, device, sizes.contiguous_bytes)
-    configs = CONTIGUOUS_CONFIGS if not sizes.smoke else [(1024, 4, "")]
+    configs = CONTIGUOUS_CONFIGS if not sizes.smoke else [(1024, 4, "", False)]
+    if len(sizes.pdl) > 1:
+        configs = configs + [(*config[:3], True) for config in configs]
     contiguous = contiguous_read(timer, device, sizes.contiguous_bytes, configs)
     report["ceilings"] = {"copy_TBps_rw": copy, "contiguous_read": contiguous}
     # the same-size reads: each method's best tiling of the 2 GiB read, and the steady one's

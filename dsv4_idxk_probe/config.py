@@ -68,6 +68,7 @@ class DigestConfig:
 
     collector_wait: str = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
     outputs: str = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies; engine.OUTPUTS)
+    dependent_launch: str = "auto"  # "auto": programmatic dependent launches where the GPU has them; "off"
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,9 @@ _CHECKS = {
         "queue_size": _bounded(1, 1_000_000),
     },
     "metrics": {"port": _port, "addr": _str},
-    # digest.engine.WAITS and OUTPUTS (a test keeps them equal)
-    "digest": {"collector_wait": _choice("block", "poll"), "outputs": _choice("device", "pinned")},
+    # digest.engine.WAITS, OUTPUTS and DEPENDENT_LAUNCHES (a test keeps them equal)
+    "digest": {"collector_wait": _choice("block", "poll"), "outputs": _choice("device", "pinned"),
+               "dependent_launch": _choice("auto", "off")},
     "diagnosis": {
         "enabled": _bool,
         "journal_events": _bounded(1, 10_000_000),

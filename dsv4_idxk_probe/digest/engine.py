@@ -57,6 +57,9 @@ WAITS = ("block", "poll")
 # PCIe as small writes (a 43 x 1024-page fp8 room: 280 us of GPU against 113-124 us;
 # 64 pages: 24 against 19 us; bf16 rows gain nothing; bench/RESULTS.md 2026-12-02).
 OUTPUTS = ("device", "pinned")
+# How the kernel is launched. "auto": a programmatic dependent launch where the GPU
+# has them (compute capability 9 and later), a plain one elsewhere; "off": plain.
+DEPENDENT_LAUNCHES = ("auto", "off")
 
 
 @dataclass
@@ -164,7 +167,12 @@ class DigestEngine:
 
     `contents`: whether results carry each cell's content digest (what the
     diagnosis needs); without, its copy down and its copy out are spared.
-    `outputs`: where the kernel reads and stores (`OUTPUTS`)."""
+    `outputs`: where the kernel reads and stores (`OUTPUTS`).
+    `dependent_launch` (`DEPENDENT_LAUNCHES`): "auto" launches the kernel as a
+    programmatic dependent launch where the GPU has them (compute capability 9
+    and later): it starts as the kernel before it drains instead of after it
+    (fp4 rooms read 2% faster back to back, bench/RESULTS.md 2026-12-02 06:34
+    UTC) and reads the same bytes; "off": plain launches."""
 
     def __init__(
         self,
@@ -185,6 +193,7 @@ class DigestEngine:
         prealloc: int = 32,
         contents: bool = True,
         outputs: str = "device",
+        dependent_launch: str = "auto",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -192,6 +201,8 @@ class DigestEngine:
             raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
         if outputs not in OUTPUTS:
             raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
+        if dependent_launch not in DEPENDENT_LAUNCHES:
+            raise ValueError(f"dependent_launch must be one of {DEPENDENT_LAUNCHES}, got {dependent_launch!r}")
         if len(buffers) != len(layer_ids):
             raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
         for i, buf in enumerate(buffers):
@@ -217,6 +228,7 @@ class DigestEngine:
         self.rows = rows or shape["rows"]
         self.num_warps = num_warps or shape["num_warps"]
         self.outputs = outputs
+        self.dependent_launch = dependent_launch
         self._copies = outputs == "device"  # the kernel reads and stores the twin, copied up and down
         self._staging = StagingPool(self.device, twin=self._copies)
         self.wait = wait
@@ -242,7 +254,7 @@ class DigestEngine:
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         if self.backend == "triton":
-            from .kernel import DigestKernel, current_stream, layer_table  # Triton: only when the kernel is used
+            from .kernel import DigestKernel, current_stream, dependent_launches_on, layer_table  # Triton: only here
 
             self._current_stream = current_stream
             # Each layer's buffer, global id and page count; the kernel reads it on the device.
@@ -250,6 +262,7 @@ class DigestEngine:
             self._kernel = DigestKernel(
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
                 base_align=base_align, contents=contents,
+                pdl=dependent_launch == "auto" and dependent_launches_on(self.device),
             )
             if self.device.type == "cuda":
                 self._warm_up()
@@ -260,7 +273,7 @@ class DigestEngine:
         """An engine set up by the probe config (its `digest` section), for `role`'s side:
         content digests only on decode with diagnosis on, the one reader of them."""
         return cls(layout, layer_ids, buffers, wait=config.digest.collector_wait, outputs=config.digest.outputs,
-                   contents=role == "decode" and config.diagnosis.enabled)
+                   dependent_launch=config.digest.dependent_launch, contents=role == "decode" and config.diagnosis.enabled)
 
     # %% public API
 

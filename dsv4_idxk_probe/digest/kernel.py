@@ -20,7 +20,8 @@ issued before any word is hashed, and a row holds no masked tail; loads are
 16 bytes wide where the buffers are 16-byte aligned from the layer table (a
 pointer argument; see `layer_table`). Rows whose slots are all frozen (all
 but a room's last page) take a branch with no masks at all. One warp per
-program for rows up to 8448 B needs no cross-warp reduction.
+program for rows up to 8448 B needs no cross-warp reduction. Where the GPU
+has them, launches are programmatic dependent launches (`DigestKernel`).
 
 Page ids are checked on the device against the page count of each layer's
 buffer: a row whose id is out of range is never read; its cells are stored
@@ -42,6 +43,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+try:  # grid dependency control: Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # an older Triton: plain launches only (`dependent_launches_on`)
+    gdc_wait = None
 
 from . import reference as ref
 from .room_table import ROOM_COLUMNS
@@ -188,7 +194,10 @@ def _digest_rooms_kernel(
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
     CONTENTS: tl.constexpr,  # store each cell's content digest (diagnosis reads them); else `contents` is unused
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see `DigestKernel`)
 ):
+    if PDL:
+        gdc_wait()  # nothing is read before the previous kernel has finished and its writes are visible
     PAGE_TOKENS: tl.constexpr = SLOTS * TOKENS_PER_SLOT
     room = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -270,7 +279,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "ONE_ROOM", "CONTENTS",
+    "ONE_ROOM", "CONTENTS", "PDL",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -331,16 +340,26 @@ class DigestKernel:
     device and stream look-ups per launch; while a Triton launch hook is set
     (a profiler), launches keep going through `CompiledKernel[grid]`, which
     calls the hooks.
+
+    `pdl`: each launch is a programmatic dependent launch. The GPU then starts
+    its programs as soon as the previous kernel's last programs have exited,
+    instead of after that kernel's completion has gone through the stream, and
+    each program waits (`griddepcontrol.wait`) for the previous kernel to have
+    finished and its writes to be visible before it reads anything, so it reads
+    what a plain launch reads. The early start applies only when the work
+    before it in the stream is a kernel. The kernel never lets the next kernel start early: measured, that made
+    back-to-back fp4 launches 15% slower (bench/RESULTS.md, 2026-12-02 06:34 UTC).
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, contents: bool = True):
+                 base_align: int = 16, contents: bool = True, pdl: bool = False):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
         self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.contents = contents  # whether launches store the content digests
+        self.pdl = bool(pdl)  # programmatic dependent launches (compute capability 9 and later)
         self.num_warps = num_warps
         self.rows = rows
         self.compiled = {}  # ONE_ROOM -> the compiled kernel, launched directly once it is known to fit
@@ -349,7 +368,7 @@ class DigestKernel:
     def launch_args(self, room_table: int, cells: int, contents: int, flags: int, one_room: tuple | None = None) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
         return (room_table, self.layer_table_address, cells, contents, flags, *(one_room or _NOT_ONE_ROOM),
-                *self.meta.values(), one_room is not None, self.contents)
+                *self.meta.values(), one_room is not None, self.contents, self.pdl)
 
     def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
                one_room: tuple | None = None, device: int | None = None, stream: int | None = None) -> None:
@@ -375,9 +394,16 @@ class DigestKernel:
             return
         compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags,
                                               *(one_room or _NOT_ONE_ROOM), **self.meta, ONE_ROOM=variant,
-                                              CONTENTS=self.contents, num_warps=self.num_warps)
+                                              CONTENTS=self.contents, PDL=self.pdl, num_warps=self.num_warps,
+                                              **({"launch_pdl": True} if self.pdl else {}))
         if _fits(compiled):
             self.compiled[variant], self.compiled_on[variant] = compiled, device
+
+
+def dependent_launches_on(device: torch.device) -> bool:
+    """Whether kernels launched on `device` can be programmatic dependent launches:
+    a GPU of compute capability 9 or later, and a Triton that has grid dependency control."""
+    return gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _current_device():

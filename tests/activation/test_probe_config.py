@@ -162,6 +162,16 @@ def test_the_digest_outputs_a_config_accepts_are_the_engines():
         parse_config({"digest": {"outputs": "host"}})
 
 
+def test_the_dependent_launch_settings_a_config_accepts_are_the_engines():
+    from dsv4_idxk_probe.digest.engine import DEPENDENT_LAUNCHES
+
+    assert parse_config({}).digest.dependent_launch == DEPENDENT_LAUNCHES[0]
+    for setting in DEPENDENT_LAUNCHES:
+        assert parse_config({"digest": {"dependent_launch": setting}}).digest.dependent_launch == setting
+    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(DEPENDENT_LAUNCHES)}")):
+        parse_config({"digest": {"dependent_launch": "on"}})
+
+
 # %% hostile files and values (issue 17)
 
 

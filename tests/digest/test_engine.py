@@ -235,3 +235,23 @@ def test_an_engine_from_the_config_hands_out_contents_only_to_decode_with_diagno
             engine = DigestEngine.from_config(LAYOUT, [0], buffers, config, role=role)
             assert engine.contents == (diagnosis and role == "decode"), (diagnosis, role)
             assert (engine.wait, engine.outputs) == ("poll", "pinned")
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_the_kernel_is_a_dependent_launch_only_on_gpus_that_have_them_and_not_when_off(setting, random_buffers):
+    """`dependent_launch`: "auto" makes the kernel a programmatic dependent launch where
+    the GPU has them (compute capability 9 and later), never under the interpreter; "off"
+    never; the config's value reaches the engine."""
+    from dsv4_idxk_probe.config import parse_config
+
+    buffers = [b.to(DEVICE) for b in random_buffers(LAYOUT, 1, 2, seed=6)]
+    config = parse_config({"digest": {"dependent_launch": setting}})
+    assert DigestEngine.from_config(LAYOUT, [0], buffers, config, role="prefill").dependent_launch == setting
+    engine = DigestEngine(LAYOUT, [0], buffers, backend="triton", dependent_launch=setting)
+    try:
+        capable = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+        assert engine._kernel.pdl == (setting == "auto" and capable)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=re.escape("dependent_launch must be one of ('auto', 'off'), got 'on'")):
+        DigestEngine(LAYOUT, [0], buffers, backend="triton", dependent_launch="on")

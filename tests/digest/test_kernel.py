@@ -297,3 +297,46 @@ def test_no_row_is_read_outside_its_buffer(layout_name):
     run = subprocess.run([sys.executable, "-c", _GUARD_SCRIPT, layout_name], capture_output=True, text=True,
                          timeout=120, env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
+
+
+_HAS_DEPENDENT_LAUNCHES = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not _HAS_DEPENDENT_LAUNCHES, reason="programmatic dependent launches need a GPU of compute capability 9 or later")
+def test_a_dependent_launch_reads_the_rows_the_kernel_before_it_wrote(random_buffers):
+    """`pdl`: the digest's programs may start while the kernel before it still runs (this
+    writer lets them, as PDL-aware kernels do), but read nothing before it has finished:
+    the cells are those of the rows it wrote, launch after launch. (Measured 2026-12-02:
+    with the kernel's wait deleted, this test fails.)"""
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
+
+    @triton.jit
+    def add_to_every_byte(pool, n, step, BLOCK: tl.constexpr):
+        gdc_launch_dependents()  # the next kernel may be launched at once
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        bytes_ = tl.load(pool + offsets, mask=offsets < n)
+        tl.store(pool + offsets, bytes_ + step, mask=offsets < n)
+
+    from dsv4_idxk_probe.digest.kernel import DigestKernel, layer_table
+    from dsv4_idxk_probe.digest.room_table import plan_cells
+
+    layout = get_layout("fp8")
+    n_layers, n_pages = 8, 2048  # 139 MB: the writer runs for tens of microseconds
+    pool = torch.stack([b.to(DEVICE) for b in random_buffers(layout, n_layers, n_pages, seed=5)])
+    buffers, layer_ids = list(pool.unbind(0)), list(range(n_layers))
+    room = RoomRequest("room", torch.randperm(n_pages, device=DEVICE), n_pages * 256)
+    plan = plan_cells([room], n_layers)
+    table, base_align = layer_table(buffers, layer_ids, DEVICE)
+    kernel = DigestKernel(table, n_layers, layout, base_align=base_align, rows=1, num_warps=1, pdl=True)
+    cells = torch.empty((plan.n_cells, len(layout.segments)), dtype=torch.int64, device=DEVICE)
+    contents, flags = torch.empty_like(cells), torch.empty(plan.n_cells, dtype=torch.uint8, device=DEVICE)
+    one_room = (room.pages.data_ptr(), room.pages.element_size(), room.n_pages, room.n_tokens)
+    for step in range(1, 6):
+        add_to_every_byte[(triton.cdiv(pool.numel(), 4096),)](pool, pool.numel(), step, BLOCK=4096)
+        kernel.launch(0, cells.data_ptr(), contents.data_ptr(), flags.data_ptr(), 1, n_pages, one_room=one_room)
+        want_cells, want_contents, want_flags = _reference_cells(layout, buffers, layer_ids, [room], plan)
+        assert np.array_equal(cells.cpu().numpy().view(np.uint64), want_cells), step
+        assert np.array_equal(contents.cpu().numpy().view(np.uint64), want_contents), step
+        assert not flags.cpu().numpy().any(), step
