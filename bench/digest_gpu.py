@@ -707,7 +707,8 @@ def main() -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--sweep", help="rows x warps of the large room's sweep, comma separated (default: all)")
     parser.add_argument("--methods", default=",".join(METHODS), help="timing methods, comma separated")
-    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launches, even where the GPU has them")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="time the kernel and the ceiling as plain launches only (the engine's submits keep its default)")
     args = parser.parse_args()
     METHODS = tuple(m for m in args.methods.split(",") if m in METHODS)
     sizes = Sizes(args.smoke)

@@ -143,33 +143,19 @@ def test_the_example_config_names_every_key_a_config_accepts():
         assert not missing, f"{name}: {sorted(missing)}"
 
 
-def test_the_collector_waits_a_config_accepts_are_the_engines():
-    from dsv4_idxk_probe.digest.engine import WAITS
+@pytest.mark.parametrize("key, engine_name, refused", [("collector_wait", "WAITS", "spin"),
+                                                        ("outputs", "OUTPUTS", "host"),
+                                                        ("dependent_launch", "DEPENDENT_LAUNCHES", "on")])
+def test_the_digest_choices_a_config_accepts_are_the_engines(key, engine_name, refused):
+    """Each `digest` key accepts exactly the engine's values, its first one by default."""
+    from dsv4_idxk_probe.digest import engine
 
-    for wait in WAITS:
-        assert parse_config({"digest": {"collector_wait": wait}}).digest.collector_wait == wait
-    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(WAITS)}")):
-        parse_config({"digest": {"collector_wait": "spin"}})
-
-
-def test_the_digest_outputs_a_config_accepts_are_the_engines():
-    from dsv4_idxk_probe.digest.engine import OUTPUTS
-
-    assert parse_config({}).digest.outputs == OUTPUTS[0]
-    for outputs in OUTPUTS:
-        assert parse_config({"digest": {"outputs": outputs}}).digest.outputs == outputs
-    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(OUTPUTS)}")):
-        parse_config({"digest": {"outputs": "host"}})
-
-
-def test_the_dependent_launch_settings_a_config_accepts_are_the_engines():
-    from dsv4_idxk_probe.digest.engine import DEPENDENT_LAUNCHES
-
-    assert parse_config({}).digest.dependent_launch == DEPENDENT_LAUNCHES[0]
-    for setting in DEPENDENT_LAUNCHES:
-        assert parse_config({"digest": {"dependent_launch": setting}}).digest.dependent_launch == setting
-    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(DEPENDENT_LAUNCHES)}")):
-        parse_config({"digest": {"dependent_launch": "on"}})
+    choices = getattr(engine, engine_name)
+    assert getattr(parse_config({}).digest, key) == choices[0]
+    for value in choices:
+        assert getattr(parse_config({"digest": {key: value}}).digest, key) == value
+    with pytest.raises(ConfigError, match=re.escape(f"must be one of {list(choices)}")):
+        parse_config({"digest": {key: refused}})
 
 
 # %% hostile files and values (issue 17)
