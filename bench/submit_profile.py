@@ -12,7 +12,7 @@ Then times one-room submits after gaps of `--gap-ms` (default 10 ms, the rig's
 model step) passed in different ways (`gap_study`).
 
 Usage (CUDA):  python3 bench/submit_profile.py [--out DIR] [--layers 30] [--pages 17] [--calls 300]
-                   [--gap-ms 10] [--gap-calls 200] [--outputs device|pinned]
+                   [--gap-ms 10] [--gap-calls 200] [--outputs device|pinned] [--dependent-launch auto|off]
 """
 
 from __future__ import annotations
@@ -207,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--gap-ms", type=float, default=10.0, help="gap before each submit of the gap study")
     p.add_argument("--gap-calls", type=int, default=200)
     p.add_argument("--outputs", choices=engine_module.OUTPUTS, default="device", help="the engine's digest.outputs")
+    p.add_argument("--dependent-launch", choices=engine_module.DEPENDENT_LAUNCHES, default="auto",
+                   help="the engine's digest.dependent_launch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -215,7 +217,8 @@ def main(argv=None) -> int:
     pool_pages = 64 * args.pages + 1
     buffers = [torch.randint(0, 256, (pool_pages, layout.row_bytes), dtype=torch.uint8, device="cuda")
                for _ in range(args.layers)]
-    engine = DigestEngine(layout, list(range(args.layers)), buffers, outputs=args.outputs)
+    engine = DigestEngine(layout, list(range(args.layers)), buffers, outputs=args.outputs,
+                          dependent_launch=args.dependent_launch)
     timer = PartTimer()
     timer.wrap(Staging, "upload", "copy up (tables)")
     timer.wrap(Staging, "download", "copy down (outputs)")
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
     timer.wrap(engine._staging, "take", "staging take")
     timer.wrap(engine._events, "take", "event take")
     timer.wrap(torch.cuda, "current_stream", "torch.cuda.current_stream()")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "outputs": args.outputs, "layers": args.layers,
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "outputs": args.outputs,
+              "dependent_launch": args.dependent_launch, "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
     for rooms_per_submit in (1, 16):
         for host_pages in (True, False):
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
     report["host_ops"] = host_ops(engine, args)
     report["allocation"] = allocation_study(engine, args)
     engine.close()
-    print(f"submit on {report['device']}, outputs {args.outputs}, {args.layers} layers x {args.pages} pages per room, "
+    print(f"submit on {report['device']}, outputs {args.outputs}, dependent launch {args.dependent_launch}, "
+          f"{args.layers} layers x {args.pages} pages per room, "
           f"{args.calls} submits per case; sync debug mode 'error' (no sync raised)")
     for case, r in report["cases"].items():
         print(f"{case:<48} median {r['median_us']:8.1f} us  per room {r['per_room_us']:7.1f} us")
