@@ -273,7 +273,8 @@ class DigestEngine:
         """An engine set up by the probe config (its `digest` section), for `role`'s side:
         content digests only on decode with diagnosis on, the one reader of them."""
         return cls(layout, layer_ids, buffers, wait=config.digest.collector_wait, outputs=config.digest.outputs,
-                   dependent_launch=config.digest.dependent_launch, contents=role == "decode" and config.diagnosis.enabled)
+                   dependent_launch=config.digest.dependent_launch,
+                   contents=role == "decode" and config.diagnosis.enabled)
 
     # %% public API
 

@@ -347,8 +347,9 @@ class DigestKernel:
     each program waits (`griddepcontrol.wait`) for the previous kernel to have
     finished and its writes to be visible before it reads anything, so it reads
     what a plain launch reads. The early start applies only when the work
-    before it in the stream is a kernel. The kernel never lets the next kernel start early: measured, that made
-    back-to-back fp4 launches 15% slower (bench/RESULTS.md, 2026-12-02 06:34 UTC).
+    before it in the stream is a kernel. The kernel never lets the next kernel
+    start early: measured, that made back-to-back fp4 launches 15% slower
+    (bench/RESULTS.md, 2026-12-02 06:34 UTC).
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,

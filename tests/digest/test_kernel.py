@@ -302,7 +302,8 @@ def test_no_row_is_read_outside_its_buffer(layout_name):
 _HAS_DEPENDENT_LAUNCHES = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
 
 
-@pytest.mark.skipif(not _HAS_DEPENDENT_LAUNCHES, reason="programmatic dependent launches need a GPU of compute capability 9 or later")
+@pytest.mark.skipif(not _HAS_DEPENDENT_LAUNCHES,
+                    reason="programmatic dependent launches need a GPU of compute capability 9 or later")
 def test_a_dependent_launch_reads_the_rows_the_kernel_before_it_wrote(random_buffers):
     """`pdl`: the digest's programs may start while the kernel before it still runs (this
     writer lets them, as PDL-aware kernels do), but read nothing before it has finished:
