@@ -323,6 +323,8 @@ def test_a_dependent_launch_reads_the_rows_the_kernel_before_it_wrote(random_buf
     from dsv4_idxk_probe.digest.kernel import DigestKernel, layer_table
     from dsv4_idxk_probe.digest.room_table import plan_cells
 
+    # Set up here rather than through `_kernel_cells`, which fills its outputs just before
+    # its launch: here the writer must be the kernel right before each digest launch.
     layout = get_layout("fp8")
     n_layers, n_pages = 8, 2048  # 139 MB: the writer runs for tens of microseconds
     pool = torch.stack([b.to(DEVICE) for b in random_buffers(layout, n_layers, n_pages, seed=5)])
