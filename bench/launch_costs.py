@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     with_nixl = None
     if args.nixl:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from dsv4_idxk_probe.sim.transport import NixlEndpoint
+        from dsv4_idxk_probe.testbed.builtin.transport import NixlEndpoint
 
         # Two agents, connected and one WRITE done between their VRAM buffers, as
         # in the rig: UCX opens its CUDA transports only once a peer is connected.

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from dsv4_idxk_probe.sim.transport import NixlEndpoint
+    from dsv4_idxk_probe.testbed.builtin.transport import NixlEndpoint
 
     measure("no NIXL agent", args.seconds)
     endpoint = NixlEndpoint("progress-bench", [torch.zeros((256, 4096), dtype=torch.uint8)])

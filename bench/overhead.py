@@ -4,7 +4,7 @@ Two legs, each run in interleaved repetitions (A B A B ..., A B C A B C ...)
 so drift on a shared machine hits every variant alike; every ratio is
 against "off" measured in the same repetition:
 
-1. The PD rig (``dsv4_idxk_probe.sim``): two processes moving DSV4-shaped
+1. The PD rig (``dsv4_idxk_probe.testbed.builtin``): two processes moving DSV4-shaped
    index-K pages over real NIXL, driven through `run_rig` exactly as the demo
    drives it. The probe is switched on the way an operator does it, through
    the children's environment: ``off`` leaves DSV4_IDXK_PROBE unset,
@@ -61,7 +61,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
-from dsv4_idxk_probe.sim.modeltime import STEP_WAITS  # noqa: E402
+from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS  # noqa: E402
 from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this script's folder)
 
 # Rig variants: the probe config each one adds ("off": the probe not enabled).
@@ -185,7 +185,7 @@ class Timeline:
 
 
 def rig_config(args, rooms: int):
-    from dsv4_idxk_probe.sim.plan import RigConfig
+    from dsv4_idxk_probe.testbed.builtin.config import RigConfig
 
     return RigConfig(
         rooms=rooms, layers=args.layers, layout=args.layout, seed=args.seed, min_tokens=args.min_tokens,
@@ -198,8 +198,8 @@ def rig_config(args, rooms: int):
 
 def rig_env(variant: str, run_dir: Path, step_interval: int):
     """What an operator sets on both pods: nothing (off), or the variable and a config file."""
-    from dsv4_idxk_probe.sim.plan import RoleEnv
-    from dsv4_idxk_probe.sim.settings import child_env
+    from dsv4_idxk_probe.testbed.builtin.config import RoleEnv
+    from dsv4_idxk_probe.testbed.builtin.settings import child_env
 
     if RIG_VARIANTS[variant] is None:
         return RoleEnv()
@@ -234,7 +234,7 @@ def check_logs(log_dir: Path, rooms: int) -> dict:
 
 
 def one_rig_run(args, variant: str, rooms: int, work: Path, tag: str) -> dict:
-    from dsv4_idxk_probe.sim.rig import run_rig
+    from dsv4_idxk_probe.testbed.builtin.rig import run_rig
 
     run_dir = work / tag
     run_dir.mkdir(parents=True)
@@ -535,7 +535,7 @@ def print_tables(report: dict) -> None:
 def profile_observe_run(args, work: Path, rooms: int) -> dict:
     """One more observe run (not in any ratio) with the parts of every digest submit timed
     inside both children; print where a submit's time goes in a serving process."""
-    from dsv4_idxk_probe.sim.child import PART_TIMES_ENV
+    from dsv4_idxk_probe.testbed.builtin.child import PART_TIMES_ENV
 
     os.environ[PART_TIMES_ENV] = "1"
     try:

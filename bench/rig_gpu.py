@@ -55,11 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import torch
 
-    from dsv4_idxk_probe.sim.demo import shipped_fault_spec
-    from dsv4_idxk_probe.sim.plan import RigConfig, RoleEnv
-    from dsv4_idxk_probe.sim.rig import run_rig
-    from dsv4_idxk_probe.sim.settings import child_env
-    from dsv4_idxk_probe.sim.verify import verify
+    from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
+    from dsv4_idxk_probe.testbed.builtin.config import RigConfig, RoleEnv
+    from dsv4_idxk_probe.testbed.builtin.rig import run_rig
+    from dsv4_idxk_probe.testbed.builtin.settings import child_env
+    from dsv4_idxk_probe.testbed.faults.verify import verify
 
     args = parse_args(argv)
     device = "cpu" if args.cpu else "cuda"

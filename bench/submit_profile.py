@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
 from dsv4_idxk_probe.digest.pinned import Staging  # noqa: E402
-from dsv4_idxk_probe.sim.modeltime import GpuForward, spin  # noqa: E402
+from dsv4_idxk_probe.testbed.builtin.modeltime import GpuForward, spin  # noqa: E402
 
 
 class PartTimer:

@@ -49,11 +49,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _sglang(args: argparse.Namespace) -> int:
-    from ..sim.faults import FaultSpecError
+    from ..testbed.faults.spec import FaultSpecError
 
     try:
-        from ..sglang.rig.demo import SGLangDemoOptions, run_sglang_demo
-        from ..sglang.rig.launch import LaunchError
+        from ..testbed.sglang.demo import SGLangDemoOptions, run_sglang_demo
+        from ..testbed.sglang.launch import LaunchError
     except ImportError as exc:
         print(f"dsv4-idxk-probe demo: the SGLang rig needs SGLang 0.5.23 and its server packages "
               f"(make demo installs them): {exc}", file=sys.stderr)
@@ -75,10 +75,10 @@ def _sglang(args: argparse.Namespace) -> int:
 def _builtin(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..digest.layout import LayoutError
-    from ..sim.demo import DemoOptions, run_demo
-    from ..sim.faults import FaultSpecError
-    from ..sim.plan import PlanError
-    from ..sim.rig import RigError
+    from ..testbed.builtin.demo import DemoOptions, run_demo
+    from ..testbed.faults.spec import FaultSpecError
+    from ..testbed.faults.plan import PlanError
+    from ..testbed.builtin.rig import RigError
 
     opts = DemoOptions(
         rooms=args.rooms or 200, layers=args.layers, layout=args.layout, seed=args.seed, faults=args.faults,

@@ -16,9 +16,9 @@ from typing import Any, BinaryIO, TextIO
 
 from ..diagnosis.diagnose import describe_room
 from ..hicache.culprit import describe as describe_culprit
-from ..pd.records import DECODE_STAGES, VERDICTS
-from ..roomlog.analysis import SEVERITY, Analysis, RoomResult, analyse
+from ..offline.analysis import Analysis, RoomResult, analyse
 from ..roomlog.reader import InputError, expand_inputs
+from ..vocabulary import DECODE_STAGES, SEVERITY, VERDICTS
 
 HELP = "join prefill and decode room logs by (room, attempt) and report where index-K diverged"
 

@@ -13,8 +13,8 @@ import os
 import sys
 import tempfile
 
-from ..roomlog.analysis import analyse
-from ..roomlog.html import render
+from ..offline.analysis import analyse
+from ..offline.html import render
 from ..roomlog.reader import InputError, expand_inputs
 
 HELP = "write an HTML report: summary, a (layer x page) heatmap per bad room, verdicts over time, HiCache branches"

@@ -24,10 +24,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..vocabulary import DIAGNOSIS_KINDS
 from .content_index import ContentIndex
 from .journal import PageJournal
 
-KINDS = ("zeroed", "other_room", "previous_occupant", "unknown")
+KINDS = DIAGNOSIS_KINDS
 MAX_CANDIDATES = 8  # other rooms named for one cell (identical prompts give identical pages)
 
 

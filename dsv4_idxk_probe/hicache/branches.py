@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..vocabulary import HICACHE_BRANCHES, HICACHE_DIRECTIONS
 from .geometry import PoolGeometry
 
-DIRECTIONS = ("d2h", "h2d")
-BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
+DIRECTIONS = HICACHE_DIRECTIONS
+BRANCHES = HICACHE_BRANCHES
 #: io_backend label of the token-only backup call, which takes no io backend.
 NO_IO_BACKEND = "none"
 #: Branches that move bytes (the others return or raise).

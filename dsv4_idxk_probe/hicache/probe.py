@@ -23,7 +23,7 @@ import traceback
 import weakref
 from typing import Any, Callable
 
-from ..pd.records import SCHEMA_VERSION  # one room-log schema for every record kind
+from ..vocabulary import SCHEMA_VERSION  # one room-log schema for every record kind
 from .branches import DIRECTIONS, MOVING, NO_IO_BACKEND, classify, label_sets, moved
 from .geometry import INVARIANTS, PoolGeometry, describe, invariant_failures, token_row_mismatches
 from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker

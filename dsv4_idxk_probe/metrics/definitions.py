@@ -20,6 +20,7 @@ from typing import Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from ..version import __version__
+from ..vocabulary import DECODE_STAGES, DIAGNOSIS_KINDS, PATCH_STATUSES, VERDICTS
 
 NAMESPACE = "dsv4_idxk_probe"
 # SGLang 0.5.23's scheduler metric labels, in its order
@@ -33,20 +34,9 @@ OPTIONAL_PROCESS_LABELS = ("dp_rank",)
 ENGINE_TYPES = ("prefill", "decode", "unified", "dynamic")
 UNKNOWN = "unknown"  # a label value SGLang has not published (never an empty value)
 
-STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
-DECODE_STAGES = STAGES[1:]
-VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
-DIAGNOSIS_KINDS = ("zeroed", "other_room", "previous_occupant", "unknown")  # diagnosis.KINDS (a test keeps them equal)
-# Patch-target statuses (the values sglang/targets.py reports; a test keeps them equal):
-# patched: wrapped and verified; pending: waiting for its module's import or for
-# SGLang's hook registry; missing: not in the installed SGLang; signature_changed:
-# present, parameters differ; hook_error: our hook could not be built;
-# not_applied: wrapping raised or did not take.
-PATCH_STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_error", "not_applied")
 # Where records can be dropped, and which exchange calls can fail (zeroed at start).
 DROP_SINKS = ("roomlog", "digest_queue", "hicache_index_checks", "hicache_roundtrip")
 EXCHANGE_ERROR_KINDS = ("fetch",)
-HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
 # The part of the probe a caught exception came from: the first word of its
 # site ("decode.on_result" -> decode). The full site is in the log line.
 ERROR_COMPONENTS = ("prefill", "decode", "digest", "hicache", "hook", "patch", "other")

@@ -2,7 +2,7 @@
 
 Plain tensors, page lists and records in; records and metrics out. No SGLang
 import: the adapters in dsv4_idxk_probe.sglang and the local rig in
-dsv4_idxk_probe.sim call the same API. Names load on first use (the log tools
+dsv4_idxk_probe.testbed.builtin call the same API. Names load on first use (the log tools
 read pd.records without importing torch).
 """
 

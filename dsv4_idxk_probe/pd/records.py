@@ -18,12 +18,8 @@ import time
 from typing import Any
 
 from ..digest.result import Comparison, RoomDigest
+from ..vocabulary import SCHEMA_VERSION, STAGES, VERDICTS
 
-SCHEMA_VERSION = 1
-
-STAGES = ("prefill_send", "decode_recv", "decode_step", "decode_finish")
-DECODE_STAGES = STAGES[1:]
-VERDICTS = ("match", "mismatch", "not_comparable", "unverified", "skipped")
 
 
 _instance: tuple[int, str] = (-1, "")

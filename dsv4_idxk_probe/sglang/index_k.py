@@ -27,9 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ..vocabulary import C4_RATIO as C4
 from .accessors import extend_end, req_pool_idx
-
-C4 = 4
 
 
 class IndexKError(Exception):

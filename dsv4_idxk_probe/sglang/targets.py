@@ -29,11 +29,12 @@ from typing import Any, Iterable
 import yaml
 
 from ..boundedfile import read_bounded_text
+from ..vocabulary import PATCH_STATUSES
 
 KINDS = ("before", "after", "around")
 ROLES = ("prefill", "decode", "any")
 #: Every status a target can be reported with (metric label values).
-STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_error", "not_applied")
+STATUSES = PATCH_STATUSES
 _FIELDS = {"name", "module", "qualname", "params", "kind", "hook", "required", "role", "sglang", "cost"}
 _LINE = "__line__"
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4_idxk_probe.diagnosis import KINDS, ContentIndex, PageJournal, content_digests, summarise, zero_cell_digests
+from dsv4_idxk_probe.diagnosis import ContentIndex, PageJournal, content_digests, summarise, zero_cell_digests
 from dsv4_idxk_probe.diagnosis.journal import PageGroups
 from dsv4_idxk_probe.digest import DigestEngine, get_layout, reference
 from dsv4_idxk_probe.digest.room_table import RoomRequest
-from dsv4_idxk_probe.metrics.definitions import DIAGNOSIS_KINDS
 
 LAYOUT = get_layout("fp8")
 
@@ -72,13 +71,10 @@ def test_summary_lines_count_kinds_with_their_last_event():
     assert lines == ["2 cells zeroed after a HiCache load", "1 cell holds another room's page"]
 
 
-def test_metric_kinds_are_the_diagnosis_kinds():
-    assert DIAGNOSIS_KINDS == KINDS
-
 
 def test_a_log_line_with_a_malformed_diagnosis_is_skipped_naming_the_field(tmp_path):
     from dsv4_idxk_probe.pd.records import room_record
-    from dsv4_idxk_probe.roomlog.analysis import analyse
+    from dsv4_idxk_probe.offline.analysis import analyse
     from dsv4_idxk_probe.roomlog.lineformat import encode_line
 
     def record(room, diagnosis):

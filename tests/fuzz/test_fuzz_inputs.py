@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from dsv4_idxk_probe.config import ConfigError, load_file, parse_config
 from dsv4_idxk_probe.exchange.protocol import ExchangeError, decode_request, decode_response
 from dsv4_idxk_probe.roomlog import encode_line
-from dsv4_idxk_probe.roomlog.analysis import Analysis, RecordError, _Joiner, analyse
+from dsv4_idxk_probe.offline.analysis import Analysis, RecordError, _Joiner, analyse
 from dsv4_idxk_probe.roomlog.lineformat import LineError, decode_line
 from dsv4_idxk_probe.roomlog.reader import read_file
-from dsv4_idxk_probe.sim.faults import FaultSpecError, parse_fault_spec
+from dsv4_idxk_probe.testbed.faults.spec import FaultSpecError, parse_fault_spec
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                          HealthCheck.function_scoped_fixture])

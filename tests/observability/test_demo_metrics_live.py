@@ -25,7 +25,7 @@ from test_prometheus_live import LOOPBACK, Prometheus, free_port, wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
 from rigutil import run  # noqa: E402
 
-from dsv4_idxk_probe.sim.plan import RigConfig, explicit_plan  # noqa: E402
+from dsv4_idxk_probe.testbed.builtin.config import RigConfig, explicit_plan  # noqa: E402
 
 WANTED = {("dsv4_idxk_probe_rooms_digested_total", "prefill"), ("dsv4_idxk_probe_rooms_verified_total", "decode"),
           ("dsv4_idxk_probe_mismatch_cells_total", "decode"), ("dsv4_idxk_probe_first_divergence_total", "decode")}

@@ -13,7 +13,7 @@ from logdata import LAYER_IDS, LAYOUT, N_TOKENS, Fault, RoomPlan, hicache_record
 
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.roomlog import encode_line
-from dsv4_idxk_probe.roomlog.analysis import analyse
+from dsv4_idxk_probe.offline.analysis import analyse
 from dsv4_idxk_probe.roomlog.reader import expand_inputs
 
 
@@ -258,7 +258,7 @@ def _digest():
     ],
 )
 def test_each_malformed_digest_field_is_named(edit, field):
-    from dsv4_idxk_probe.roomlog.analysis import RecordError, pack_digest
+    from dsv4_idxk_probe.offline.analysis import RecordError, pack_digest
 
     digest = _digest()
     pack_digest(digest)  # the untouched digest is fine

@@ -14,9 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dsv4_idxk_probe.metrics import serving
-from dsv4_idxk_probe.metrics.definitions import (
-    DECODE_STAGES, PATCH_STATUSES, PROCESS_LABELS, STAGES, ProbeMetrics, page_bucket, process_labels,
-)
+from dsv4_idxk_probe.metrics.definitions import PROCESS_LABELS, ProbeMetrics, page_bucket, process_labels
+from dsv4_idxk_probe.vocabulary import DECODE_STAGES, PATCH_STATUSES, STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 # SGLang's labels of one decode scheduler (what sglang.accessors.identity() returns).
@@ -88,11 +87,6 @@ def test_patch_target_status_is_one_hot():
     with pytest.raises(ValueError):
         metrics.set_patch_target("decode.recv", "fine", required=False)
 
-
-def test_patch_statuses_are_the_ones_the_patcher_reports():
-    from dsv4_idxk_probe.sglang.targets import STATUSES
-
-    assert set(PATCH_STATUSES) == set(STATUSES)
 
 
 def test_standalone_exporter_serves_and_stops():

@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from promql import ALERTS, alert_rules, load_dashboard, panel_queries, substitute, variable_queries
 
 from dsv4_idxk_probe.digest.result import RoomDigest, compare
-from dsv4_idxk_probe.metrics.definitions import HICACHE_BRANCHES, ProbeMetrics
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.vocabulary import HICACHE_BRANCHES
 from dsv4_idxk_probe.metrics.serving import start_exporter
 from dsv4_idxk_probe.roomlog import RoomLogWriter
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.roomlog import RoomLogWriter
-from dsv4_idxk_probe.roomlog.html import HEAT
+from dsv4_idxk_probe.offline.html import HEAT
 
 CHROMIUM_TIMEOUT_S = 90
 
@@ -167,7 +167,7 @@ def test_cross_room_heat_counts_rooms_per_layer_and_page_bucket(logs, tmp_path):
 
 def test_time_axis_has_readable_ticks(logs, tmp_path):
     page = make_report(logs, tmp_path, [RoomPlan(1), RoomPlan(2)])
-    from dsv4_idxk_probe.roomlog.html import TIME_TICKS
+    from dsv4_idxk_probe.offline.html import TIME_TICKS
 
     ticks = re.findall(r'<text class="tick"[^>]*>([^<]+)</text>', page.read_text())
     assert len(ticks) == TIME_TICKS + 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_idxk_probe.sglang.rig import launch
-from dsv4_idxk_probe.sglang.rig.run import Phase, RigSession
+from dsv4_idxk_probe.testbed.sglang import launch
+from dsv4_idxk_probe.testbed.sglang.run import Phase, RigSession
 
 
 def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, probe_config: str = "step_interval: 4\n"):

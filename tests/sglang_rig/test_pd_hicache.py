@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 import time
 
-from dsv4_idxk_probe.sglang.rig import launch, workload
-from dsv4_idxk_probe.sglang.rig.workload import Request
+from dsv4_idxk_probe.testbed.sglang import launch, workload
+from dsv4_idxk_probe.testbed.sglang.workload import Request
 
 from .conftest import describe, pair_fixture
 
@@ -181,7 +181,7 @@ def test_sglangs_own_metrics_fill_every_dashboard_variable_and_panel(rig, tmp_pa
     from promql import dashboard_gaps
     from test_prometheus_live import Prometheus, wait_for as wait_until
 
-    from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+    from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
 
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: run .ci/install-test-services.sh (make test does)"

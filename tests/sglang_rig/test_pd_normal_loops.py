@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from dsv4_idxk_probe.sglang.rig import launch, workload
-from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+from dsv4_idxk_probe.testbed.sglang import launch, workload
+from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
 
 from .conftest import decode_records, describe, pair_fixture
 

@@ -3,8 +3,8 @@ is launched before the last one's results are processed), no decode radix cache.
 
 from __future__ import annotations
 
-from dsv4_idxk_probe.sglang.rig import launch, workload
-from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+from dsv4_idxk_probe.testbed.sglang import launch, workload
+from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
 
 from .conftest import describe, pair_fixture
 

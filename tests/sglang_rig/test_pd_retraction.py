@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from dsv4_idxk_probe.sglang.rig import launch, workload
+from dsv4_idxk_probe.testbed.sglang import launch, workload
 
 from .conftest import decode_records, describe, pair_fixture
 

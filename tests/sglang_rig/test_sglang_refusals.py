@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from dsv4_idxk_probe.sglang.rig import launch
+from dsv4_idxk_probe.testbed.sglang import launch
 
 REFUSALS = {
     # HiCache on decode (and so host-receive decode, which needs it): SWA models only

@@ -4,9 +4,9 @@ radix cache (where both sides would see the same changed bytes and the oracle wo
 
 from __future__ import annotations
 
-from dsv4_idxk_probe.sglang.rig import workload
-from dsv4_idxk_probe.sglang.rig.launch import PAGE_SIZE
-from dsv4_idxk_probe.sim.demo import shipped_fault_spec
+from dsv4_idxk_probe.testbed.sglang import workload
+from dsv4_idxk_probe.testbed.sglang.launch import PAGE_SIZE
+from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
 
 
 def donors(plan) -> set[int]:

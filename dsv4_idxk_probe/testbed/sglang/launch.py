@@ -1,0 +1,329 @@
+"""Start and stop SGLang's own prefill server, decode server and router on loopback.
+
+Command lines and environment follow the measured recipe (docs/rig.md):
+``python -m sglang.launch_server`` per role with ``--device cpu --load-format
+dummy --skip-tokenizer-init`` on a tiny DeepSeek-V4 config (`write_model_dir`),
+NIXL as the transfer backend, and ``sglang_router.launch_router`` in PD mode
+in front. Every process gets its own session (so a stop reaches its
+children) and its own log file in the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...vocabulary import PAGE_TOKENS
+from .plugin import ENV_RIG, ENV_ROLE
+
+#: A DeepSeek-V4 small enough for two CPU cores; C4 layers are 1 and 3.
+MODEL_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "q_lora_rank": 128,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 448, "qk_rope_head_dim": 64, "head_dim": 512,
+    "v_head_dim": 512, "index_head_dim": 128, "index_n_heads": 4, "index_topk": 512,
+    "intermediate_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "o_lora_rank": 128, "o_groups": 2, "window_size": 128, "sliding_window": 128,
+    "compress_ratios": [0, 4, 128, 4], "vocab_size": 1024, "max_position_embeddings": 8192,
+    "n_hash_layers": 0, "hc_mult": 1, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    "eos_token_id": 1, "rope_theta": 10000, "rope_scaling": {},
+}
+PAGE_SIZE = PAGE_TOKENS
+VOCAB = MODEL_CONFIG["vocab_size"]
+
+
+class LaunchError(RuntimeError):
+    """A server did not come up; the message names it and the end of its log."""
+
+
+class PortTaken(LaunchError):
+    """A port the rig picked was taken before the server bound it (started again on others)."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What differs between the rig's server pairs (each maps to SGLang flags)."""
+
+    overlap: bool = False  # SGLang's overlap event loops (both roles)
+    chunked_prefill_size: int = 1024
+    max_running_requests: int = 8
+    max_total_tokens: int = 65536
+    # --disaggregation-decode-enable-radix-cache (decode prefix hits): SGLang 0.5.23 refuses it for
+    # DeepSeek-V4 off ROCm (it needs the unified KV layout, a HIP-only path); kept to show the refusal
+    decode_radix_cache: bool = False
+    prefill_hicache: bool = False  # --enable-hierarchical-cache on prefill
+    decode_hicache: bool = False  # HiCache on decode (needed by host-receive; implies the decode radix cache)
+    decode_host_receive_threshold: float | None = None  # --disaggregation-decode-host-receive-threshold
+    hicache_io_backend: str = "direct"  # with layer_first: the one copy cpu_patches can stand in for
+    hicache_mem_layout: str = "layer_first"
+    hicache_ratio: float = 2.0
+    extra_prefill: tuple[str, ...] = ()
+    extra_decode: tuple[str, ...] = ()
+
+
+@dataclass
+class Ports:
+    prefill: int
+    decode: int
+    bootstrap: int
+    router: int
+    router_metrics: int  # the router's own Prometheus exporter (29000 unless told; two rigs would collide)
+
+    @classmethod
+    def free(cls) -> "Ports":
+        return cls(*free_ports(5))
+
+
+@dataclass
+class Cluster:
+    """The running processes of one rig pair and where they write."""
+
+    run_dir: Path
+    ports: Ports
+    options: ServerOptions
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.router}"
+
+    def server_url(self, role: str) -> str:
+        return f"http://127.0.0.1:{getattr(self.ports, role)}"
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.logs.get(name)
+        if path is None or not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left."""
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGKILL)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+#: Ports the rig picks from: below Linux's ephemeral range (32768-60999), where SGLang's own
+#: processes take the ports they bind to port 0, so a picked port is not taken in the meantime.
+PORT_RANGE = (20000, 32000)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that are free now, drawn from PORT_RANGE."""
+    import random
+
+    picked: list[int] = []
+    while len(picked) < n:
+        port = random.randrange(*PORT_RANGE)
+        if port in picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+    return picked
+
+
+def write_model_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+    return path
+
+
+def rig_plugin_site(path: Path) -> Path:
+    """A folder holding only an entry point (``sglang.srt.plugins``) for the rig's plugin."""
+    dist = path / "dsv4_idxk_probe_rig-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4-idxk-probe-rig\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\ndsv4_idxk_probe_rig = dsv4_idxk_probe.testbed.sglang.plugin:load\n"
+    )
+    return path
+
+
+def server_args(role: str, model_dir: Path, ports: Ports, opts: ServerOptions) -> list[str]:
+    args = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "cpu",
+        "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+        "--disaggregation-transfer-backend", "nixl", "--page-size", str(PAGE_SIZE), "--disable-cuda-graph",
+        "--chunked-prefill-size", str(opts.chunked_prefill_size),
+        "--max-running-requests", str(opts.max_running_requests),
+        "--max-total-tokens", str(opts.max_total_tokens), "--swa-full-tokens-ratio", "0.5",
+        "--enable-metrics", "--disaggregation-mode", role, "--port", str(getattr(ports, role)),
+    ]
+    if not opts.overlap:
+        args.append("--disable-overlap-schedule")
+    hicache = opts.prefill_hicache if role == "prefill" else opts.decode_hicache
+    if hicache:
+        args += ["--enable-hierarchical-cache", "--hicache-io-backend", opts.hicache_io_backend,
+                 "--hicache-mem-layout", opts.hicache_mem_layout, "--hicache-ratio", str(opts.hicache_ratio)]
+    if role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(ports.bootstrap), *opts.extra_prefill]
+    else:
+        if opts.decode_radix_cache or opts.decode_hicache:
+            args.append("--disaggregation-decode-enable-radix-cache")
+        if opts.decode_host_receive_threshold is not None:
+            args += ["--disaggregation-decode-host-receive-threshold", str(opts.decode_host_receive_threshold)]
+        args += list(opts.extra_decode)
+    return args
+
+
+def router_args(ports: Ports) -> list[str]:
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", f"http://127.0.0.1:{ports.prefill}", str(ports.bootstrap),
+        "--decode", f"http://127.0.0.1:{ports.decode}", "--host", "127.0.0.1", "--port", str(ports.router),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports.router_metrics),
+    ]
+
+
+def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role: str) -> dict[str, str]:
+    env = dict(base)
+    path = [str(plugin_site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env.update({
+        "PYTHONPATH": os.pathsep.join(path),
+        ENV_RIG: "1",
+        ENV_ROLE: role,
+        "SGLANG_HOST_IP": "127.0.0.1",  # else the KV manager advertises the routable address
+        "UCX_NET_DEVICES": "lo",
+        "SGLANG_FORCE_COARSE_WAR_BARRIER": "1",  # the stand-in has no DSV4 attention metadata
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    return env
+
+
+def start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s: float = 240.0,
+          ports: Ports | None = None, attempts: int = 3) -> Cluster:
+    """Both servers and the router, healthy; LaunchError (everything stopped) otherwise.
+    A port taken meanwhile costs a start on other ports, `attempts` times at most."""
+    for attempt in range(attempts):
+        try:
+            return _start(run_dir, opts, env, timeout_s=timeout_s, ports=ports if attempt == 0 else None)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s: float, ports: Ports | None) -> Cluster:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ports = ports or Ports.free()
+    model_dir = write_model_dir(run_dir / "model")
+    site = rig_plugin_site(run_dir / "rig-site")
+    cluster = Cluster(run_dir, ports, opts)
+    try:
+        for role in ("prefill", "decode"):
+            metrics = run_dir / f"metrics-{role}"
+            metrics.mkdir(exist_ok=True)
+            _spawn(cluster, role, server_args(role, model_dir, ports, opts), server_env(env, site, metrics, role))
+        deadline = time.monotonic() + timeout_s
+        for role in ("prefill", "decode"):
+            _wait_http(cluster, role, cluster.server_url(role) + "/health", deadline)
+        (run_dir / "metrics-router").mkdir(exist_ok=True)
+        _spawn(cluster, "router", router_args(ports), server_env(env, site, run_dir / "metrics-router", "router"))
+        _wait_router(cluster, deadline)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _spawn(cluster: Cluster, name: str, args: list[str], env: dict[str, str]) -> None:
+    log = cluster.run_dir / f"{name}.log"
+    cluster.logs[name] = log
+    with open(log, "wb") as out:  # a start on other ports begins the log afresh
+        cluster.procs[name] = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            cwd=str(cluster.run_dir), start_new_session=True,
+        )
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        proc = cluster.procs[name]
+        if proc.poll() is not None:
+            raise LaunchError(f"{name} server exited ({proc.returncode}) before it was healthy:\n{cluster.log_tail(name)}")
+        if "error while attempting to bind on address" in cluster.log_tail(name, 5):
+            raise PortTaken(f"{name} server could not bind its port:\n{cluster.log_tail(name, 5)}")
+        try:
+            if http_get(url, timeout=2.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise LaunchError(f"{name} server not healthy at {url} in time:\n{cluster.log_tail(name)}")
+
+
+def _wait_router(cluster: Cluster, deadline: float) -> None:
+    """The router registers workers in the background: wait until both are listed healthy."""
+    while time.monotonic() < deadline:
+        if cluster.procs["router"].poll() is not None:
+            raise LaunchError(f"router exited before it was ready:\n{cluster.log_tail('router')}")
+        try:
+            status, body = http_get(cluster.url + "/workers", timeout=2.0)
+            if status == 200 and _workers_ready(body):
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise LaunchError(f"router has no healthy prefill and decode workers in time:\n{cluster.log_tail('router')}")
+
+
+def _workers_ready(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    workers = data.get("workers", data) if isinstance(data, dict) else data
+    if not isinstance(workers, list):
+        return False
+    kinds = set()
+    for w in workers:
+        if isinstance(w, dict) and w.get("is_healthy", w.get("healthy", True)):
+            kinds.add(str(w.get("worker_type", w.get("type", ""))).lower())
+    return any("prefill" in k for k in kinds) and any("decode" in k for k in kinds)

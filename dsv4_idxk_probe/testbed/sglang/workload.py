@@ -1,0 +1,120 @@
+"""Requests for the rig: a seeded plan, sent through SGLang's router.
+
+Each request carries its own ``rid`` (``<run>-<number>``), so the rig's
+in-server parts can tell which planned request a room is, and ``input_ids``
+(the servers run without a tokenizer). A share of the prompts repeat an
+earlier prompt's first pages, so the radix caches of prefill (early send of a
+cached prefix) and decode (``cache_protected_len``) see hits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .launch import PAGE_SIZE, VOCAB
+
+
+@dataclass(frozen=True)
+class Request:
+    number: int  # the rig's room number, 1..N (what fault specs name)
+    rid: str
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    abort_after_s: float | None = None  # the client hangs up after this long (an abort)
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    rooms: int = 64
+    seed: int = 0
+    min_prompt: int = 600
+    max_prompt: int = 2900
+    min_new_tokens: int = 8
+    max_new_tokens: int = 40
+    shared_prefix_share: float = 0.25  # of the prompts, repeat an earlier prompt's first pages
+    concurrency: int = 4
+    aborts: tuple[int, ...] = ()  # room numbers whose client disconnects early
+    # rooms whose prompts no later prompt repeats: a fault that changes a room's pages in
+    # prefill's memory (`before_send`) would otherwise reach the rooms that share them
+    # through prefill's radix cache, on both sides alike (`prefill_fault_rooms`)
+    private: tuple[int, ...] = ()
+
+
+def plan(run: str, opts: WorkloadOptions) -> list[Request]:
+    rng = np.random.default_rng([opts.seed, 0x5617])
+    out: list[Request] = []
+    for n in range(1, opts.rooms + 1):
+        length = int(rng.integers(opts.min_prompt, opts.max_prompt + 1))
+        ids = rng.integers(2, VOCAB, size=length).tolist()
+        donors = [r for r in out if r.number not in opts.private] if opts.private else out
+        if donors and rng.random() < opts.shared_prefix_share:
+            donor = donors[int(rng.integers(len(donors)))].input_ids
+            keep = min(len(donor), length) // PAGE_SIZE * PAGE_SIZE
+            if n not in opts.private:  # a private room takes no one's pages either
+                ids[:keep] = donor[:keep]
+        steps = int(rng.integers(opts.min_new_tokens, opts.max_new_tokens + 1))
+        abort = 0.05 if n in opts.aborts else None
+        out.append(Request(n, f"{run}-{n}", tuple(int(i) for i in ids), steps, abort))
+    return out
+
+
+@dataclass
+class Outcome:
+    request: Request
+    status: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    error: str = ""
+    seconds: float = 0.0
+
+
+def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: float = 300.0,
+         on_done=None) -> list[Outcome]:
+    """POST every request to ``url/generate``, `concurrency` at a time; one Outcome each."""
+    lock = threading.Lock()
+
+    def one(req: Request) -> Outcome:
+        body = {
+            "rid": req.rid, "input_ids": list(req.input_ids),
+            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0, "ignore_eos": True},
+        }
+        outcome = Outcome(req)
+        started = time.monotonic()
+        http = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(http, timeout=req.abort_after_s or timeout_s) as resp:
+                outcome.status = resp.status
+                doc = json.loads(resp.read())
+                outcome.output_ids = list(doc.get("output_ids") or [])
+        except urllib.error.HTTPError as exc:
+            outcome.status = exc.code
+            outcome.error = exc.read()[:300].decode("utf-8", "replace")
+        except (OSError, ValueError) as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+        outcome.seconds = time.monotonic() - started
+        if on_done is not None:
+            with lock:
+                on_done(outcome)
+        return outcome
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        return list(pool.map(one, requests))
+
+
+def prefill_fault_rooms(fault_spec_path) -> tuple[int, ...]:
+    """The rooms a fault spec changes in prefill's memory (`before_send`), named by number
+    (a fraction of rooms is drawn in the servers and cannot be known here): the rooms to
+    keep `private` so no other room shares their pages."""
+    from ..faults.spec import load_fault_spec
+
+    spec = load_fault_spec(fault_spec_path)
+    return tuple(sorted({room for f in spec.faults if f.when == "before_send" for room in (f.room_ids or ())}))
+
