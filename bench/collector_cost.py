@@ -23,15 +23,13 @@ Timings on a shared 2-core machine swing by half between runs, so a few more roo
 calls of a room's life on the collector: deterministic, so two versions of the code
 compare in one run each.
 
-Usage:  python3 bench/collector_cost.py [--rooms 2000] [--layers 30] [--pages 17] [--diagnosis]
+Usage:  python3 -m bench.collector_cost [--rooms 2000] [--layers 30] [--pages 17] [--diagnosis]
                                         [--count-rooms 20] [--profile FILE] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -40,48 +38,18 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from prometheus_client import CollectorRegistry  # noqa: E402
-
-from dsv4_idxk_probe.config import DiagnosisConfig  # noqa: E402
-from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis  # noqa: E402
-from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics  # noqa: E402
-from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, RoomId  # noqa: E402
-from dsv4_idxk_probe.pd.decode import _Room  # noqa: E402
-from dsv4_idxk_probe.roomlog import RoomLogWriter  # noqa: E402
+from bench.harness import CallCounter, PartTimer, median, median_us, write_result
+from dsv4_idxk_probe.config import DiagnosisConfig
+from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, RoomId
+from dsv4_idxk_probe.pd.decode import _Room
+from dsv4_idxk_probe.roomlog import RoomLogWriter
 
 STAGES = ("decode_recv", "decode_step", "decode_finish")
-
-
-def _median_us(samples: list[float]) -> float:
-    return 1e6 * statistics.median(samples)
-
-
-class _CallCounter:
-    """Python functions entered and C functions called on this thread while set."""
-
-    def __init__(self):
-        self.calls = self.c_calls = 0
-
-    def __call__(self, frame, event, arg):
-        if event == "call":
-            self.calls += 1
-        elif event == "c_call":
-            self.c_calls += 1
-
-
-def _timed(method, spent: list[float]):
-    """`method`, adding the thread CPU each call takes to spent[0]."""
-    def timed(*args, **kwargs):
-        started = time.thread_time()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            spent[0] += time.thread_time() - started
-    return timed
 
 
 def main(argv=None) -> int:
@@ -101,7 +69,7 @@ def main(argv=None) -> int:
     # decode's diagnosis as the probe builds it, with the shipped bounds (DiagnosisConfig's defaults)
     shipped = SimpleNamespace(diagnosis=DiagnosisConfig(enabled=args.diagnosis))
     diagnosis = decode_diagnosis(shipped, layout, engine.layer_ids)
-    in_diagnosis = [0.0]  # thread CPU inside the diagnosis's collector calls, this room so far
+    in_diagnosis = PartTimer(time.thread_time)  # thread CPU inside the diagnosis's collector calls, this room so far
     profiler = None
     if args.profile is not None:
         import cProfile
@@ -127,11 +95,11 @@ def main(argv=None) -> int:
             room = RoomId(i)
             if diagnosis is not None and i == args.count_rooms:  # timed from here on: counted rooms run bare
                 for name in ("observe", "before", "retired"):
-                    setattr(diagnosis, name, _timed(getattr(diagnosis, name), in_diagnosis))
+                    in_diagnosis.wrap(diagnosis, name, "diagnosis")
             if diagnosis is not None:
                 diagnosis.allocated(room.key, pages)  # serving thread: not timed here (bench/hook_ops.py)
-            room_cpu, in_diagnosis[0] = 0.0, 0.0
-            counter = _CallCounter() if i < args.count_rooms else None
+            room_cpu, in_diagnosis.totals["diagnosis"] = 0.0, 0.0
+            counter = CallCounter() if i < args.count_rooms else None
             if counter is not None:
                 sys.setprofile(counter)
             elif profiler is not None:
@@ -142,7 +110,7 @@ def main(argv=None) -> int:
                 spent = time.thread_time() - cpu_started
                 parts["snapshot"].append(spent)
                 room_cpu += spent
-                in_diagnosis[0] = spent  # all of the snapshot's delivery is diagnosis's
+                in_diagnosis.totals["diagnosis"] = spent  # all of the snapshot's delivery is diagnosis's
             state = None
             for stage, ticket in zip(STAGES, room_tickets):
                 started, cpu_started = time.perf_counter(), time.thread_time()
@@ -178,7 +146,7 @@ def main(argv=None) -> int:
                 profiler.disable()
             parts["total"].append(room_cpu)
             if diagnosis is not None:
-                parts["diagnosis"].append(in_diagnosis[0])
+                parts["diagnosis"].append(in_diagnosis.totals["diagnosis"])
                 diagnosis.freed(room.key, pages)  # serving thread, as above
         engine.close()
         writer_started = time.process_time()
@@ -197,17 +165,17 @@ def main(argv=None) -> int:
     report = {
         "rooms": args.rooms, "layers": args.layers, "pages": args.pages, "python": sys.version.split()[0],
         "diagnosis": args.diagnosis,
-        "fold_us": _median_us(parts["fold"]), "judge_record_metrics_us": _median_us(parts["judge"]),
-        "collector_thread_cpu_us": _median_us(parts["decode_recv"]),
-        "stage_cpu_us": {stage: _median_us(parts[stage]) for stage in STAGES},
-        "snapshot_cpu_us": _median_us(parts["snapshot"]) if parts["snapshot"] else None,
-        "room_cpu_us": _median_us(parts["total"]),
+        "fold_us": median_us(parts["fold"]), "judge_record_metrics_us": median_us(parts["judge"]),
+        "collector_thread_cpu_us": median_us(parts["decode_recv"]),
+        "stage_cpu_us": {stage: median_us(parts[stage]) for stage in STAGES},
+        "snapshot_cpu_us": median_us(parts["snapshot"]) if parts["snapshot"] else None,
+        "room_cpu_us": median_us(parts["total"]),
         # the snapshot's delivery plus the diagnosis's calls (observe, before, retired) in the stages
-        "diagnosis_cpu_us": _median_us(parts["diagnosis"]) if parts["diagnosis"] else None,
+        "diagnosis_cpu_us": median_us(parts["diagnosis"]) if parts["diagnosis"] else None,
         "log_writer_cpu_us_per_record": 1e6 * writer_cpu / expected,
         # per room, the snapshot's delivery and every stage, on the first `count_rooms` rooms
-        "python_calls_per_room": statistics.median(c for c, _ in counts) if counts else None,
-        "c_calls_per_room": statistics.median(c for _, c in counts) if counts else None,
+        "python_calls_per_room": median(c for c, _ in counts) if counts else None,
+        "c_calls_per_room": median(c for _, c in counts) if counts else None,
     }
     if diagnosis is not None:
         report["index_cells"] = diagnosis.index.cells
@@ -224,8 +192,7 @@ def main(argv=None) -> int:
           + "; room-log writer "
           f"{report['log_writer_cpu_us_per_record']:.1f} us CPU per record (mean)")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "collector_cost.json").write_text(json.dumps(report, indent=1))
+        write_result(args.out, "collector_cost.json", report)
     if profiler is not None:
         profiler.dump_stats(str(args.profile))
     return 0

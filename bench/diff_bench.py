@@ -9,7 +9,7 @@ every --unverified-every-th room has no prefill record, so the diff does
 real comparisons and localisations; the run checks the diff found exactly
 those. The diff runs as the CLI, in a child process pinned to one core.
 
-    python bench/diff_bench.py --rooms 1000000
+    python -m bench.diff_bench --rooms 1000000
 """
 
 from __future__ import annotations

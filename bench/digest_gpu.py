@@ -22,11 +22,11 @@ One run measures, in order:
      torch.cuda.set_sync_debug_mode("error") on (any sync raises), and the CPU
      time of an empty kernel's launch.
 
-Usage:  python bench/digest_gpu.py [--out DIR]
-        python bench/digest_gpu.py --precompile-only   (fill Triton's cache, 16 processes)
-        python bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4   (for ncu)
-        python bench/digest_gpu.py --smoke      (no GPU: the interpreter, tiny sizes)
-        python bench/digest_gpu.py --layouts fp4 --sweep 1x1 --methods steady   (a quick look)
+Usage:  python -m bench.digest_gpu [--out DIR]
+        python -m bench.digest_gpu --precompile-only   (fill Triton's cache, 16 processes)
+        python -m bench.digest_gpu --profile-one fp8 --shapes 1x1,1x4   (for ncu)
+        python -m bench.digest_gpu --smoke      (no GPU: the interpreter, tiny sizes)
+        python -m bench.digest_gpu --layouts fp4 --sweep 1x1 --methods steady   (a quick look)
 Every ceiling and every digest is timed by each of three methods (`METHODS`), and
 each ratio divides numbers of one method: "steady" (the headline: back-to-back
 launches rotating over two copies of the inputs, per-launch time of the run),
@@ -41,13 +41,11 @@ kernel from Triton's cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,11 +58,10 @@ import triton.language as tl  # noqa: E402
 import triton.testing  # noqa: E402
 from triton.language.extra.cuda import gdc_wait  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness import write_result  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import reference as ref  # noqa: E402
-from dsv4_idxk_probe.digest.engine import kernel_shape  # noqa: E402
+from dsv4_idxk_probe.digest.launch import kernel_shape  # noqa: E402
 from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, layer_table, layout_constants  # noqa: E402
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
@@ -752,8 +749,7 @@ def main() -> int:
         print(f"{name}: best {r['best']} ratios {r['ratios']} ({time.perf_counter() - t0:.0f} s)", flush=True)
     report["launch_floor"] = launch_floor(timer, device)
     report["short_rooms"] = short_rooms(timer, device, sizes, kernel_shape(get_layout("fp8")), rng)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "digest_gpu.json").write_text(json.dumps(report, indent=1))
+    write_result(args.out, "digest_gpu.json", report)
     print_report(report)
     s = report["short_rooms"]
     ok = (all(r["exact"] for r in report["exactness"]) and all(r["all_exact"] for r in report["large_room"])

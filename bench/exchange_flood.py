@@ -11,7 +11,7 @@ by a real authenticated fetch that must succeed:
   idle      244 idle TCP connections, then 2,000 connect/close cycles
   unauth    1,000 handshakes with a wrong secret
 
-    python bench/exchange_flood.py [--json out.json]
+    python -m bench.exchange_flood [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dsv4_idxk_probe.exchange import VectorClient, auth  # noqa: E402
-from dsv4_idxk_probe.exchange.client import raw_request  # noqa: E402
+from bench.harness import REPO
+from dsv4_idxk_probe.exchange import VectorClient, auth
+from dsv4_idxk_probe.exchange.client import raw_request
 
 SECRET = b"bench secret of the exchange flood"
 MIB = 1 << 20
@@ -71,7 +69,7 @@ sys.stdin.readline()
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 class Child:

@@ -8,6 +8,8 @@
 #
 #   bash bench/gpu_session.sh OUTDIR [STEPS]     STEPS: comma list, default all
 #
+# Run it from the repository root: each step runs a bench script as `python3 -m bench.NAME`.
+#
 # Needs torch with CUDA and Triton. Packages the machine lacks (nixl,
 # nixl-cu13, pyzmq, msgspec, xxhash, prometheus_client, wrapt, orjson, pyyaml, rich
 # and its two dependencies) are installed from ./.whl when that folder
@@ -44,17 +46,17 @@ step() {  # name, time limit (s), command...
     tar -czf "$out/results.tgz" --exclude=./site -C "$res" . 2>/dev/null
 }
 
-step audit 45 python3 bench/sync_audit.py --out "$res/sync_audit"
+step audit 45 python3 -m bench.sync_audit --out "$res/sync_audit"
 # With diagnosis on (the default; `audit` runs verification alone): its journal, snapshots and page-id copies too.
-step auditdiag 45 python3 bench/sync_audit.py --diagnosis --out "$res/sync_audit_diagnosis"
-step inject 25 python3 bench/sync_audit.py --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
-step costs 60 python3 bench/launch_costs.py --nixl --out "$res/launch_costs"
+step auditdiag 45 python3 -m bench.sync_audit --diagnosis --out "$res/sync_audit_diagnosis"
+step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
+step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
 # The submit's parts with the engine's two output places (digest.outputs), one after the other.
-step profile 150 bash -c "python3 bench/submit_profile.py --calls 200 --out $res/profile && \
-    python3 bench/submit_profile.py --calls 200 --outputs pinned --out $res/profile_pinned"
-step serving 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+step profile 150 bash -c "python3 -m bench.submit_profile --calls 200 --out $res/profile && \
+    python3 -m bench.submit_profile --calls 200 --outputs pinned --out $res/profile_pinned"
+step serving 240 python3 -m bench.overhead --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 64 --skip-hostpool --profile-runs --out "$res/overhead_serving"
-step servingspin 240 python3 bench/overhead.py --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
+step servingspin 240 python3 -m bench.overhead --device cuda --reps 7 --target-seconds 2 --decode-step-ms 10 \
     --decode-step-wait spin --step-interval 64 --skip-hostpool --out "$res/overhead_serving_spin"
 # Prefill and decode on GPUs of their own where the machine has two, as deployed.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
@@ -71,31 +73,31 @@ variants="--rig-variants ${RIG_VARIANTS:-off,observe,observe-poll}"
 # Runs per rep (one per variant): the long legs' time limits scale with them (measured
 # 2026-12-02 on one H200: a servinglong run takes ~15 s, a servingdeploy run ~30 s).
 runs=$(( $(tr -cd , <<< "${RIG_VARIANTS:-off,observe,observe-poll}" | wc -c) + 1 ))
-step servinggpu 330 python3 bench/overhead.py --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
+step servinggpu 330 python3 -m bench.overhead --device cuda --reps "${SERVING_REPS:-7}" --target-seconds 2 --decode-step-ms 10 \
     --decode-step-wait $gpu_wait $two_gpus --step-interval 64 --skip-hostpool $variants --profile-runs --out "$res/overhead_serving_gpu"
 # Rooms that live 100-300 decode steps (a receipt and a finish every ~6 batches,
 # still several times the churn of a real decode instance), 32 running.
-step servinglong $(( 60 + 18 * runs * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
+step servinglong $(( 60 + 18 * runs * ${LONG_REPS:-5} )) python3 -m bench.overhead --device cuda --reps "${LONG_REPS:-5}" --target-seconds 6 --warmup-frac 0.25 \
     --decode-step-ms 10 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_long"
 # Model time closer to a DeepSeek-V4 decode instance at serving batch sizes (30 ms per
 # step; large-EP decode steps take tens of ms), the long leg's churn otherwise.
-step servingdeploy $(( 60 + 35 * runs * ${LONG_REPS:-5} )) python3 bench/overhead.py --device cuda --reps "${LONG_REPS:-5}" --target-seconds 12 --warmup-frac 0.25 \
+step servingdeploy $(( 60 + 35 * runs * ${LONG_REPS:-5} )) python3 -m bench.overhead --device cuda --reps "${LONG_REPS:-5}" --target-seconds 12 --warmup-frac 0.25 \
     --decode-step-ms 30 --decode-step-wait $gpu_wait --min-steps 100 --max-steps 300 --max-running 32 $two_gpus \
     --step-interval 64 --skip-hostpool $variants --out "$res/overhead_serving_deploy"
-step serving2 240 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+step serving2 240 python3 -m bench.overhead --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
     $two_gpus --step-interval 64 --skip-hostpool --out "$res/overhead_serving_2gpu_sleep"
-step serving8 180 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
+step serving8 180 python3 -m bench.overhead --device cuda --reps 5 --target-seconds 2 --decode-step-ms 10 \
     --step-interval 8 --skip-hostpool --out "$res/overhead_serving8"
-step overhead 150 python3 bench/overhead.py --device cuda --reps 5 --target-seconds 1.5 --out "$res/overhead"
-step rig 60 python3 bench/rig_gpu.py --rooms 200
+step overhead 150 python3 -m bench.overhead --device cuda --reps 5 --target-seconds 1.5 --out "$res/overhead"
+step rig 60 python3 -m bench.rig_gpu --rooms 200
 # The digest kernel: Triton's cache filled by 16 processes first, then exactness, the
 # same-run ceilings and the sweep (bench/digest_gpu.py); then Nsight Compute on the
 # fp8 default tuning (step digestncu, not in the default list).
-step digest 420 bash -c "python3 bench/digest_gpu.py --precompile-only && python3 bench/digest_gpu.py --out $res/digest"
+step digest 420 bash -c "python3 -m bench.digest_gpu --precompile-only && python3 -m bench.digest_gpu --out $res/digest"
 # Where a gathered read loses to a contiguous one (bench/read_patterns.py; not in the default list).
-step patterns 420 python3 bench/read_patterns.py --out "$res/read_patterns"
+step patterns 420 python3 -m bench.read_patterns --out "$res/read_patterns"
 step digestncu 150 bash -c "ncu --clock-control none -k regex:_digest_rooms_kernel --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
-    python3 bench/digest_gpu.py --profile-one fp8 --shapes 1x1,1x4 > $res/digest_ncu.txt 2>&1; tail -80 $res/digest_ncu.txt"
+    python3 -m bench.digest_gpu --profile-one fp8 --shapes 1x1,1x4 > $res/digest_ncu.txt 2>&1; tail -80 $res/digest_ncu.txt"
 tar -czf "$out/results.tgz" --exclude=./site -C "$res" .

@@ -28,28 +28,25 @@ With ``--device cuda`` every timed call runs under
 raises and the script exits non-zero. A deliberately straddling page group is
 then checked to have been counted, proving the checks ran on the device.
 
-Usage:  python bench/hicache_overhead.py [--device cpu|cuda] [--standalone] [--rounds R] [--calls N]
+Usage:  python -m bench.hicache_overhead [--device cpu|cuda] [--standalone] [--rounds R] [--calls N]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import wrapt
 from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsv4_idxk_probe.hicache import forget, probe_for  # noqa: E402
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels  # noqa: E402
-from dsv4_idxk_probe.sglang import hicache as adapter  # noqa: E402
+from bench.harness import Table, median, per_call_us
+from dsv4_idxk_probe.hicache import forget, probe_for
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
+from dsv4_idxk_probe.sglang import hicache as adapter
 
 LAYERS, PAGE, PAGES, HOST_PAGES, DEVICE_PAGES, ITEM = 4, 256, 4, 64, 64, 8448
 METHODS = {
@@ -120,10 +117,8 @@ def indices(first_page: int, device) -> torch.Tensor:
 
 
 def cpu_us(fn, calls: int) -> float:
-    start = time.thread_time_ns()
-    for _ in range(calls):
-        fn()
-    return (time.thread_time_ns() - start) / calls / 1e3
+    """Thread CPU time per call, in microseconds, averaged over `calls` calls."""
+    return per_call_us(fn, calls, clock=time.thread_time)
 
 
 class Installed:
@@ -132,7 +127,7 @@ class Installed:
         self.runtime = SimpleNamespace(
             metrics=ProbeMetrics(self.registry),
             config=SimpleNamespace(hicache={"index_checks": index_checks, "flush_interval_s": 3600.0,
-                                            "index_queue_max": 10**7}),  # fmt: skip
+                                            "index_queue_max": 1_000_000}),  # fmt: skip
             emit=lambda record: None,
             log=logging.getLogger("bench.hicache"),
         )
@@ -157,13 +152,13 @@ class Installed:
             checker.flush()
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--standalone", action="store_true", help="no sglang: a minimal pool with the same methods")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dev = torch.device(args.device)
     torch.set_num_threads(1)  # tiny index tensors; keeps intra-op thread pools out of the timings
     if args.standalone:
@@ -232,14 +227,15 @@ def main() -> int:
         forget(inst.runtime)
     mode = "standalone" if args.standalone else "sglang DeepSeekV4PagedHostPool"
     print(f"\ndevice={args.device} pool={mode} layers={LAYERS} pages/call={PAGES} rounds={args.rounds} calls={args.calls}")
-    print(f"{'case':<20} {'variant':<28} {'median us':>9} {'added':>7} {'ratio':>6} {'min us':>8} {'added':>7} {'ratio':>6}")
+    table = Table(("case", "<20"), ("variant", "<28"), ("median us", "9.2f"), ("added", "7.2f"), ("ratio", "6.2f"),
+                  ("min us", "8.2f"), ("added", "7.2f"), ("ratio", "6.2f"))
+    print(table.header())
     worst = 0.0
     for case, by_variant in results.items():
-        bare_med, bare_min = statistics.median(by_variant["bare"]), min(by_variant["bare"])
+        bare_med, bare_min = median(by_variant["bare"]), min(by_variant["bare"])
         for variant, samples in by_variant.items():
-            med, low = statistics.median(samples), min(samples)
-            print(f"{case:<20} {variant:<28} {med:9.2f} {med - bare_med:7.2f} {med / bare_med:6.2f} "
-                  f"{low:8.2f} {low - bare_min:7.2f} {low / bare_min:6.2f}")  # fmt: skip
+            med, low = median(samples), min(samples)
+            print(table.row(case, variant, med, med - bare_med, med / bare_med, low, low - bare_min, low / bare_min))
             if variant != "bare":
                 worst = max(worst, low - bare_min)
     print(f"\nworst added CPU time per wrapped call (min over rounds): {worst:.2f} us (budget 20 us)")

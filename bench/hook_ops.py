@@ -5,35 +5,40 @@ after 10 ms of other work costs 20-160 us however cheap it is back to back
 (bench/RESULTS.md, host-side operations), and every probe call of a serving
 loop comes after such a gap. So a call's cost there follows how many
 functions it runs, not how long they take hot, and timing it on a quiet
-machine says little. This counts, per call, on the calling thread: Python
-functions entered, C functions called, and Python bytecodes executed. The
-counts are deterministic, so a change to the hot path shows its effect in
-one run on any machine.
+machine says little (`bench/hook_cost.py` times it all the same). This counts,
+per call, on the calling thread: Python functions entered, C functions called,
+and Python bytecodes executed. The counts are deterministic, so a change to the
+hot path shows its effect in one run on any machine.
 
-The calls are the product's own (DecodeMonitor.room_received, a finishing
-DecodeMonitor.batch_done, PrefillMonitor.room_sent) on a DigestEngine
-taking its CUDA path, down to `DigestKernel.launch`, with its three device
-touch points replaced by fakes, as no GPU is needed to count: the compiled
-kernel's C launcher, the current-stream look-up and the event pool (each
-fake is one Python call where the real one is a C call or a Python
-function of its own). The collector thread runs, as in serving, but only
-the calling thread is counted.
+The calls are the product's own, as the SGLang hooks make them (DecodeMonitor.
+room_received, a `decode_step` batch and a finishing batch through DecodeMonitor.
+batch_done, DecodeMonitor.room_finished, PrefillMonitor.room_sent), each monitor
+on a DigestEngine set up as `DigestEngine.from_config` sets up its role's (decode
+copies its outputs down on the collector, prefill at submit), taking its CUDA
+path with its device touch points replaced by fakes, as no GPU is needed to
+count: the compiled kernel's C launch function, the device and current-stream
+look-ups and the event record are each faked by a C callable (one C call, as
+the real one), the event pool holds fake events. The collector threads run, as
+in serving, but only the calling thread is counted.
+
+Page tables are CPU tensors the engine reads in place (`--page-tables device`,
+the default: what a device page table costs the serving thread, which SGLang
+passes), or host lists that travel in the staging upload (`--page-tables host`,
+what this bench used before 2026-12-03).
 
 `--diagnosis` turns decode's diagnosis on (shipped bounds, allocation
 snapshot on) and adds the allocation hook (`DecodeMonitor.room_allocated`:
-a journal event and the snapshot's submit); receipt and finish then journal
-too. Page tables are host lists here, so the device-to-host copy of a
-device page table (`host_ids.capture`: a pinned buffer, a copy, an event)
-is not counted.
+the snapshot's submit; its journal event is made on the collector).
 
-Usage:  python3 bench/hook_ops.py [--layers 30] [--pages 17] [--calls 200] [--diagnosis] [--out DIR]
+Usage:  python3 -m bench.hook_ops [--layers 30] [--pages 17] [--calls 200] [--step-rooms 8] [--diagnosis]
+                                  [--page-tables device|host] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import itertools
+import operator
 import sys
 import time
 from pathlib import Path
@@ -41,12 +46,12 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsv4_idxk_probe.config import DiagnosisConfig  # noqa: E402
-from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis  # noqa: E402
-from dsv4_idxk_probe.digest import DigestEngine, get_layout  # noqa: E402
-from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId  # noqa: E402
+from bench.harness import CallCounter, Table, median, write_result
+from dsv4_idxk_probe.config import DiagnosisConfig
+from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis
+from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.digest.launch import DirectLaunch, staging_bytes
+from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId
 
 
 class FakeEvent:
@@ -62,56 +67,29 @@ class FakeEvent:
         pass
 
 
-class Counter:
-    """Counts Python calls, C calls and bytecodes on this thread while active."""
-
-    def __init__(self):
-        self.calls = self.c_calls = self.opcodes = 0
-
-    def _profile(self, frame, event, arg):
-        if event == "call":
-            self.calls += 1
-        elif event == "c_call":
-            self.c_calls += 1
-
-    def _trace(self, frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            self.opcodes += 1
-        return self._trace
-
-    def count(self, make) -> dict:
-        """Counts one call made by `make()` with the profiler, then another with the tracer
-        (they cannot run together); `make` sets up each call outside the count."""
-        self.calls = self.c_calls = self.opcodes = 0
-        call = make()
-        sys.setprofile(self._profile)
-        try:
-            call()
-        finally:
-            sys.setprofile(None)
-        calls, c_calls = self.calls, self.c_calls
-        call = make()
-        sys.settrace(self._trace)
-        try:
-            call()
-        finally:
-            sys.settrace(None)
-        return {"python_calls": calls, "c_calls": c_calls, "opcodes": self.opcodes}
-
-
-def cuda_path_engine(layers: int, pages: int) -> DigestEngine:
-    """A DigestEngine on host buffers that takes its CUDA submit path, device calls faked."""
-    layout = get_layout("fp8")
-    buffers = [torch.zeros(pages + 2, layout.row_bytes, dtype=torch.uint8) for _ in range(layers)]
-    engine = DigestEngine(layout, list(range(layers)), buffers, backend="triton")
-    engine.device = torch.device("cuda")  # the submit path branches on it; nothing here allocates on it
-    engine._current_stream = lambda: (0, 0)
-    fake = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
-    engine._kernel.compiled = {False: fake, True: fake}  # the kernel for several rooms, and for one
-    engine._kernel.compiled_on = {False: 0, True: 0}
+def fake_device_calls(engine: DigestEngine, events: int = 64) -> DigestEngine:
+    """Make `engine` (Triton backend, host buffers) take its CUDA submit path with every
+    device touch point faked by a C callable, so that a count sees one C call where the
+    real call is one: the current-device and raw-stream look-ups, the event record, and
+    the compiled kernel's C launch function (`DirectLaunch`, as learnt on a GPU). The
+    event pool starts with `events` fake events (the collector gives them back). The
+    engine's own device stays the CPU: page tables that are CPU tensors are read in
+    place, as device ones are on a GPU."""
+    engine._on_cuda = True
+    engine._device_index = 0
+    engine._current_device = int  # int() == 0: the engine's device
+    engine._raw_stream = {0: 7}.__getitem__
+    engine._streams[7] = "stream"  # what `_stream_object` makes once: the torch stream the event is recorded on
+    engine._record = operator.is_  # (event, stream): one C call
+    engine._events._free.extend(FakeEvent() for _ in range(events))
     engine._events.take = lambda timing=False: FakeEvent()
-    engine._streams[0] = "stream"  # what `_stream_object` makes once: the torch stream the event is recorded on
+    hooks = engine._launch_hooks
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    calls = [getattr(hook, "calls", ()) if hook is not None else () for hook in (enter, leave)]
+    for one in (False, True):  # `itertools.chain` takes any arguments and does nothing with them: one C call
+        tail = engine._kernel.launch_args(0, 0, 0, 0, (0, 8, 1, 1) if one else None)[9:]
+        engine._direct[one] = DirectLaunch(itertools.chain, ("cu-function", 0, engine._kernel.pdl), tail, True,
+                                           enter, leave, *calls)
     allocate = engine._staging._allocate
 
     def zeroed(size):  # the faked kernel stores nothing: zeroed outputs read as in-range rows
@@ -122,7 +100,19 @@ def cuda_path_engine(layers: int, pages: int) -> DigestEngine:
         return staging
 
     engine._staging._allocate = zeroed
+    # what the engine reserves at start-up on CUDA (a CPU engine reserves none), zeroed
+    engine._staging.min_free.clear()
+    engine._staging.reserve(staging_bytes(32 + 64, len(engine.layer_ids) * 64, len(engine.layout.segments)), 32)
     return engine
+
+
+def cuda_path_engine(layers: int, pages: int, *, contents: bool = True, download: str = "submit") -> DigestEngine:
+    """A DigestEngine on host buffers that takes its CUDA submit path, device calls faked."""
+    layout = get_layout("fp8")
+    buffers = [torch.zeros(pages + 2, layout.row_bytes, dtype=torch.uint8) for _ in range(layers)]
+    engine = DigestEngine(layout, list(range(layers)), buffers, backend="triton", contents=contents,
+                          download=download)
+    return fake_device_calls(engine)
 
 
 def main(argv=None) -> int:
@@ -130,19 +120,32 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--pages", type=int, default=17)
     p.add_argument("--calls", type=int, default=200, help="calls of each kind; counts are per call (median)")
+    p.add_argument("--step-rooms", type=int, default=8, help="rooms of the `decode_step` batch")
     p.add_argument("--diagnosis", action="store_true", help="decode's diagnosis on (shipped bounds, snapshot on)")
+    p.add_argument("--page-tables", choices=("device", "host"), default="device")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    engine = cuda_path_engine(args.layers, args.pages)
+    decode_engine = cuda_path_engine(args.layers, args.pages, contents=args.diagnosis, download="collector")
+    prefill_engine = cuda_path_engine(args.layers, args.pages, contents=False, download="submit")
     diagnosis = None
     if args.diagnosis:
-        diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), engine.layout,
-                                     engine.layer_ids)
-    decode = DecodeMonitor(engine, lambda record: None, diagnosis=diagnosis, snapshot_on_allocation=True)
-    prefill = PrefillMonitor(engine, lambda record: None)
-    pages, tokens = list(range(1, args.pages + 1)), args.pages * 256 - 100
-    counter, results = Counter(), {}
+        diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), decode_engine.layout,
+                                     decode_engine.layer_ids)
+    decode = DecodeMonitor(decode_engine, lambda record: None, diagnosis=diagnosis, snapshot_on_allocation=True)
+    prefill = PrefillMonitor(prefill_engine, lambda record: None)
+    ids = list(range(1, args.pages + 1))
+    pages = torch.tensor(ids, dtype=torch.int64) if args.page_tables == "device" else ids
+    tokens = args.pages * 256 - 100
+    counter, results = CallCounter(), {}
     room_no = iter(range(10**9))
+
+    def received() -> RoomId:
+        room = RoomId(next(room_no))
+        if diagnosis is not None:
+            decode.room_allocated(room, pages, tokens, snapshot=False)
+        decode.room_received(room, pages, tokens, None, {"rid": f"req-{room.room}"})
+        time.sleep(0.001)  # the collector takes the receipt first
+        return room
 
     def allocation():
         room = RoomId(next(room_no))
@@ -152,35 +155,53 @@ def main(argv=None) -> int:
         room = RoomId(next(room_no))
         if diagnosis is not None:
             decode.room_allocated(room, pages, tokens, snapshot=False)
-        return lambda: decode.room_received(room, pages, tokens, None)
+        extra = {"rid": f"req-{room.room}"}
+        return lambda: decode.room_received(room, pages, tokens, None, extra)
+
+    stepped = []
+
+    def step():
+        if not stepped:
+            stepped.extend((received(), 64) for _ in range(args.step_rooms))
+        return lambda: decode.batch_done([], stepped)
+
+    def finishing_batch():
+        room = received()
+        return lambda: decode.batch_done([room], [])
 
     def finish():
+        room = received()
+        return lambda: decode.room_finished(room)
+
+    def send():
         room = RoomId(next(room_no))
-        if diagnosis is not None:
-            decode.room_allocated(room, pages, tokens, snapshot=False)
-        decode.room_received(room, pages, tokens, None)
-        time.sleep(0.001)  # the collector takes the receipt first
-        return lambda: decode.batch_done([room], [])
+        extra = {"rid": f"req-{room.room}"}
+        return lambda: prefill.room_sent(room, pages, tokens, extra)
 
     cases = {"decode allocation (room_allocated)": allocation} if diagnosis is not None else {}
     cases.update({"decode receipt (room_received)": receipt,
-             "decode finishing batch of one room (batch_done)": finish,
-             "prefill send (room_sent)": lambda: lambda: prefill.room_sent(RoomId(next(room_no)), pages, tokens)})
+                  f"decode step batch of {args.step_rooms} rooms (batch_done)": step,
+                  "decode finishing batch of one room (batch_done)": finishing_batch,
+                  "decode finish of one room (room_finished)": finish,
+                  "prefill send (room_sent)": send})
     for name, make in cases.items():
         samples = []
         for _ in range(args.calls):
+            while decode_engine.backlog() or prefill_engine.backlog():  # buffers and events back in their pools,
+                time.sleep(0.0005)  # as between real calls: each call counted from the same state
             samples.append(counter.count(make))
-            time.sleep(0.0005)  # the collector hands buffers back, as between real calls
-        results[name] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
-    engine.close()
+        results[name] = {key: median(s[key] for s in samples) for key in samples[0]}
+    decode_engine.close()
+    prefill_engine.close()
     print(f"serving-thread work per probe call ({args.layers} layers x {args.pages} pages per room; "
-          f"diagnosis {'on' if args.diagnosis else 'off'}; device calls faked; medians over the calls)")
-    print(f"{'call':<50} {'Python calls':>12} {'C calls':>8} {'bytecodes':>10}")
+          f"diagnosis {'on' if args.diagnosis else 'off'}; page tables: {args.page_tables}; device calls faked; "
+          f"medians over the calls)")
+    table = Table(("call", "<50"), ("Python calls", "12.0f"), ("C calls", "8.0f"), ("bytecodes", "10.0f"))
+    print(table.header())
     for name, r in results.items():
-        print(f"{name:<50} {r['python_calls']:12.0f} {r['c_calls']:8.0f} {r['opcodes']:10.0f}")
+        print(table.row(name, r["python_calls"], r["c_calls"], r["opcodes"]))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "hook_ops.json").write_text(json.dumps(results, indent=1))
+        write_result(args.out, "hook_ops.json", results)
     return 0
 
 

@@ -16,14 +16,12 @@ agents' spinning progress threads were the first suspect. They are not: with
 the agents, every call costs the same or less (bench/RESULTS.md, 12:52-13:35
 UTC entry); the gap before a call is what makes it dearer (submit_profile).
 
-Usage (CUDA):  python3 bench/launch_costs.py [--calls 2000] [--nixl] [--out DIR]
+Usage (CUDA):  python3 -m bench.launch_costs [--calls 2000] [--nixl] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from bench import harness
 
 
 @triton.jit
@@ -51,15 +51,9 @@ def _address_args(a, b, c, n):
 
 def per_call_us(fn, calls: int) -> float:
     """Median of 20 chunks of `calls // 20` calls each, in microseconds per call."""
-    chunk = max(1, calls // 20)
-    samples = []
-    for _ in range(20):
-        started = time.perf_counter()
-        for _ in range(chunk):
-            fn()
-        samples.append((time.perf_counter() - started) / chunk * 1e6)
+    us = harness.per_call_us(fn, calls, chunks=20)
     torch.cuda.synchronize()
-    return statistics.median(samples)
+    return us
 
 
 def main(argv=None) -> int:
@@ -105,7 +99,6 @@ def main(argv=None) -> int:
     costs = {name: per_call_us(fn, args.calls) for name, fn in cases.items()}
     with_nixl = None
     if args.nixl:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from dsv4_idxk_probe.testbed.builtin.transport import NixlEndpoint
 
         # Two agents, connected and one WRITE done between their VRAM buffers, as
@@ -128,8 +121,7 @@ def main(argv=None) -> int:
         print(f"{name:48s} {us:8.2f} us" + (f"   with a NIXL agent {with_nixl[name]:8.2f} us" if with_nixl else ""))
     print(f"zero-copy (kernel reads and stores pinned host memory through addresses): {'ok' if zero_copy_ok else 'WRONG'}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "launch_costs.json").write_text(json.dumps(report, indent=2))
+        harness.write_result(args.out, "launch_costs.json", report, indent=2)
     return 0 if zero_copy_ok else 1
 
 

@@ -47,7 +47,7 @@ on row bytes (the digest folds every row into those vectors), and the
 NumPy digests stay cheap on a small CPU. ``logbytes`` uses the real fp8
 layout.
 
-Usage:  python3 bench/memory_bounds.py --out DIR [--rooms 10000] [--flood-rooms 100000]
+Usage:  python3 -m bench.memory_bounds --out DIR [--rooms 10000] [--flood-rooms 100000]
 Prints a short table last; writes memory_bounds.json under --out. Exit
 status 0 when every bound held and every check passed.
 """
@@ -70,7 +70,7 @@ import tracemalloc
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.harness import REPO, command_line, module_command, write_json, write_result
 
 PAGE_TOKENS = 256
 MIB = 1 << 20
@@ -630,8 +630,8 @@ def run_part(name: str, argv: list[str]) -> dict:
     """One part in a fresh interpreter, so its RSS baseline is its own."""
     with tempfile.TemporaryDirectory(prefix="idxk-mem-") as tmp:
         target = Path(tmp) / "part.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--part", name, "--json", str(target)]
-        proc = subprocess.run(cmd, text=True, capture_output=True)
+        cmd = module_command("memory_bounds", *argv, "--part", name, "--json", str(target))
+        proc = subprocess.run(cmd, text=True, capture_output=True, cwd=REPO)
         if proc.returncode != 0 or not target.exists():
             return {"ok": False, "error": (proc.stderr or proc.stdout)[-3000:]}
         return json.loads(target.read_text())
@@ -689,20 +689,19 @@ def main(argv=None) -> int:
             tracemalloc.start(1)
         with tempfile.TemporaryDirectory(prefix="idxk-mem-") as tmp:
             result = PARTS[args.part](args, Path(tmp))
-        args.json.write_text(json.dumps(result, indent=1, default=float))
+        write_json(args.json, result, default=float)
         return 0
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     passthrough = _without(passthrough, "--out", "--parts")
     report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
-              "cpus": os.cpu_count(), "command": "python3 bench/memory_bounds.py " + " ".join(sys.argv[1:])}
+              "cpus": os.cpu_count(), "command": command_line("memory_bounds", argv)}
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
         started = time.monotonic()
         report[name] = run_part(name, passthrough)
         report[name]["wall_seconds"] = round(time.monotonic() - started, 1)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "memory_bounds.json").write_text(json.dumps(report, indent=1, default=float))
+        write_result(args.out, "memory_bounds.json", report, default=float)
     print_tables(report)
     ok = all(report[n].get("ok") for n in args.parts.split(","))
     print("RESULT:", "every bound held" if ok else "FAIL")

@@ -8,19 +8,17 @@ delay between progress calls). This measures the process's CPU time while
 its main thread sleeps, with no agent, then with one; and a fixed loop of
 plain Python on the main thread in both cases.
 
-Usage:  python3 bench/nixl_progress.py [--seconds 1.0]
+Usage:  python3 -m bench.nixl_progress [--seconds 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import queue
-import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.harness import median
 
 
 def measure(label: str, seconds: float) -> dict:
@@ -35,9 +33,9 @@ def measure(label: str, seconds: float) -> dict:
     cpu = time.process_time()
     time.sleep(seconds)
     idle_cpu = (time.process_time() - cpu) / seconds
-    print(f"{label:<40} main-thread loop {statistics.median(samples):6.2f} us per put+get; "
+    print(f"{label:<40} main-thread loop {median(samples):6.2f} us per put+get; "
           f"process CPU while the main thread sleeps: {idle_cpu:.2f} cores", flush=True)
-    return {"loop_us": statistics.median(samples), "idle_cores": idle_cpu}
+    return {"loop_us": median(samples), "idle_cores": idle_cpu}
 
 
 def main(argv=None) -> int:

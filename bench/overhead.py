@@ -32,7 +32,7 @@ against "off" measured in the same repetition:
    for SGLang's copy kernel); the probe's per-call work does not read them
    except in round-trip mode.
 
-Usage:  python3 bench/overhead.py --out DIR [--device cpu|cuda] [--reps 5]
+Usage:  python3 -m bench.overhead --out DIR [--device cpu|cuda] [--reps 5]
 Prints a short table last; writes overhead.json under --out. Exit status 0
 when every run completed and every observe run verified its rooms.
 """
@@ -41,12 +41,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import platform
-import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -54,15 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsv4_idxk_probe import environment_variables as ev  # noqa: E402
-from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS  # noqa: E402
-from hicache_overhead import StandalonePool  # noqa: E402  (bench/ is this script's folder)
+from bench.harness import Table, command_line, median, paired_ratios, percentiles, ratio, write_result
+from bench.hicache_overhead import StandalonePool
+from dsv4_idxk_probe import environment_variables as ev
+from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS
 
 # Rig variants: the probe config each one adds ("off": the probe not enabled).
 # "observe-poll" tells the collector's two ways of waiting apart in one run.
@@ -104,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     rig.add_argument("--decode-step-wait", choices=STEP_WAITS, default="sleep",
                      help="how the model time passes: an idle sleep, a spin that releases the GIL, or a GPU "
                           "kernel waited for on an event, as a scheduler waits for its forward (CUDA only); "
-                          "see dsv4_idxk_probe/sim/modeltime.py")
+                          "see dsv4_idxk_probe/testbed/builtin/modeltime.py")
     rig.add_argument("--step-interval", type=int, default=8, help="probe config step_interval (decode_step digests)")
     rig.add_argument("--prefill-gpu", type=int, default=0)
     rig.add_argument("--decode-gpu", type=int, default=0)
@@ -124,30 +119,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--rig-variants must start with off and name at least one of {', '.join(list(RIG_VARIANTS)[1:])}, "
                 f"got {','.join(args.rig_variants)}")
     return args
-
-
-# %% statistics
-
-
-def pct(values, q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
-
-
-def ratios(runs: dict[str, list[dict]], key: str, base: str) -> dict[str, dict]:
-    """Per-repetition ratio of `key` to the base variant's, and their median."""
-    out = {}
-    for variant, samples in runs.items():
-        if variant == base:
-            continue
-        per_pair = [s[key] / b[key] for s, b in zip(samples, runs[base]) if b[key] > 0]
-        out[variant] = {
-            "per_pair": per_pair,
-            "median": statistics.median(per_pair) if per_pair else float("nan"),
-            "min": min(per_pair, default=float("nan")),
-            "max": max(per_pair, default=float("nan")),
-            "ratio_of_medians": statistics.median(s[key] for s in samples) / statistics.median(b[key] for b in runs[base]),
-        }
-    return out
 
 
 # %% rig leg
@@ -179,8 +150,8 @@ class Timeline:
             "rooms": n,
             "steady_rooms_per_s": (n - 1 - w) / (done[-1][1] - t0),
             "rooms_per_s": n / (done[-1][1] - min(self.sent.values())),
-            "latency_ms": {q: pct(latency, int(q[1:])) for q in ("p50", "p90", "p99")},
-            "transfer_ms": {q: pct(transfer, int(q[1:])) for q in ("p50", "p90", "p99")},
+            "latency_ms": percentiles(latency),
+            "transfer_ms": percentiles(transfer),
         }
 
 
@@ -301,7 +272,7 @@ def run_rig_leg(args, work: Path) -> dict:
             runs[variant].append(run)
             lat, loop = run.get("latency_ms", {}), run["loop"]
             off = runs["off"][-1]["steady_rooms_per_s"]
-            paired = run["steady_rooms_per_s"] / off if off > 0 else float("nan")
+            paired = ratio(run["steady_rooms_per_s"], off)
             print(f"  rep {rep} {variant:<12} {run['steady_rooms_per_s']:8.3f} rooms/s ({paired:.3f} of off)  latency p50 "
                   f"{lat.get('p50', float('nan')):7.2f} ms  p99 {lat.get('p99', float('nan')):7.2f} ms  "
                   f"decode loop per batch: probe {loop['decode_probe_us_per_batch']:6.1f} us, "
@@ -311,10 +282,9 @@ def run_rig_leg(args, work: Path) -> dict:
                   f"rest {loop['decode_rest_us_per_batch']:7.1f} us (CPU {loop['decode_rest_cpu_us_per_batch']:7.1f})"
                   + ("" if variant == "off" else f"  log ok {run['probe_log']['ok']}"), flush=True)
         if args.out is not None:  # every finished rep kept: a leg cut by its time limit still leaves its pairs
-            args.out.mkdir(parents=True, exist_ok=True)
             partial = {"rooms_per_run": rooms, "reps_done": rep + 1, "runs": runs,
-                       "steady_rooms_per_s_ratio": ratios(runs, "steady_rooms_per_s", "off")}
-            (args.out / "overhead.partial.json").write_text(json.dumps(partial, indent=1, default=float))
+                       "steady_rooms_per_s_ratio": paired_ratios(runs, "steady_rooms_per_s", "off")}
+            write_result(args.out, "overhead.partial.json", partial, default=float)
     return {
         "rooms_per_run": rooms,
         "config": {k: getattr(args, k) for k in ("layers", "layout", "min_tokens", "max_tokens", "min_steps",
@@ -322,9 +292,9 @@ def run_rig_leg(args, work: Path) -> dict:
                                                   "warmup_frac", "seed")},
         "warmups": warmups,
         "runs": runs,
-        "steady_rooms_per_s_ratio": ratios(runs, "steady_rooms_per_s", "off"),
-        "rooms_per_s_ratio": ratios(runs, "rooms_per_s", "off"),
-        "decode_busy_tokens_per_s_ratio": ratios(runs, "decode_busy_tokens_per_s", "off"),
+        "steady_rooms_per_s_ratio": paired_ratios(runs, "steady_rooms_per_s", "off"),
+        "rooms_per_s_ratio": paired_ratios(runs, "rooms_per_s", "off"),
+        "decode_busy_tokens_per_s_ratio": paired_ratios(runs, "decode_busy_tokens_per_s", "off"),
         "latency_p50_ratio": _latency_ratios(runs, "p50"),
         "latency_p99_ratio": _latency_ratios(runs, "p99"),
         "valid": all(r["completed"] for rs in runs.values() for r in rs)
@@ -334,7 +304,7 @@ def run_rig_leg(args, work: Path) -> dict:
 
 def _latency_ratios(runs: dict, q: str) -> dict:
     flat = {v: [{"x": r["latency_ms"][q]} for r in rs] for v, rs in runs.items()}
-    return ratios(flat, "x", "off")
+    return paired_ratios(flat, "x", "off")
 
 
 # %% host-pool leg
@@ -440,8 +410,7 @@ def run_hostpool_leg(args, work: Path) -> dict:
                     cycle(k)
                     times.append(time.perf_counter() - started)
             ms = [1e3 * t for t in times]
-            runs[variant].append({"cycles_per_s": len(times) / sum(times),
-                                  "latency_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99)}})
+            runs[variant].append({"cycles_per_s": len(times) / sum(times), "latency_ms": percentiles(ms)})
         print(f"  rep {rep} " + "  ".join(f"{v} {runs[v][-1]['cycles_per_s']:.1f}/s" for v in HP_VARIANTS), flush=True)
     counts = wrapped["observe+roundtrip"].roundtrip_counts()
     legs_matched = all(counts.get(f"{leg}:match", 0) > 0 for leg in ("d2h", "host", "h2d"))
@@ -452,8 +421,9 @@ def run_hostpool_leg(args, work: Path) -> dict:
                  "bytes_per_cycle": 2 * args.hp_layers * pages * HP_ITEM_BYTES},
         "cycles_per_rep": args.hp_cycles,
         "runs": runs,
-        "cycles_per_s_ratio": ratios(runs, "cycles_per_s", "bare"),
-        "latency_p50_ratio": ratios({v: [{"x": r["latency_ms"]["p50"]} for r in rs] for v, rs in runs.items()}, "x", "bare"),
+        "cycles_per_s_ratio": paired_ratios(runs, "cycles_per_s", "bare"),
+        "latency_p50_ratio": paired_ratios({v: [{"x": r["latency_ms"]["p50"]} for r in rs] for v, rs in runs.items()}, "x",
+                                           "bare"),
         "roundtrip_counts": counts,
         "valid": legs_matched and mismatches == 0,
     }
@@ -465,7 +435,7 @@ def run_hostpool_leg(args, work: Path) -> dict:
 def environment(args) -> dict:
     env = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "command": "python3 bench/overhead.py " + shlex.join(sys.argv[1:]),
+        "command": command_line("overhead"),
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "device": args.device,
     }
@@ -479,32 +449,33 @@ def print_tables(report: dict) -> None:
     if rig:
         print(f"\nPD rig, {rig['rooms_per_run']} rooms/run, {report['reps']} interleaved reps, device {report['env']['device']}"
               f" ({'valid' if rig['valid'] else 'INVALID: see JSON'})")
-        print(f"{'variant':<12} {'steady rooms/s':>15} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p90 ms':>8} "
-              f"{'p99 ms':>8} {'p99 ratio':>9} {'busy tok/s':>10} {'ratio':>7} {'[min, max]':>15}")
+        table = Table(("variant", "<12"), ("steady rooms/s", "15.1f"), ("ratio", "7.3f"), ("[min, max]", ">15"),
+                      ("p50 ms", "8.2f"), ("p90 ms", "8.2f"), ("p99 ms", "8.2f"), ("p99 ratio", "9.3f"),
+                      ("busy tok/s", "10.0f"), ("ratio", "7.3f"), ("[min, max]", ">15"))
+        print(table.header())
         for variant, runs in rig["runs"].items():
-            rate = statistics.median(r["steady_rooms_per_s"] for r in runs)
-            tokens = statistics.median(r["decode_busy_tokens_per_s"] for r in runs)
-            lat = {q: statistics.median(r["latency_ms"][q] for r in runs) for q in ("p50", "p90", "p99")}
+            rate = median(r["steady_rooms_per_s"] for r in runs)
+            tokens = median(r["decode_busy_tokens_per_s"] for r in runs)
+            lat = {q: median(r["latency_ms"][q] for r in runs) for q in ("p50", "p90", "p99")}
             r = rig["steady_rooms_per_s_ratio"].get(variant)
             t = rig["decode_busy_tokens_per_s_ratio"].get(variant)
             p99 = rig["latency_p99_ratio"].get(variant)
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
             tspan = f"[{t['min']:.3f}, {t['max']:.3f}]" if t else ""
-            print(f"{variant:<12} {rate:15.1f} {r['median'] if r else 1.0:7.3f} {span:>15} "
-                  f"{lat['p50']:8.2f} {lat['p90']:8.2f} {lat['p99']:8.2f} {p99['median'] if p99 else 1.0:9.3f} "
-                  f"{tokens:10.0f} {t['median'] if t else 1.0:7.3f} {tspan:>15}")
+            print(table.row(variant, rate, r["median"] if r else 1.0, span, lat["p50"], lat["p90"], lat["p99"],
+                            p99["median"] if p99 else 1.0, tokens, t["median"] if t else 1.0, tspan))
         print("busy tok/s: decode tokens per second over the steady decode batches; unlike rooms/s it does not "
               "count whole rooms, each ~1% of a run's rate")
         print("median per run: decode loop probe us/batch, decode sleep late us/batch, prefill probe us/room, "
               "rooms running per batch, decode batch ms, busy-batch median ms, decode loop rest us/batch (wall, CPU)")
         for variant, runs in rig["runs"].items():
-            loop = {k: statistics.median(r["loop"][k] for r in runs) for k, v in runs[0]["loop"].items()
+            loop = {k: median(r["loop"][k] for r in runs) for k, v in runs[0]["loop"].items()
                     if isinstance(v, (int, float))}
             kinds = sorted({k for r in runs for k in r["loop"]["by_kind"]})
             per_call = "  ".join(
-                f"{k} median {statistics.median(r['loop']['by_kind'][k]['median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
-                f" mean {statistics.median(1e6 * r['loop']['by_kind'][k]['total_s'] / r['loop']['by_kind'][k]['calls'] for r in runs if k in r['loop']['by_kind']):.0f} us"
-                f" cpu {statistics.median(r['loop']['by_kind'][k]['cpu_median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                f"{k} median {median(r['loop']['by_kind'][k]['median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                f" mean {median(1e6 * r['loop']['by_kind'][k]['total_s'] / r['loop']['by_kind'][k]['calls'] for r in runs if k in r['loop']['by_kind']):.0f} us"
+                f" cpu {median(r['loop']['by_kind'][k]['cpu_median_us'] for r in runs if k in r['loop']['by_kind']):.0f} us"
                 for k in kinds)
             print(f"{variant:<12} {loop['decode_probe_us_per_batch']:8.1f} {loop['decode_sleep_late_us_per_batch']:8.1f} "
                   f"{loop['prefill_probe_us_per_room']:8.1f} {loop['decode_running_per_batch']:6.2f} "
@@ -513,8 +484,8 @@ def print_tables(report: dict) -> None:
             phases = sorted({k for r in runs for k in r["loop"].get("prefill_phases", {})})
             if phases:  # prefill's own work per call, wall and thread CPU: what grows with the probe on
                 print(f"{'':<10} prefill " + "  ".join(
-                    f"{k} {statistics.median(r['loop']['prefill_phases'][k]['median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f} us"
-                    f" (cpu {statistics.median(r['loop']['prefill_phases'][k]['cpu_median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f})"
+                    f"{k} {median(r['loop']['prefill_phases'][k]['median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f} us"
+                    f" (cpu {median(r['loop']['prefill_phases'][k]['cpu_median_us'] for r in runs if k in r['loop']['prefill_phases']):.0f})"
                     for k in phases))
     hp = report.get("hostpool")
     if hp:
@@ -522,14 +493,16 @@ def print_tables(report: dict) -> None:
         print(f"\nHost-pool copies ({pool['layers']} layers x {pool['pages_per_call']} pages x {pool['item_bytes']} B, backup + "
               f"per-layer loads per cycle, device {pool['device']}; {'valid' if hp['valid'] else 'INVALID'}; "
               f"round trip {hp['roundtrip_counts']})")
-        print(f"{'variant':<18} {'cycles/s':>9} {'ratio':>7} {'[min, max]':>15} {'p50 ms':>8} {'p99 ms':>8}")
+        table = Table(("variant", "<18"), ("cycles/s", "9.1f"), ("ratio", "7.3f"), ("[min, max]", ">15"), ("p50 ms", "8.2f"),
+                      ("p99 ms", "8.2f"))
+        print(table.header())
         for variant, runs in hp["runs"].items():
-            rate = statistics.median(r["cycles_per_s"] for r in runs)
-            p50 = statistics.median(r["latency_ms"]["p50"] for r in runs)
-            p99 = statistics.median(r["latency_ms"]["p99"] for r in runs)
+            rate = median(r["cycles_per_s"] for r in runs)
+            p50 = median(r["latency_ms"]["p50"] for r in runs)
+            p99 = median(r["latency_ms"]["p99"] for r in runs)
             r = hp["cycles_per_s_ratio"].get(variant)
             span = f"[{r['min']:.3f}, {r['max']:.3f}]" if r else ""
-            print(f"{variant:<18} {rate:9.1f} {r['median'] if r else 1.0:7.3f} {span:>15} {p50:8.2f} {p99:8.2f}")
+            print(table.row(variant, rate, r["median"] if r else 1.0, span, p50, p99))
 
 
 def profile_observe_run(args, work: Path, rooms: int) -> dict:
@@ -569,8 +542,7 @@ def main(argv=None) -> int:
         if args.profile_runs:
             report["profiled_run"] = profile_observe_run(args, work, report.get("rig", {}).get("rooms_per_run") or args.rooms or 80)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "overhead.json").write_text(json.dumps(report, indent=1, default=float))
+        write_result(args.out, "overhead.json", report, default=float)
     print_tables(report)
     valid = all(leg["valid"] for leg in (report.get("rig"), report.get("hostpool")) if leg)
     return 0 if valid else 1

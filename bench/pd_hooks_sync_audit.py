@@ -24,7 +24,7 @@ segment) is reported at decode_recv with exactly that cell, and that a byte
 changed after receipt is first reported at decode_step with decode_recv a
 match.
 
-Usage (needs CUDA):  python bench/pd_hooks_sync_audit.py [--rooms 64] [--out DIR]
+Usage (needs CUDA):  python -m bench.pd_hooks_sync_audit [--rooms 64] [--out DIR]
 Exit status 0 when every check passed. Missing optional modules on the GPU
 box (prometheus_client, xxhash, pyyaml, pyzmq) are replaced by inert
 stand-ins, announced on stderr: metrics go to a no-op object, the exchange
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import platform
 import sys
@@ -45,8 +44,7 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.harness import Table, median_us, percentile, write_result
 
 PAGE = 256
 SLOTS = 64
@@ -357,7 +355,7 @@ def _stream(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rooms", type=int, default=64)
     parser.add_argument("--layers", type=int, default=30, help="C4 layers (DeepSeek-V4: 30)")
@@ -367,7 +365,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--diagnosis", action="store_true", help="diagnosis on (docs/diagnosis.md): its hooks are audited too")
     parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: run the flow on CPU tensors (no sync audit)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.cpu_smoke:
         SyncGuard.active = False
     elif not torch.cuda.is_available():
@@ -491,7 +489,7 @@ def main() -> int:
         failures.append(f"after-receipt change: recv {_brief(recv)}, step {_brief(step)}")
 
     runtime.close()
-    cpu_us = {name: {"median_us": 1e6 * float(np.median(v)), "p90_us": 1e6 * float(np.percentile(v, 90)), "calls": len(v)}
+    cpu_us = {name: {"median_us": median_us(v), "p90_us": 1e6 * percentile(v, 90), "calls": len(v)}
               for name, v in timer.total.items()}
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -506,17 +504,17 @@ def main() -> int:
         "after_receipt_change_ok": bool(after_ok),
         "failures": failures,
     }
-    print(f"{'hook (caller CPU time, probe only)':<44} {'median us':>10} {'p90 us':>9} {'calls':>6}")
+    table = Table(("hook (caller CPU time, probe only)", "<44"), ("median us", ">10.1f"), ("p90 us", ">9.1f"), ("calls", ">6"))
+    print(table.header())
     for name, v in cpu_us.items():
-        print(f"{name:<44} {v['median_us']:>10.1f} {v['p90_us']:>9.1f} {v['calls']:>6}")
+        print(table.row(name, v["median_us"], v["p90_us"], v["calls"]))
     print(f"rooms {n} x {args.layers} C4 layers x {pages_per_room} pages; syncs added by the hooks: "
           f"{'none' if not failures else 'see failures'}; faults localised {result['faults_localised']}/{len(localised)}; "
           f"after-receipt change {'ok' if after_ok else 'FAILED'}")
     for f in failures:
         print("FAIL:", f)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "pd_hooks_sync_audit.json").write_text(json.dumps(result, indent=2))
+        write_result(args.out, "pd_hooks_sync_audit.json", result, indent=2)
     return 0 if not failures else 1
 
 

@@ -17,20 +17,18 @@ table, that table and the outputs in device or in pinned host memory (where
 the engine keeps them); beside the contiguous read of the same bytes and of
 2 GiB. Prints registers per thread beside each point.
 
-Usage:  python3 bench/read_patterns.py [--out DIR] [--layouts fp8,fp4,bf16]
-        python3 bench/read_patterns.py --smoke   (no GPU: the interpreter, tiny sizes)
+Usage:  python3 -m bench.read_patterns [--out DIR] [--layouts fp8,fp4,bf16]
+        python3 -m bench.read_patterns --smoke   (no GPU: the interpreter, tiny sizes)
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,11 +38,8 @@ if "--smoke" in sys.argv:
 
 import triton  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import digest_gpu  # noqa: E402  (the timer, pools, launches and contiguous read of the digest bench)
-
+from bench import digest_gpu  # noqa: E402  (the timer, pools, launches and contiguous read of the digest bench)
+from bench.harness import write_result  # noqa: E402
 from dsv4_idxk_probe.digest import RoomRequest, get_layout  # noqa: E402
 
 TABLES = ("random", "consecutive")
@@ -156,8 +151,7 @@ def main() -> int:
         del bufs
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "read_patterns.json").write_text(json.dumps(report, indent=1))
+    write_result(args.out, "read_patterns.json", report)
     exact = all(r.get("exact", True) for e in report["layouts"].values() for t in e["tables"].values()
                 for r in t["digest"])
     print("every digest point exact:", exact)

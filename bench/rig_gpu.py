@@ -7,9 +7,9 @@ registers VRAM and the probe digests with its Triton kernel. Prefill and
 decode may sit on different GPUs (--prefill-gpu / --decode-gpu). SGLang is
 not needed: the buffers come from the rig's built-in copy of its allocator.
 
-    python bench/rig_gpu.py                                 # 500 rooms, shipped faults, one GPU
-    python bench/rig_gpu.py --decode-gpu 1                  # prefill on GPU 0, decode on GPU 1
-    python bench/rig_gpu.py --no-faults --no-oracle --rooms 2000 --max-tokens 16384   # throughput
+    python -m bench.rig_gpu                                 # 500 rooms, shipped faults, one GPU
+    python -m bench.rig_gpu --decode-gpu 1                  # prefill on GPU 0, decode on GPU 1
+    python -m bench.rig_gpu --no-faults --no-oracle --rooms 2000 --max-tokens 16384   # throughput
 
 Prints a block to paste into bench/RESULTS.md. Exit status: 0 when every
 injected fault was found where expected and nothing else was reported.
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from bench.harness import command_line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     applied = [c for c in check.checks if c.record["applied"]]
     lines = [
         f"### rig_gpu {time.strftime('%Y-%m-%d %H:%M')} on {', '.join(names)}",
-        f"command: python bench/rig_gpu.py {shlex.join(argv if argv is not None else sys.argv[1:])}",
+        f"command: {command_line('rig_gpu', argv)}",
         f"rooms {len(result.finished)}/{cfg.rooms}, {cfg.layers} C4 layers, {cfg.layout} rows; prefill "
         f"{result.info['prefill']['device']}, decode {result.info['decode']['device']}; probe digests with "
         f"{'Triton on the GPU' if device == 'cuda' else 'the NumPy reference'}",

@@ -2,23 +2,27 @@
 
 Why: on a host where every CUDA driver call is expensive (a sandboxed
 runtime intercepts each one), the fixed cost of a submit decides the probe's
-overhead per room. This times each part of one submit on the caller's thread
-(cell plan, room table, launch, the copies up and down, queue) for
-single-room batches and for 16-room batches, after a warm-up, with sync
-debug mode "error" on, and prints medians. `--outputs pinned`: the engine
-without copies (digest.outputs), so two runs on one machine compare them.
+overhead per room. This times the device touch points of one submit on the
+caller's thread (the device and current-stream look-ups, the kernel's C launch
+function, the event record; the copies up and down are written inline in the
+submit since 2026-12-03 and count in "the rest", with the room table, the
+staging buffer and the hand-off) for single-room batches (`submit_room`, as
+the hooks submit one room) and for 16-room batches, after a warm-up, with
+sync debug mode "error" on, and prints medians. `--outputs pinned`: the
+engine without copies (digest.outputs); `--download collector`: the copy down
+left to the collector (decode's engine), so runs on one machine compare them.
 
 Then times one-room submits after gaps of `--gap-ms` (default 10 ms, the rig's
 model step) passed in different ways (`gap_study`).
 
-Usage (CUDA):  python3 bench/submit_profile.py [--out DIR] [--layers 30] [--pages 17] [--calls 300]
+Usage (CUDA):  python3 -m bench.submit_profile [--out DIR] [--layers 30] [--pages 17] [--calls 300]
                    [--gap-ms 10] [--gap-calls 200] [--outputs device|pinned] [--dependent-launch auto|off]
+                   [--download submit|collector]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,31 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
-from dsv4_idxk_probe.digest import engine as engine_module  # noqa: E402
-from dsv4_idxk_probe.digest.pinned import Staging  # noqa: E402
-from dsv4_idxk_probe.testbed.builtin.modeltime import GpuForward, spin  # noqa: E402
-
-
-class PartTimer:
-    """Wraps functions the submit path calls and adds their wall time to a named bucket."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-
-    def wrap(self, owner, name: str, label: str):
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - started
-
-        setattr(owner, name, timed)
+from bench.harness import PartTimer, median_us, write_result
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+from dsv4_idxk_probe.digest import engine as engine_module
+from dsv4_idxk_probe.testbed.builtin.modeltime import GpuForward, spin
 
 
 def _launching(seconds: float) -> None:
@@ -86,10 +69,10 @@ def gap_study(engine: DigestEngine, args) -> dict:
         for i in range(args.gap_calls):
             gap()
             started = time.perf_counter()
-            engine.submit([RoomRequest(f"g{i}", pages, args.pages * 256 - 100)], lambda _: None)
+            engine.submit_room(f"g{i}", pages, args.pages * 256 - 100, lambda _: None)
             walls.append(time.perf_counter() - started)
         walls.sort()
-        results[name] = {"median_us": 1e6 * statistics.median(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
+        results[name] = {"median_us": median_us(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
     return results
 
 
@@ -149,14 +132,16 @@ def host_ops(engine: DigestEngine, args) -> dict:
             started = time.perf_counter()
             op()
             cold.append(time.perf_counter() - started)
-        results[name] = {"back_to_back_us": 1e6 * statistics.median(hot), "after_gap_us": 1e6 * statistics.median(cold)}
+        results[name] = {"back_to_back_us": median_us(hot), "after_gap_us": median_us(cold)}
     return results
 
 
 def allocation_study(engine: DigestEngine, args) -> dict:
     """Decode's allocation hook with diagnosis on (`DecodeMonitor.room_allocated`: the
-    page ids' copy down, a journal event, the snapshot's one-room submit), whole and by
-    part, one call after each `--gap-ms` sleep as in the rig's decode loop.
+    snapshot's one-room submit; its journal event and the page ids' copy down are the
+    collector's since 2026-12-03; without a snapshot the hook still copies them, with an
+    event of its own), whole and by part, one call after each `--gap-ms` sleep as in the
+    rig's decode loop.
 
     Why: in the serving legs this hook is what diagnosis adds to the serving thread
     (273-416 us median per call on the H200 host, 2026-12-02)."""
@@ -172,13 +157,13 @@ def allocation_study(engine: DigestEngine, args) -> dict:
               for i in range(args.gap_calls)]
     tokens = args.pages * 256 - 100
     ops = {
-        "room_allocated (copy on the snapshot's event)": lambda i: monitor.room_allocated(RoomId(i), tables[i], tokens),
+        "room_allocated (snapshot; page ids copied by the collector)": lambda i: monitor.room_allocated(RoomId(i), tables[i], tokens),
         "room_allocated, no snapshot (copy, own event)": lambda i: monitor.room_allocated(RoomId(10**6 + i), tables[i], tokens,
                                                                                           snapshot=False),
         "page ids copy down with its own event (capture)": lambda i: capture(tables[i]),
         "page ids copy down, event left to the caller": lambda i: capture(tables[i], deferred=True),
-        "snapshot submit alone (one room, contents only)": lambda i: engine.submit(
-            [RoomRequest(f"s{i}", tables[i], tokens)], lambda _: None, contents_only=True),
+        "snapshot submit alone (one room, contents only)": lambda i: engine.submit_room(
+            f"s{i}", tables[i], tokens, lambda _: None, contents_only=True),
     }
     results = {}
     for name, op in ops.items():
@@ -192,7 +177,7 @@ def allocation_study(engine: DigestEngine, args) -> dict:
             op(i)
             walls.append(time.perf_counter() - started)
         walls.sort()
-        results[name] = {"median_us": 1e6 * statistics.median(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
+        results[name] = {"median_us": median_us(walls), "p90_us": 1e6 * walls[int(0.9 * len(walls))]}
         torch.cuda.synchronize()
         time.sleep(0.05)  # the collector catches up between ops
     return results
@@ -209,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--outputs", choices=engine_module.OUTPUTS, default="device", help="the engine's digest.outputs")
     p.add_argument("--dependent-launch", choices=engine_module.DEPENDENT_LAUNCHES, default="auto",
                    help="the engine's digest.dependent_launch")
+    p.add_argument("--download", choices=engine_module.DOWNLOADS, default="submit",
+                   help="who copies the outputs down (decode's engine: collector)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -218,17 +205,20 @@ def main(argv=None) -> int:
     buffers = [torch.randint(0, 256, (pool_pages, layout.row_bytes), dtype=torch.uint8, device="cuda")
                for _ in range(args.layers)]
     engine = DigestEngine(layout, list(range(args.layers)), buffers, outputs=args.outputs,
-                          dependent_launch=args.dependent_launch)
+                          dependent_launch=args.dependent_launch, download=args.download)
     timer = PartTimer()
-    timer.wrap(Staging, "upload", "copy up (tables)")
-    timer.wrap(Staging, "download", "copy down (outputs)")
-    timer.wrap(engine_module, "plan_cells", "cell plan")
-    timer.wrap(engine._kernel, "launch", "kernel launch (Triton)")
-    timer.wrap(engine._staging, "take", "staging take")
-    timer.wrap(engine._events, "take", "event take")
-    timer.wrap(torch.cuda, "current_stream", "torch.cuda.current_stream()")
+    direct = [d is not None for d in engine._direct]  # learnt at the engine's warm-up (launch.DirectLaunch)
+    for d in engine._direct:
+        if d is not None:
+            d.fn = timer.timed(d.fn, "kernel launch (the C launch function, direct)")
+    timer.wrap(engine._kernel, "launch", "kernel launch (DigestKernel.launch: not direct)")
+    timer.wrap(engine, "_raw_stream", "current stream look-up (raw)")
+    timer.wrap(engine, "_current_device", "current device look-up")
+    timer.wrap(engine, "_record", "event record")
+    timer.wrap(engine._staging, "take", "staging take (a new buffer)")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "outputs": args.outputs,
-              "dependent_launch": args.dependent_launch, "layers": args.layers,
+              "dependent_launch": args.dependent_launch, "download": args.download, "direct_launch": direct,
+              "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
     for rooms_per_submit in (1, 16):
         for host_pages in (True, False):
@@ -240,8 +230,14 @@ def main(argv=None) -> int:
 
             torch.cuda.set_sync_debug_mode(0)  # building device page tables copies from the host
             batches = [[request(i * rooms_per_submit + j) for j in range(rooms_per_submit)] for i in range(args.calls)]
+            def submit(batch):  # one room as the hooks submit it (`submit_room`), else a batch
+                if len(batch) == 1:
+                    room = batch[0]
+                    return engine.submit_room(room.key, room.pages, room.n_tokens, lambda _: None)
+                return engine.submit(batch, lambda _: None)
+
             for batch in batches[:20]:  # warm-up: pools fill, the kernel is loaded
-                engine.submit(batch, lambda _: None)
+                submit(batch)
             torch.cuda.synchronize()
             time.sleep(0.2)
             torch.cuda.set_sync_debug_mode("error")
@@ -249,15 +245,15 @@ def main(argv=None) -> int:
             walls = []
             for batch in batches:
                 started = time.perf_counter()
-                engine.submit(batch, lambda _: None)
+                submit(batch)
                 walls.append(time.perf_counter() - started)
                 time.sleep(0.0005)  # the collector gives buffers back, as between real batches
             case = f"{rooms_per_submit} room(s)/submit, page tables on {'host' if host_pages else 'device'}"
             parts = {k: 1e6 * v / len(batches) for k, v in timer.totals.items()}
-            parts["other (room table, stream, queue)"] = (
+            parts["the rest (tables, copies, staging, ticket, hand-off)"] = (
                 1e6 * statistics.mean(walls) - sum(parts.values()))
-            report["cases"][case] = {"median_us": 1e6 * statistics.median(walls), "mean_us": 1e6 * statistics.mean(walls),
-                                     "per_room_us": 1e6 * statistics.median(walls) / rooms_per_submit, "parts_mean_us": parts}
+            report["cases"][case] = {"median_us": median_us(walls), "mean_us": 1e6 * statistics.mean(walls),
+                                     "per_room_us": median_us(walls) / rooms_per_submit, "parts_mean_us": parts}
     torch.cuda.set_sync_debug_mode(0)
     report["gaps"] = gap_study(engine, args)
     report["host_ops"] = host_ops(engine, args)
@@ -280,8 +276,7 @@ def main(argv=None) -> int:
     for op, r in report["allocation"].items():
         print(f"    {op:<62} median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "submit_profile.json").write_text(json.dumps(report, indent=1))
+        write_result(args.out, "submit_profile.json", report)
     return 0
 
 

@@ -26,8 +26,8 @@ Needs torch (and triton on CUDA), numpy, pyyaml, xxhash, prometheus_client
 and wrapt; not sglang, pyzmq or nixl (the exchange is off, pools are
 stand-ins holding real tensors).
 
-Usage:  python3 bench/sync_audit.py --out DIR            (CUDA)
-        python3 bench/sync_audit.py --cpu-smoke --out DIR (no GPU: the same flow, no sync checks)
+Usage:  python3 -m bench.sync_audit --out DIR            (CUDA)
+        python3 -m bench.sync_audit --cpu-smoke --out DIR (no GPU: the same flow, no sync checks)
 Prints a short table last; writes sync_audit.json (and the steps' own JSON) under --out.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import io
 import json
 import logging
@@ -45,30 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
+from bench.harness import command_line, write_result
 
 
 def load_bench(name: str):
-    """Import a sibling bench script as a module (they are scripts, not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def argv(*args: str):
-    """Run a script's argparse-based main() with these arguments."""
-    saved = sys.argv
-    sys.argv = [saved[0], *args]
-    try:
-        yield
-    finally:
-        sys.argv = saved
+    """A sibling bench script, imported when first needed (pd_hooks_sync_audit sets up
+    its stand-in modules and tripwires as it is imported)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 class Failures(logging.Handler):
@@ -105,8 +88,7 @@ def step_pd_hooks(args) -> dict:
     _fail_fast(pdh)
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="sync-audit-"))
     extra = (["--cpu-smoke"] if args.cpu_smoke else []) + (["--diagnosis"] if args.diagnosis else [])
-    with argv("--rooms", str(args.rooms), "--layers", str(args.layers), "--out", str(out), *extra):
-        rc = pdh.main()
+    rc = pdh.main(["--rooms", str(args.rooms), "--layers", str(args.layers), "--out", str(out), *extra])
     written = out / "pd_hooks_sync_audit.json"
     detail = json.loads(written.read_text()) if written.exists() else {}
     ok = rc == 0
@@ -188,9 +170,8 @@ def step_hostpool_cost(args) -> dict:
     hov = load_bench("hicache_overhead")
     device = "cpu" if args.cpu_smoke else "cuda"
     buffer = io.StringIO()
-    with argv("--device", device, "--standalone", "--rounds", str(args.hp_rounds), "--calls", str(args.hp_cost_calls)):
-        with contextlib.redirect_stdout(buffer):
-            rc = hov.main()
+    with contextlib.redirect_stdout(buffer):
+        rc = hov.main(["--device", device, "--standalone", "--rounds", str(args.hp_rounds), "--calls", str(args.hp_cost_calls)])
     text = buffer.getvalue()
     print(text, end="")
     if args.out is not None:
@@ -264,11 +245,11 @@ def main(argv_=None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": "cpu (smoke: no sync checks)" if args.cpu_smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__, "python": platform.python_version(),
-        "command": "python3 bench/sync_audit.py " + " ".join(sys.argv[1:]),
+        "command": command_line("sync_audit", argv_),
         "steps": results, "passed": not failed, "injected_sync": args.inject_sync,
     }
     if args.out is not None:
-        (args.out / "sync_audit.json").write_text(json.dumps(report, indent=1))
+        write_result(args.out, "sync_audit.json", report)
     print(f"\nsync audit on {report['device']}, torch {report['torch']}")
     print(f"{'step':<16} {'result':<8} {'s':>6}  detail")
     for name, r in results.items():

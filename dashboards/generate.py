@@ -4,7 +4,8 @@
 The JSON is generated, never edited by hand: change this file and run
 ``python dashboards/generate.py``. ``--check`` exits 1 when the checked-in JSON
 differs from what this script writes (the test suite runs the same check),
-and the suite also sends every query below to a real Prometheus.
+type-checks the JSON against Grafana's own schema (``@grafana/schema``), and
+sends every query below to a real Prometheus holding scraped fixtures.
 """
 
 from __future__ import annotations
@@ -19,11 +20,39 @@ UID = "dsv4-idxk-probe"
 P = "dsv4_idxk_probe_"
 RED, GREEN, ORANGE, GREY = "red", "green", "orange", "text"
 TOKEN_PATH_ON_INDEXER = "/.*indexer.* token.*/"  # legend "<pool> <direction> <branch>"
+# SGLang's own dashboard (its examples/monitoring/grafana/dashboards/json/sglang-dashboard.json).
+SGLANG_DASHBOARD_UID = "sglang-dashboard"
+# Template variables, in dependency order; each filters every probe query. cluster and
+# namespace exist only where the scrape adds them (kube-prometheus, a multi-cluster
+# Thanos/Mimir): without them their "All" (.*) also matches the missing label.
+VARIABLES = ("cluster", "namespace", "job", "instance", "engine_type", "model_name")
+# What a query appends when an empty answer means zero (a stat shows 0 instead of
+# "No data"); the live test strips it to check the real query returns data.
+ZERO = " or vector(0)"
+NO_MISMATCH = "no mismatches in range"
+NO_HICACHE = "no HiCache pools on the selected servers"
+NO_SGLANG = "no SGLang PD metrics on the selected servers"
+NO_DCGM = "no DCGM metrics for the probed nodes (see docs/observability.md)"
+
+
+def matchers(names=VARIABLES) -> list[str]:
+    return [f'{name}=~"${name}"' for name in names]
 
 
 def sel(*extra: str) -> str:
-    """Label matchers every query carries: the template variables, plus `extra`."""
-    return "{" + ",".join(['instance=~"$instance"', 'engine_type=~"$engine_type"', 'model_name=~"$model_name"', *extra]) + "}"
+    """Label matchers every probe query carries: the template variables, plus `extra`."""
+    return "{" + ",".join([*matchers(), *extra]) + "}"
+
+
+def sg(name: str, *extra: str) -> str:
+    """An SGLang series by SGLang's own name ("sglang:<name>"), with the template variables.
+
+    SGLang registers its metrics as ``sglang:<name>``. What Prometheus stores depends on
+    the exposition it negotiated: the text format and Prometheus 3 (UTF-8) keep the colon;
+    the OpenMetrics exposition of prometheus_client >= 0.22, which Prometheus 2.x asks for
+    first, escapes it to ``sglang_<name>``. The regex matches both.
+    """
+    return "{" + ",".join([f'__name__=~"sglang[:_]{name}"', *matchers(), *extra]) + "}"
 
 
 def rate(metric: str, by: str, *extra: str) -> str:
@@ -34,13 +63,37 @@ def increase(metric: str, by: str, *extra: str, window: str = "$__rate_interval"
     return f"sum by ({by}) (increase({P}{metric}{sel(*extra)}[{window}]))"
 
 
-def range_total(metric: str, *extra: str) -> str:
-    """Events over the dashboard's range, rounded up so one event never shows as 0.4."""
-    return f"ceil(sum(increase({P}{metric}{sel(*extra)}[$__range])))"
+def count_in_range(metric: str, *extra: str) -> str:
+    """Events over the dashboard's range, as a whole number.
+
+    increase() extrapolates to the window's edges (11 events can read 11.3); it never
+    reads below the events between the window's first and last samples, so flooring
+    each series gives that count exactly while the extrapolation adds less than one
+    event per series (a series scraped every 15 s over 1 h: fewer than 240 events).
+    """
+    return f"sum(floor(increase({P}{metric}{sel(*extra)}[$__range])))"
 
 
 def quantile(q: float, metric: str) -> str:
     return f"histogram_quantile({q}, sum by (le, stage) (rate({P}{metric}_bucket{sel()}[$__rate_interval])))"
+
+
+def with_host(expr: str) -> str:
+    """`expr` with a ``Hostname`` label, as DCGM's exporter labels its GPUs: the ``node``
+    label where the scrape adds one (configs/kubernetes/podmonitor.yaml does), else the
+    host part of ``instance`` (host:port)."""
+    from_instance = f'label_replace({expr}, "Hostname", "$1", "instance", "(.+?)(?::[0-9]+)?")'
+    return f'label_replace({from_instance}, "Hostname", "$1", "node", "(.+)")'
+
+
+def probe_hosts() -> str:
+    """One series per host that runs a selected probe process, labelled ``Hostname``."""
+    return f"group by (Hostname) ({with_host(P + 'info' + sel())})"
+
+
+def dcgm(expr: str) -> str:
+    """A DCGM query (by Hostname and gpu) kept to the hosts of the selected probes."""
+    return f"{expr} * on (Hostname) group_left () {probe_hosts()}"
 
 
 def target(expr: str, legend: str, ref: str = "A", **kw) -> dict:
@@ -83,6 +136,35 @@ class Layout:
         return self.next_id - 1
 
 
+def thresholds(*steps: tuple) -> dict:
+    return {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in steps]}
+
+
+def series(unit: str = "short", overrides: list | None = None, stack: bool = False, no_value: str | None = None) -> dict:
+    custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
+    if stack:
+        custom["stacking"] = {"mode": "normal"}
+    defaults = {"unit": unit, "custom": custom}
+    if no_value:
+        defaults["noValue"] = no_value
+    return {"fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+            "options": {"legend": {"displayMode": "table", "placement": "right", "calcs": ["sum"]}, "tooltip": {"mode": "multi"}}}
+
+
+def stat(colour: str | None = None, unit: str = "short", mappings: list | None = None, graph: str = "none") -> dict:
+    """A stat panel's fieldConfig and options: green, and `colour` from 1 (or any value
+    above 0 for a ratio) when `colour` is given."""
+    defaults: dict = {"unit": unit}
+    if colour:
+        first = 1 if unit == "short" else 1e-9
+        defaults |= {"thresholds": thresholds((GREEN, None), (colour, first)), "color": {"mode": "thresholds"}}
+    if mappings:
+        defaults["mappings"] = mappings
+    return {"fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"colorMode": "background" if colour else "none", "graphMode": graph,
+                        "reduceOptions": {"calcs": ["lastNotNull"]}}}
+
+
 def panels() -> list[dict]:
     grid = Layout()
     out: list[dict] = []
@@ -105,16 +187,6 @@ def panels() -> list[dict]:
             }
         )
 
-    def series(unit: str = "short", overrides: list | None = None, stack: bool = False) -> dict:
-        custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
-        if stack:
-            custom["stacking"] = {"mode": "normal"}
-        return {"fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": overrides or []},
-                "options": {"legend": {"displayMode": "table", "placement": "right", "calcs": ["sum"]}, "tooltip": {"mode": "multi"}}}
-
-    def thresholds(*steps: tuple) -> dict:
-        return {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in steps]}
-
     def heat(label: str, metric: str, what: str) -> None:
         panel(
             "heatmap",
@@ -123,64 +195,147 @@ def panels() -> list[dict]:
             "bucket (labels never carry a page); exact (layer, page) cells are in `dsv4-idxk-probe report`.",
             [target(increase(metric, label), f"{{{{{label}}}}}", format="time_series")],
             12,
+            fieldConfig={"defaults": {"noValue": NO_MISMATCH}, "overrides": []},
             options={"calculate": False, "yAxis": {"axisLabel": what}, "rowsFrame": {"layout": "auto"},
                      "color": {"mode": "scheme", "scheme": "Reds", "exponent": 0.5}, "cellGap": 1,
                      "tooltip": {"show": True, "yHistogram": False}},
         )
 
+    verified_rooms = ('stage="decode_recv"', 'verdict=~"match|mismatch"')
+    checked_rooms = ('stage="decode_recv"', 'verdict!="skipped"')
+    decode_requests = sg("num_requests_total", 'engine_type="decode"')
+
     row("Verification (prefill -> decode)")
-    panel("stat", "Mismatching rooms", "Rooms whose decode digest differed from prefill's, over the dashboard range. Red above zero.",
-          [target(range_total("rooms_verified_total", 'verdict="mismatch"'), "mismatches")],
-          6, 5, fieldConfig={"defaults": {"unit": "short", "thresholds": thresholds((GREEN, None), (RED, 1)), "color": {"mode": "thresholds"}}, "overrides": []},
-          options={"colorMode": "background", "graphMode": "none", "reduceOptions": {"calcs": ["lastNotNull"]}})
-    panel("stat", "Verified room-stages", "Decode-stage verdicts of any kind over the dashboard range.",
-          [target(range_total("rooms_verified_total"), "verdicts")],
-          6, 5, options={"colorMode": "none", "graphMode": "area", "reduceOptions": {"calcs": ["lastNotNull"]}})
-    panel("stat", "Unverified or not comparable", "Room-stages with no prefill digest in time, or with a different layout signature, over the range.",
-          [target(range_total("rooms_verified_total", 'verdict=~"unverified|not_comparable"'), "rooms")],
-          6, 5, fieldConfig={"defaults": {"unit": "short", "thresholds": thresholds((GREEN, None), (ORANGE, 1)), "color": {"mode": "thresholds"}}, "overrides": []},
-          options={"colorMode": "background", "graphMode": "none", "reduceOptions": {"calcs": ["lastNotNull"]}})
+    panel("stat", "Mismatching rooms",
+          "Corrupt rooms over the dashboard range: rooms whose decode digest differed from prefill's, each counted "
+          f"once, at the first decode stage that saw it ({P}first_divergence_total, what the mismatch alert reads; "
+          "a room still corrupt at later stages is not counted again). Counted per TP rank that verified the room. "
+          "Red above zero.",
+          [target(count_in_range("first_divergence_total") + ZERO, "rooms", instant=True)], 5, 5, **stat(RED))
+    panel("stat", "Mismatch ratio",
+          "Mismatching rooms / verified rooms over the range. Verified: rooms whose decode_recv digest was compared "
+          "with prefill's (match or mismatch). Red above zero.",
+          [target(f"({count_in_range('first_divergence_total')} / clamp_min({count_in_range('rooms_verified_total', *verified_rooms)}, 1))"
+                  + ZERO, "ratio", instant=True)], 5, 5, **stat(RED, unit="percentunit"))
+    panel("stat", "Verified rooms", "Rooms whose decode_recv digest was compared with prefill's (match or mismatch), over the range.",
+          [target(count_in_range("rooms_verified_total", *verified_rooms) + ZERO, "rooms", instant=True)], 5, 5, **stat(graph="area"))
+    panel("stat", "Unverified or not comparable",
+          "Room-stages with no prefill digest in time, or with a different layout signature, over the range.",
+          [target(count_in_range("rooms_verified_total", 'verdict=~"unverified|not_comparable"') + ZERO, "room-stages", instant=True)],
+          5, 5, **stat(ORANGE))
     panel("stat", "Rooms digested on prefill", "Rooms whose index-K prefill digested as it left, over the range.",
-          [target(range_total("rooms_digested_total", 'stage="prefill_send"'), "rooms")],
-          6, 5, options={"colorMode": "none", "graphMode": "area", "reduceOptions": {"calcs": ["lastNotNull"]}})
+          [target(count_in_range("rooms_digested_total", 'stage="prefill_send"') + ZERO, "rooms", instant=True)], 4, 5, **stat(graph="area"))
     panel("timeseries", "Verified rooms by stage and verdict", "Decode-stage verdicts per second.",
           [target(rate("rooms_verified_total", "stage, verdict"), "{{stage}} {{verdict}}")], 12,
           **series("ops", [colour_override(by_regexp("/.* mismatch/"), RED), colour_override(by_regexp("/.* not_comparable/"), ORANGE),
                            colour_override(by_regexp("/.* unverified/"), GREY)], stack=True))
     panel("bargauge", "First-divergence stage", "Mismatching rooms by the earliest decode stage whose digest differed "
-          "(decode_recv: corrupt in transfer; decode_step/finish: corrupted after receipt).",
-          [target(increase("first_divergence_total", "stage", window="$__range"), "{{stage}}", instant=True)], 6,
+          "(decode_recv: corrupt in transfer; decode_step/finish: corrupted after receipt), over the range.",
+          [target(f"sum by (stage) (floor(increase({P}first_divergence_total{sel()}[$__range])))", "{{stage}}", instant=True)], 6,
           options={"orientation": "horizontal", "displayMode": "basic", "reduceOptions": {"calcs": ["lastNotNull"]}},
-          fieldConfig={"defaults": {"color": {"mode": "fixed", "fixedColor": RED}, "unit": "short"}, "overrides": []})
+          fieldConfig={"defaults": {"color": {"mode": "fixed", "fixedColor": RED}, "unit": "short", "noValue": NO_MISMATCH}, "overrides": []})
     panel("timeseries", "Mismatching cells by segment", "Differing (layer, page) cells per second, by row segment (payload, scale, ...).",
-          [target(rate("mismatch_cells_total", "stage, segment"), "{{stage}} {{segment}}")], 6, **series("ops"))
+          [target(rate("mismatch_cells_total", "stage, segment"), "{{stage}} {{segment}}")], 6, **series("ops", no_value=NO_MISMATCH))
     heat("layer", "mismatch_layer_hits_total", "layer")
     heat("page_bucket", "mismatch_page_bucket_hits_total", "page bucket")
     panel("timeseries", "Unverified and not-comparable rooms", "Unverified: no prefill digest in time. Not comparable: layout signatures differ (a rolling upgrade, not corruption).",
           [target(rate("rooms_verified_total", "stage, verdict", 'verdict=~"unverified|not_comparable"'), "{{stage}} {{verdict}}")], 12,
           **series("ops", [colour_override(by_regexp("/.* not_comparable/"), ORANGE)]))
     panel("timeseries", "Verify latency p99", "From a decode digest's enqueue to its verdict.",
-          [target(quantile(0.99, "verify_latency_seconds"), "p99 {{stage}}")], 12, **series("s"))
+          [target(quantile(0.99, "verify_latency_seconds"), "p99 {{stage}}")], 12, **series("s", no_value="no decode digests in range"))
+
+    row("SGLang PD (SGLang's own metrics, beside the probe's)")
+    panel("timeseries", "Decode requests and verified rooms",
+          "Requests SGLang's decode servers finished (sglang:num_requests_total, engine_type decode) next to the rooms "
+          "the probe verified there at decode_recv (any verdict but skipped). Verified falling below requests means "
+          "rooms going unchecked (the Dsv4IdxkProbeDecodeVerifiesNone alert).",
+          [target(f"sum by (instance) (rate({decode_requests}[$__rate_interval]))", "{{instance}} SGLang decode requests"),
+           target(rate("rooms_verified_total", "instance", *checked_rooms), "{{instance}} rooms verified", "B")],
+          10, **series("ops", no_value=NO_SGLANG))
+    panel("stat", "Verification coverage",
+          "Rooms the probe verified at decode_recv (any verdict but skipped) per request SGLang's decode servers "
+          "finished, over the range.",
+          [target(f"{count_in_range('rooms_verified_total', *checked_rooms)} / sum(floor(increase({decode_requests}[$__range])))",
+                  "coverage", instant=True)],
+          4, 8, fieldConfig={"defaults": {"unit": "percentunit", "noValue": NO_SGLANG, "color": {"mode": "thresholds"},
+                                          "thresholds": thresholds((ORANGE, None), (GREEN, 0.99))}, "overrides": []},
+          options={"colorMode": "background", "graphMode": "none", "reduceOptions": {"calcs": ["lastNotNull"]}})
+    panel("timeseries", "KV transfer and bootstrap failures",
+          "Requests SGLang failed in KV transfer or bootstrap (sglang:num_transfer_failed_reqs_total, "
+          "sglang:num_bootstrap_failed_reqs_total), per second: a failed transfer is aborted, a corrupt one is what the "
+          "probe catches.",
+          [target(f"sum by (instance, engine_type) (rate({sg('num_transfer_failed_reqs_total')}[$__rate_interval]))",
+                  "{{engine_type}} {{instance}} transfer failed"),
+           target(f"sum by (instance, engine_type) (rate({sg('num_bootstrap_failed_reqs_total')}[$__rate_interval]))",
+                  "{{engine_type}} {{instance}} bootstrap failed", "B")],
+          10, **series("ops", [colour_override(by_regexp("/.*failed/"), RED)], no_value=NO_SGLANG))
+    panel("timeseries", "KV transfer latency p99",
+          "SGLang's KV transfer latency and bootstrap time, p99 (sglang:kv_transfer_latency_ms, "
+          "sglang:kv_transfer_bootstrap_ms; observed on prefill).",
+          [target(f"histogram_quantile(0.99, sum by (le, instance) (rate({sg('kv_transfer_latency_ms_bucket')}[$__rate_interval])))",
+                  "{{instance}} transfer p99"),
+           target(f"histogram_quantile(0.99, sum by (le, instance) (rate({sg('kv_transfer_bootstrap_ms_bucket')}[$__rate_interval])))",
+                  "{{instance}} bootstrap p99", "B")],
+          12, **series("ms", no_value=NO_SGLANG))
+    panel("timeseries", "PD queues",
+          "Requests waiting in SGLang's PD queues: prefill bootstrap and in-flight (sending KV), decode prealloc and "
+          "transfer (receiving KV).",
+          [target(f"sum by (instance) ({sg(name)})", f"{{{{instance}}}} {legend}", ref)
+           for ref, name, legend in (("A", "num_prefill_bootstrap_queue_reqs", "prefill bootstrap"),
+                                     ("B", "num_prefill_inflight_queue_reqs", "prefill in flight"),
+                                     ("C", "num_decode_prealloc_queue_reqs", "decode prealloc"),
+                                     ("D", "num_decode_transfer_queue_reqs", "decode transfer"))],
+          12, **series("short", no_value=NO_SGLANG))
 
     row("HiCache host pools")
+    panel("stat", "HiCache pools", "Host pools the probe watches on the selected servers (dsv4_idxk_probe_hicache_pool_info); "
+          "0 where HiCache is off, which is healthy.",
+          [target(f"count(max by (instance, pool) ({P}hicache_pool_info{sel()}))" + ZERO, "pools", instant=True)], 4,
+          **stat(mappings=[{"type": "value", "options": {"0": {"text": "none (HiCache off)", "index": 0}}}]))
     panel("timeseries", "HiCache branch hits per pool", "Host-pool copy calls by branch. Red: the token-granular path on an indexer pool, "
           "which applies the C4 row geometry to rows that are not C4 rows.",
-          [target(rate("hicache_copies_total", "pool, direction, branch"), "{{pool}} {{direction}} {{branch}}")], 12,
-          **series("ops", [colour_override(by_regexp(TOKEN_PATH_ON_INDEXER), RED)]))
+          [target(rate("hicache_copies_total", "pool, direction, branch"), "{{pool}} {{direction}} {{branch}}")], 10,
+          **series("ops", [colour_override(by_regexp(TOKEN_PATH_ON_INDEXER), RED)], no_value=NO_HICACHE))
     panel("timeseries", "Guard and index-check violations", "Token-path guard hits, index groups that are not whole aligned in-range pages, failed pool invariants.",
           [target(increase("hicache_guard_total", "pool, action"), "guard {{pool}} {{action}}"),
            target(increase("hicache_index_violations_total", "pool, direction, check"), "index {{pool}} {{direction}} {{check}}", "B"),
-           target(increase("hicache_invariant_violations_total", "pool, invariant"), "invariant {{pool}} {{invariant}}", "C")], 12,
-          **series("short", [colour_override(by_regexp("/.*/"), RED)]))
+           target(increase("hicache_invariant_violations_total", "pool, invariant"), "invariant {{pool}} {{invariant}}", "C")], 10,
+          **series("short", [colour_override(by_regexp("/.*/"), RED)], no_value=NO_HICACHE))
     panel("timeseries", "HiCache round-trip checks", "Opt-in round-trip digests of host-pool rows, by leg and verdict.",
           [target(rate("hicache_roundtrip_total", "pool, leg, verdict"), "{{pool}} {{leg}} {{verdict}}")], 12,
-          **series("ops", [colour_override(by_regexp("/.* mismatch/"), RED)]))
+          **series("ops", [colour_override(by_regexp("/.* mismatch/"), RED)], no_value=NO_HICACHE + " or no round-trip checks"))
     panel("timeseries", "HiCache pages moved", "Pages moved by host-pool copies, per pool and direction.",
-          [target(rate("hicache_pages_total", "pool, direction"), "{{pool}} {{direction}}")], 12, **series("ops"))
+          [target(rate("hicache_pages_total", "pool, direction"), "{{pool}} {{direction}}")], 12, **series("ops", no_value=NO_HICACHE))
+
+    row("GPU health (DCGM, on the probed nodes)")
+    join = ("DCGM's series are kept to the hosts of the selected probe processes: DCGM's Hostname label must equal the "
+            "probe's node label (added by configs/kubernetes/podmonitor.yaml) or the host part of its instance.")
+    panel("timeseries", "GPU XID errors", "Last XID error per GPU (DCGM_FI_DEV_XID_ERRORS; 0: none since the exporter started). "
+          "48, 63, 64, 74, 79, 92-95 are memory, NVLink or fallen-off-the-bus errors that can corrupt KV. " + join,
+          [target(dcgm(f'max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS{{cluster=~"$cluster"}})'), "{{Hostname}} GPU {{gpu}}")], 6,
+          **series("none", [colour_override(by_regexp("/.*/"), RED)], no_value=NO_DCGM))
+    panel("timeseries", "GPU ECC double-bit errors", "New volatile double-bit (uncorrectable) ECC errors per GPU "
+          "(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL; not in dcgm-exporter's default counters: enable it). " + join,
+          [target(dcgm(f'sum by (Hostname, gpu) (increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{cluster=~"$cluster"}}[$__rate_interval]))'),
+                  "{{Hostname}} GPU {{gpu}}")], 6,
+          **series("short", [colour_override(by_regexp("/.*/"), RED)], no_value=NO_DCGM))
+    panel("timeseries", "GPU ECC single-bit errors", "New volatile single-bit (corrected) ECC errors per GPU "
+          "(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL; enable it in dcgm-exporter's counters). " + join,
+          [target(dcgm(f'sum by (Hostname, gpu) (increase(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{cluster=~"$cluster"}}[$__rate_interval]))'),
+                  "{{Hostname}} GPU {{gpu}}")], 6,
+          **series("short", [colour_override(by_regexp("/.*/"), ORANGE)], no_value=NO_DCGM))
+    panel("timeseries", "GPU row remapping", "Rows remapped for uncorrectable errors (DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS) "
+          "and remapping failures (DCGM_FI_DEV_ROW_REMAP_FAILURE, 1: failed), per GPU. " + join,
+          [target(dcgm(f'max by (Hostname, gpu) (DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS{{cluster=~"$cluster"}})'),
+                  "{{Hostname}} GPU {{gpu}} uncorrectable rows"),
+           target(dcgm(f'max by (Hostname, gpu) (DCGM_FI_DEV_ROW_REMAP_FAILURE{{cluster=~"$cluster"}})'),
+                  "{{Hostname}} GPU {{gpu}} remap failure", "B")], 6,
+          **series("short", [colour_override(by_regexp("/.*failure/"), RED)], no_value=NO_DCGM))
 
     row("Probe health")
     panel("timeseries", "Digest GPU time", "GPU time of one digest launch, p50 and p99.",
-          [target(quantile(0.5, "digest_gpu_seconds"), "p50 {{stage}}"), target(quantile(0.99, "digest_gpu_seconds"), "p99 {{stage}}", "B")], 8, **series("s"))
+          [target(quantile(0.5, "digest_gpu_seconds"), "p50 {{stage}}"), target(quantile(0.99, "digest_gpu_seconds"), "p99 {{stage}}", "B")], 8,
+          **series("s", no_value="no digests timed in range (timed on CUDA only)"))
     panel("timeseries", "Index-K digested", "Bytes digested per second, by stage.",
           [target(rate("digest_bytes_total", "stage"), "{{stage}}")], 8, **series("Bps"))
     panel("timeseries", "Exchange errors", "Failed side-channel requests for prefill digest vectors.",
@@ -208,6 +363,11 @@ def panels() -> list[dict]:
               {"id": "custom.cellOptions", "value": {"type": "color-background"}},
               {"id": "mappings", "value": [{"type": "value", "options": {"patched": {"color": GREEN, "index": 0}, "pending": {"color": ORANGE, "index": 2}}},
                                            {"type": "regex", "options": {"pattern": "missing|signature_changed|hook_error|not_applied", "result": {"color": RED, "index": 1}}}]}]}]})
+    panel("table", "Probed hosts", "The host each probe process runs on, as the GPU health row joins it with DCGM's Hostname: "
+          "the node label where the scrape adds one, else the host part of instance.",
+          [target(f"group by (Hostname, instance, engine_type) ({with_host(P + 'info' + sel())})", "", instant=True, format="table")], 8,
+          transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}],
+          fieldConfig={"defaults": {}, "overrides": []})
     return out
 
 
@@ -218,7 +378,6 @@ def variable(name: str, label: str, query: str) -> dict:
         "type": "query",
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "query": {"query": query, "refId": f"{name}-values"},
-        "definition": query,
         "refresh": 2,
         "multi": True,
         "includeAll": True,
@@ -228,8 +387,20 @@ def variable(name: str, label: str, query: str) -> dict:
     }
 
 
+def link(title: str, tooltip: str, **kw) -> dict:
+    return {"title": title, "tooltip": tooltip, "type": "link", "url": "", "tags": [], "icon": "dashboard",
+            "asDropdown": False, "includeVars": True, "keepTime": True, "targetBlank": False, **kw}
+
+
 def dashboard() -> dict:
     any_probe = f"{P}info"  # every probe process publishes it (state on, off or broken)
+    labels = {"cluster": "cluster", "namespace": "namespace", "job": "job", "instance": "instance",
+              "engine_type": "engine type", "model_name": "model"}
+    variables = []
+    for i, name in enumerate(VARIABLES):
+        before = matchers(VARIABLES[:i])
+        selector = any_probe + ("{" + ",".join(before) + "}" if before else "")
+        variables.append(variable(name, labels[name], f"label_values({selector}, {name})"))
     return {
         "uid": UID,
         "title": "DeepSeek-V4 index-K probe",
@@ -243,14 +414,16 @@ def dashboard() -> dict:
         "timezone": "utc",
         "version": 1,
         "annotations": {"list": []},
-        "links": [],
+        "links": [
+            link("SGLang", "SGLang's own dashboard (uid sglang-dashboard, from SGLang's examples/monitoring), same time range "
+                 "and instance/model variables", url=f"/d/{SGLANG_DASHBOARD_UID}"),
+            link("SGLang dashboards", "Every dashboard tagged sglang", type="dashboards", tags=["sglang"], asDropdown=True),
+        ],
         "templating": {
             "list": [
                 {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-                 "current": {}, "hide": 0, "refresh": 1, "regex": ""},
-                variable("instance", "instance", f"label_values({any_probe}, instance)"),
-                variable("engine_type", "engine type", f'label_values({any_probe}{{instance=~"$instance"}}, engine_type)'),
-                variable("model_name", "model", f'label_values({any_probe}{{instance=~"$instance",engine_type=~"$engine_type"}}, model_name)'),
+                 "hide": 0, "refresh": 1, "regex": ""},
+                *variables,
             ]
         },
         "panels": panels(),

@@ -1,13 +1,16 @@
 """Start-up hook for SGLang builds without a plugin loader (the ``.pth`` route).
 
 ``hooks/dsv4_idxk_probe.pth`` imports this module only when
-``DSV4_IDXK_PROBE`` is set to something other than 0. It imports nothing but
-the standard library: it puts one finder on ``sys.meta_path`` that waits for
-the first import of the ``sglang`` package and, once that package has
-executed, calls `dsv4_idxk_probe.activation.install()`. install() then
-patches target modules already imported and registers post-import hooks for
-the rest, so a target module imported later is patched when it loads. Any
-failure is logged and the import of sglang goes on unharmed.
+``DSV4_IDXK_PROBE`` is set to something other than 0; when that import fails
+(the package was uninstalled and the .pth left behind) the line writes one
+short line on stderr instead of a traceback, and with the variable unset it
+does nothing at all. This module imports nothing but the standard library:
+it puts one finder on ``sys.meta_path`` that waits for the first import of
+the ``sglang`` package and, once that package has executed, calls
+`dsv4_idxk_probe.activation.install()`. install() then patches target
+modules already imported and registers post-import hooks for the rest, so a
+target module imported later is patched when it loads. Any failure is
+logged and the import of sglang goes on unharmed.
 """
 
 from __future__ import annotations

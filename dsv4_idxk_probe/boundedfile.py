@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Callable
 
 
-def read_bounded(path: str | os.PathLike, what: str, max_bytes: int, error: type[Exception]) -> bytes:
+def read_bounded(path: str | os.PathLike, what: str, max_bytes: int, error: type[Exception],
+                 inspect: Callable[[os.stat_result], None] | None = None) -> bytes:
     """The bytes of the regular file `path`, at most `max_bytes`; any problem raises `error`
-    with a message naming the file and `what` it was meant to be."""
+    with a message naming the file and `what` it was meant to be.
+
+    `inspect`, when given, sees the open file's `os.fstat` before anything is read
+    (the same file that is then read, not the path again) and may raise `error`
+    itself, e.g. to refuse a secret anyone may write.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: a FIFO never hangs the caller
     except OSError as exc:
@@ -25,6 +32,8 @@ def read_bounded(path: str | os.PathLike, what: str, max_bytes: int, error: type
             raise error(f"{path}: cannot read {what}: not a regular file")
         if info.st_size > max_bytes:
             raise error(f"{path}: {what} is {info.st_size:,} bytes, over the {max_bytes:,}-byte limit")
+        if inspect is not None:
+            inspect(info)
         chunks, size = [], 0
         while True:  # the size can change under us: read at most one byte past the cap
             chunk = os.read(fd, max_bytes + 1 - size)

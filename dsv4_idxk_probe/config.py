@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from . import environment_variables as ev
 from .boundedfile import read_bounded_text
+from .safeyaml import load as load_yaml
+from .safeyaml import shorten
 
 MODES = ("observe", "enforce")
 DEFAULT_TARGETS = ("sglang",)  # the installed release's entries of configs/targets/sglang.yaml
@@ -49,7 +49,7 @@ class ExchangeConfig:
     backoff_initial_s: float = 0.25  # after its first failure; doubled with each further one in a row
     retry_s: float = 1.0  # decode's collector asks again, after the backoff, for this long (0: never)
     secret_file: str | None = None  # shared by prefill and decode; none: the server stays on loopback
-    max_connections: int = 64  # per prefill server; 16 of them may be unauthenticated at once
+    max_connections: int = 64  # sessions per prefill server (+ 16 unauthenticated, 8 per address; docs/security.md)
     idle_s: float = 60.0  # an authenticated peer silent this long is dropped (it reconnects when it asks)
 
 
@@ -60,6 +60,7 @@ class RoomLogConfig:
     max_files: int = 8
     gzip: bool = True
     queue_size: int = 10_000
+    cluster: str = ""  # written in every room record and joined on by `diff` (docs/roomlog.md); "": none
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,13 @@ class ProbeConfig:
 # %% field checks
 
 
-def _int(source, where, value, minimum, maximum=None):
+def _int(source, where, value, minimum, maximum):
+    """An integer in [minimum, maximum]; compared, never converted, so a huge one costs nothing."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{source}: {where} must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{source}: {where} must be an integer <= {maximum:_}, got {value:_}")
+        raise ConfigError(f"{source}: {where} must be an integer >= {minimum}, got {shorten(value)}")
+    if value > maximum:
+        shown = f"{value:_}" if value.bit_length() <= 256 else shorten(value)
+        raise ConfigError(f"{source}: {where} must be an integer <= {maximum:_}, got {shown}")
     return value
 
 
@@ -127,23 +130,29 @@ def _bounded(minimum, maximum):
 def _port(source, where, value):
     if value is None:
         return None
-    value = _int(source, where, value, 0)
-    if value > 65535:
-        raise ConfigError(f"{source}: {where} must be a port number (0-65535), got {value}")
-    return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 65535:
+        raise ConfigError(f"{source}: {where} must be a port number (0-65535), got {shorten(value)}")
+    return _int(source, where, value, 0, 65535)
 
 
 def _bool(source, where, value):
     if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {where} must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {where} must be true or false, got {shorten(value)}")
     return value
 
 
 def _str(source, where, value):
     if not isinstance(value, str):
-        raise ConfigError(f"{source}: {where} must be a string, got {value!r}")
+        raise ConfigError(f"{source}: {where} must be a string, got {shorten(value)}")
     if len(value) > 4096 or "\x00" in value:
         raise ConfigError(f"{source}: {where} must be a string of at most 4096 characters without NUL")
+    return value
+
+
+def _cluster(source, where, value):
+    """A cluster label: a short printable name (the diff joins on it and prints it)."""
+    if len(value) > 128 or not value.isprintable():
+        raise ConfigError(f"{source}: {where} must be a printable name of at most 128 characters, got {shorten(value)}")
     return value
 
 
@@ -154,18 +163,20 @@ def _optional_str(source, where, value):
 def _choice(*allowed):
     def check(source, where, value):
         if value not in allowed:
-            raise ConfigError(f"{source}: {where} must be one of {list(allowed)}, got {value!r}")
+            raise ConfigError(f"{source}: {where} must be one of {list(allowed)}, got {shorten(value)}")
         return value
 
     return check
 
 
 def _seconds(maximum, zero_ok=False):
+    """A finite number of seconds in (0, maximum] ([0, maximum] with `zero_ok`); an integer is
+    compared before it is converted, so ``10**400`` is refused, not an OverflowError."""
     def check(source, where, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
-            raise ConfigError(f"{source}: {where} must be a number {'>=' if zero_ok else '>'} 0, got {value!r}")
-        if not math.isfinite(value) or value > maximum:
-            raise ConfigError(f"{source}: {where} must be a number of seconds <= {maximum}, got {value!r}")
+            raise ConfigError(f"{source}: {where} must be a number {'>=' if zero_ok else '>'} 0, got {shorten(value)}")
+        if value > maximum or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{source}: {where} must be a number of seconds <= {maximum}, got {shorten(value)}")
         return float(value)
 
     return check
@@ -193,6 +204,7 @@ _CHECKS = {
         "max_files": _bounded(1, 10_000),
         "gzip": _bool,
         "queue_size": _bounded(1, 1_000_000),
+        "cluster": lambda s, w, v: _cluster(s, w, _str(s, w, v)),
     },
     "metrics": {"port": _port, "addr": _str},
     # digest.engine.WAITS, OUTPUTS and DEPENDENT_LAUNCHES (a test keeps them equal)
@@ -222,14 +234,14 @@ def _section(source: str, name: str, value: Any):
     _string_keys(source, name, value)
     unknown = sorted(set(value) - set(checks))
     if unknown:
-        raise ConfigError(f"{source}: {name} has unknown key(s) {unknown}; known: {sorted(checks)}")
+        raise ConfigError(f"{source}: {name} has unknown key(s) {shorten(unknown, 200)}; known: {sorted(checks)}")
     return cls(**{key: checks[key](source, f"{name}.{key}", v) for key, v in value.items()})
 
 
 def _string_keys(source: str, where: str, mapping: Mapping) -> None:
     odd = [k for k in mapping if not isinstance(k, str)]
     if odd:
-        raise ConfigError(f"{source}: {where} keys must be strings, got {odd[0]!r}")
+        raise ConfigError(f"{source}: {where} keys must be strings, got {shorten(odd[0])}")
 
 
 def _resolve_path(base: Path | None, value: str) -> str:
@@ -270,7 +282,7 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
     _string_keys(source, "the top level", document)
     unknown = sorted(set(document) - _TOP_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
+        raise ConfigError(f"{source}: unknown key(s) {shorten(unknown, 200)}; known: {sorted(_TOP_KEYS)}")
     values: dict[str, Any] = {"source": source}
     if "mode" in document:
         values["mode"] = _choice(*MODES)(source, "mode", document["mode"])
@@ -286,7 +298,8 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
             targets = [targets]
         if (not isinstance(targets, list) or not targets or len(targets) > 64
                 or not all(isinstance(t, str) and t and len(t) <= 4096 and "\x00" not in t for t in targets)):
-            raise ConfigError(f"{source}: targets must be a non-empty list of file names or paths, got {targets!r}")
+            raise ConfigError(f"{source}: targets must be a non-empty list of file names or paths, "
+                              f"got {shorten(targets)}")
         values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t) for t in targets)
     for name in _SECTION_TYPES:
         if name in document:
@@ -324,12 +337,7 @@ def load_file(path: str | os.PathLike) -> ProbeConfig:
     """Read and validate one YAML config file."""
     path = Path(path)
     text = read_small_text(path, "config file")
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    except (RecursionError, MemoryError):
-        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    document = load_yaml(text, str(path), ConfigError)  # no aliases, bounded nodes and depth, no duplicate keys
     return parse_config(document, str(path), path.parent)
 
 

@@ -13,7 +13,7 @@ DSV4_IDXK_PROBE = "DSV4_IDXK_PROBE"
 #: Path of the probe's YAML config file (docs/configuration.md). Optional.
 DSV4_IDXK_PROBE_CONFIG = "DSV4_IDXK_PROBE_CONFIG"
 
-#: Fault-injection spec read by the local PD rig (dsv4_idxk_probe/sim). The
+#: Fault-injection spec read by the local PD rig (dsv4_idxk_probe/testbed/builtin). The
 #: config loader refuses it together with ``enforce``.
 DSV4_IDXK_PROBE_FAULTS = "DSV4_IDXK_PROBE_FAULTS"
 

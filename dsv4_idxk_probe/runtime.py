@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from .config import ProbeConfig
-from .safety import add_error_listener, remove_error_listener
+from .safety import add_error_listener, record_error, remove_error_listener
 
 log = logging.getLogger("dsv4_idxk_probe")
 
@@ -169,11 +169,23 @@ class Runtime:
         return self._journal
 
     def emit(self, record: dict) -> None:
-        """Hand one record to the room log; never raises, never blocks."""
-        sink = self._emit
-        if sink is None:
-            sink = self._room_log_writer().emit
-        sink(record)
+        """Hand one record to the room log; never raises, never blocks.
+
+        A sink that raises (a writer that cannot be built) drops the record, counted in
+        errors_total (site ``roomlog.emit``) and records_dropped; the writer itself fails
+        closed and counts a directory it cannot use (docs/roomlog.md)."""
+        try:
+            sink = self._emit
+            if sink is None:
+                sink = self._room_log_writer().emit
+            sink(record)
+        except Exception:
+            record_error("roomlog.emit")
+            try:
+                if self._metrics is not None:
+                    self._metrics.records_dropped.labels(sink="roomlog").inc()
+            except Exception:
+                self.log.debug("records_dropped metric failed", exc_info=True)
 
     def _room_log_writer(self):
         with self._lock:

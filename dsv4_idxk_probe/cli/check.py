@@ -14,7 +14,11 @@ releases have and this one does not, with what that costs, and the index-K
 row layouts the probe knows, by row bytes. Exit 0
 when every required target resolves, 1 when one does not (or SGLANG_PLUGINS leaves the
 probe out), 2 when the config or a target file is invalid (the message names file, line and
-field), 3 on an internal error (`dsv4-idxk-probe --help` has the table for every command).
+field, including a table whose ``hook`` names anything but the probe's own
+wrapper factories), 3 on an internal error (`dsv4-idxk-probe --help` has the
+table for every command). An exchange secret file other users may read is
+named on a ``warning:`` line (the probe logs the same at start; one every user
+may write is refused, exit 2).
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ def _config_line(config) -> str:
     requested = ev.requested_mode(os.environ.get(ev.DSV4_IDXK_PROBE))
     state = "off here (DSV4_IDXK_PROBE unset or 0)" if requested is None else f"on, mode {config.mode}"
     return f"config: {config.source} is valid; probe {state}; targets {', '.join(config.targets)}"
+
+
+def _config_warnings(config) -> list[str]:
+    """What the pod would log at WARNING about its config (an exchange secret others may read)."""
+    if not config.exchange.secret_file:
+        return []
+    from ..exchange.auth import secret_file_warning
+
+    warning = secret_file_warning(config.exchange.secret_file)
+    return [f"exchange.secret_file: {warning}"] if warning else []
 
 
 def _layouts_line() -> str:
@@ -122,9 +136,12 @@ def main(args: argparse.Namespace) -> int:
     release = _installed_sglang()
     if args.json:
         print(json.dumps({"sglang": release, "tested": list(_instruments), "config": config.source,
-                          "mode": config.mode, "tables": tables, "targets": rows, "absent": absent}, indent=2))
+                          "mode": config.mode, "warnings": _config_warnings(config), "tables": tables,
+                          "targets": rows, "absent": absent}, indent=2))
     else:
         print(_config_line(config))
+        for warning in _config_warnings(config):
+            print(f"warning: {warning}")
         print(f"SGLang {release} detected (tables tested with {', '.join(_instruments)})")
         for sel in selections:
             note = "" if sel.tested else (

@@ -5,19 +5,24 @@ every verified room matches; 1 a mismatch (with --strict, also a
 not-comparable or unverified room); 2 bad input (a missing file, no room
 records, or lines that had to be skipped), unless a mismatch was found.
 ``--json -`` writes the JSON to stdout (the table then goes to stderr).
+This module parses the arguments and prints the table; the join, the status and
+the JSON are library code in `offline/`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any, BinaryIO, TextIO
+from typing import TextIO
 
 from ..diagnosis.diagnose import describe_room
 from ..hicache.culprit import describe as describe_culprit
-from ..offline.analysis import Analysis, RoomResult, analyse
-from ..roomlog.reader import InputError, expand_inputs
+from ..offline import engine
+from ..offline.diff_output import exit_status
+from ..offline.join import analyse
+from ..offline.printable import printable, printable_logs
+from ..offline.results import Analysis, RoomResult
+from ..roomlog.reader import InputError
 from ..vocabulary import DECODE_STAGES, SEVERITY, VERDICTS
 
 HELP = "join prefill and decode room logs by (room, attempt) and report where index-K diverged"
@@ -41,54 +46,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rid", action="append", metavar="RID",
         help="only the room(s) of this SGLang request id (prefill's or decode's), listed whatever their verdict; repeatable",
     )
+    engine.add_engine_arguments(parser)
 
 
 PREFIX = "dsv4-idxk-probe diff:"
+#: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
+LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        paths = expand_inputs(args.logs)
+        paths = engine.expand(args.logs)  # URLs stay text: the fleet engine fetches them
     except InputError as exc:
-        print(f"{PREFIX} {exc}", file=sys.stderr)
+        print(f"{PREFIX} {printable(exc)}", file=sys.stderr)
         return 2
-    analysis = analyse(paths)
+    with printable_logs(*LOGGERS):  # the reader's warnings name files and lines
+        analysis = engine.run(paths, args, PREFIX, reference=lambda p: analyse(p))
+    if analysis is None:
+        return 2
+    try:
+        return _report(analysis, args)
+    finally:
+        engine.close(analysis)
+
+
+def _report(analysis, args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     if args.rid:
         analysis.select_rids(args.rid)
         if not analysis.rooms and not analysis.prefill_only:
-            print(f"dsv4-idxk-probe diff: no room in these logs has rid {', '.join(args.rid)}", file=sys.stderr)
+            print(f"dsv4-idxk-probe diff: no room in these logs has rid {printable(', '.join(args.rid))}", file=sys.stderr)
             return 2
     print_errors(analysis, args.max_errors, sys.stderr)
     print_summary(analysis, args.max_rooms, sys.stderr if to_stdout else sys.stdout, selected=bool(args.rid))
+    engine.print_per_instance(analysis, sys.stderr if to_stdout else sys.stdout, printable)
     status = exit_status(analysis, strict=args.strict)
     if args.json:
         try:
-            write_json(analysis, args.json, status)
+            engine.write_any_json(analysis, args.json, status)
         except OSError as exc:
             if isinstance(exc, BrokenPipeError):
                 raise
-            print(f"{PREFIX} cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"{PREFIX} cannot write {printable(args.json)}: {printable(exc.strerror or exc)}", file=sys.stderr)
             return 2
     return status
 
 
-def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
-    verdicts = analysis.room_verdicts()
-    if verdicts["mismatch"] or analysis.roundtrip_n:  # a HiCache row broken upstream of the digests too
-        return 1
-    if not analysis.rooms and not analysis.prefill_only:
-        return 2
-    if analysis.n_errors:
-        return 2
-    if strict and (verdicts["not_comparable"] or verdicts["unverified"]):
-        return 1
-    return 0
-
-
 def print_errors(analysis: Analysis, limit: int, out: TextIO) -> None:
     for message in analysis.errors[: max(0, limit)]:
-        print(f"skipped {message}", file=out)
+        print(f"skipped {printable(message)}", file=out)
     hidden = analysis.n_errors - min(len(analysis.errors), max(0, limit))
     if hidden > 0:
         print(f"... and {hidden} more bad lines (see --json)", file=out)
@@ -113,6 +119,8 @@ def _ranges(values: list[int]) -> str:
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
+    """Columns aligned; every cell printable first (a rid, a room id or a reason from a log)."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))), file=out)
@@ -120,7 +128,7 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: bool = False) -> None:
     s = analysis.summary()
-    kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(s["records"].items())) or "none"
+    kinds = ", ".join(f"{printable(k)} {n:,}" for k, n in sorted(s["records"].items())) or "none"
     print(f"{s['files']} files, records: {kinds}; {s['rooms']:,} rooms seen on decode", file=out)
     rows = [["stage", *VERDICTS]]
     for stage in DECODE_STAGES:
@@ -131,11 +139,11 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
     first = ", ".join(f"{stage} {s['first_divergence'].get(stage, 0):,}" for stage in DECODE_STAGES)
     print(f"first divergence: {first}", file=out)
     if s["diagnosis"]["lines"]:
-        print(f"diagnosis: {'; '.join(s['diagnosis']['lines'])}", file=out)
+        print(f"diagnosis: {printable('; '.join(s['diagnosis']['lines']))}", file=out)
     if analysis.roundtrip_n:
-        print(f"hicache round trip: {'; '.join(s['hicache_roundtrip']['lines'])}", file=out)
+        print(f"hicache round trip: {printable('; '.join(s['hicache_roundtrip']['lines']))}", file=out)
         for diag in analysis.roundtrip[: max(0, max_rooms)]:
-            print(f"  {describe_culprit(diag)}", file=out)
+            print(f"  {printable(describe_culprit(diag))}", file=out)
         if analysis.roundtrip_n > min(len(analysis.roundtrip), max(0, max_rooms)):
             print(f"  ... {analysis.roundtrip_n:,} in all (see --json)", file=out)
     print(
@@ -147,7 +155,8 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
     )
     bad = analysis.bad_rooms()
     if selected:  # --rid: every selected room, matching ones too
-        bad = bad + [r for r in analysis.rooms.values() if r not in bad]
+        listed = {id(r) for r in bad}
+        bad = bad + [r for r in analysis.rooms.values() if id(r) not in listed]
     if not bad:
         return
     shown = bad[: max(0, max_rooms)]
@@ -165,7 +174,7 @@ def _room_row(room: RoomResult) -> list[str]:
     worst = first or max(room.stages, key=lambda s: SEVERITY[s.verdict])
     c = first.comparison if first else None
     return [
-        f"{room.room}/{room.attempt}",
+        room.name,
         ",".join(room.rids) or "-",
         room.verdict,
         first.label if first else "-",
@@ -176,64 +185,3 @@ def _room_row(room: RoomResult) -> list[str]:
         describe_room(first.diagnosis or ()) if first else "-",
         worst.reason or "-",
     ]
-
-
-def _stdlib_json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()  # ASCII: escapes even lone surrogates
-
-
-try:  # present wherever SGLang is; about 4x faster on a million rooms
-    from orjson import dumps as _orjson_dumps
-except ImportError:
-    _orjson_dumps = None
-
-
-def _json_bytes(obj: Any) -> bytes:
-    if _orjson_dumps is not None:
-        try:
-            return _orjson_dumps(obj)
-        except TypeError:  # a file name with undecodable bytes (a lone surrogate)
-            pass
-    return _stdlib_json_bytes(obj)
-
-
-def write_json(analysis: Analysis, path: str, status: int) -> None:
-    """Summary first, then one room per line inside the array, streamed (a million rooms fit),
-    then the rooms only prefill logged: unverified, since no decode record names them."""
-    head: dict[str, Any] = {
-        "tool": "dsv4-idxk-probe diff",
-        "format": 1,
-        "exit_status": status,
-        "inputs": analysis.files,
-        "summary": analysis.summary(),
-        "errors": analysis.errors,
-    }
-    if path == "-":
-        sys.stdout.flush()
-        _write_json_to(sys.stdout.buffer, analysis, head)
-        sys.stdout.buffer.flush()
-        return
-    with open(path, "wb") as f:
-        _write_json_to(f, analysis, head)
-
-
-def _write_json_to(f: BinaryIO, analysis: Analysis, head: dict[str, Any]) -> None:
-    f.write(_json_bytes(head)[:-1])
-    f.write(b',"rooms":[\n')
-    separator = b""
-    for room in analysis.rooms.values():
-        f.write(separator)
-        f.write(_json_bytes(room.to_json()))
-        separator = b",\n"
-    f.write(b'\n],"prefill_only":[\n')
-    separator = b""
-    for room, attempt in analysis.prefill_only_keys:
-        f.write(separator)
-        entry = {"room": room, "attempt": attempt, "verdict": "unverified",
-                 "reason": "prefill sent it; no decode record in these logs"}
-        rid = analysis.prefill_only_rids.get((room, attempt))
-        if rid is not None:
-            entry["rid"] = {"prefill": rid, "decode": None}
-        f.write(_json_bytes(entry))
-        separator = b",\n"
-    f.write(b"\n]}\n")

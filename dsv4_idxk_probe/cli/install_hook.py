@@ -4,7 +4,10 @@ For SGLang builds without the plugin loader (forks, older releases): Python
 runs ``dsv4_idxk_probe.pth`` at every interpreter start, and the line imports
 the probe only when ``DSV4_IDXK_PROBE`` is set (otherwise it costs one env
 lookup). SGLang 0.5.23+ does not need it: its plugin loader finds the probe
-through the package's entry point. Installing twice is a no-op; the file is
+through the package's entry point. pip does not know the file: remove it with
+``--uninstall`` before uninstalling the package. A line left behind costs the
+same env lookup, and where the variable is set it writes one short line on
+stderr (never a traceback). Installing twice is a no-op; the file is
 written to a temp name and renamed, so an interpreter starting meanwhile never
 reads half a line. Exit 0 done (or nothing to do), 2 the directory is missing
 or not writable.
@@ -78,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
             raise
     except OSError as exc:
         return _fail(f"cannot write {target}: {exc.strerror or exc}")
-    print(f"installed {target}; it loads the probe only in processes where DSV4_IDXK_PROBE is set")
+    print(f"installed {target}; it loads the probe only in processes where DSV4_IDXK_PROBE is set "
+          f"(remove it with --uninstall before uninstalling the package)")
     package_site = Path(__file__).resolve().parents[2]
     if package_site != site.resolve():
         print(f"note: dsv4_idxk_probe itself is installed under {package_site}; the interpreter that reads "

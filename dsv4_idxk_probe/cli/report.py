@@ -13,9 +13,11 @@ import os
 import sys
 import tempfile
 
-from ..offline.analysis import analyse
-from ..offline.html import render
-from ..roomlog.reader import InputError, expand_inputs
+from ..offline import engine
+from ..offline.join import analyse
+from ..offline.printable import printable, printable_logs
+from ..offline.report_html import render
+from ..roomlog.reader import InputError
 
 HELP = "write an HTML report: summary, a (layer x page) heatmap per bad room, verdicts over time, HiCache branches"
 
@@ -25,25 +27,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="HTML file to write ('-': stdout)")
     parser.add_argument("--title", default="dsv4-idxk-probe report", help="page title")
     parser.add_argument("--max-rooms", type=int, default=50, metavar="N", help="bad rooms drawn (50)")
+    parser.add_argument(
+        "--rid", action="append", metavar="RID",
+        help="only the room(s) of this SGLang request id (prefill's or decode's): draws a room the page "
+             "left out; repeatable",
+    )
+    engine.add_engine_arguments(parser, per_instance=False)
 
 
 PREFIX = "dsv4-idxk-probe report:"
+#: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
+LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        paths = expand_inputs(args.logs)
+        paths = engine.expand(args.logs)  # URLs stay text: the fleet engine fetches them
     except InputError as exc:
-        print(f"{PREFIX} {exc}", file=sys.stderr)
+        print(f"{PREFIX} {printable(exc)}", file=sys.stderr)
         return 2
-    analysis = analyse(paths)
+    with printable_logs(*LOGGERS):  # the reader's warnings name files and lines
+        analysis = engine.run(paths, args, PREFIX, reference=lambda p: analyse(p))
+    if analysis is None:
+        return 2
+    try:
+        return _render(analysis, args)
+    finally:
+        engine.close(analysis)
+
+
+def _render(analysis, args: argparse.Namespace) -> int:
+    if args.rid:
+        analysis.select_rids(args.rid)
+        if not analysis.rooms and not analysis.prefill_only:
+            print(f"{PREFIX} no room in these logs has rid {printable(', '.join(args.rid))}", file=sys.stderr)
+            return 2
     for message in analysis.errors[:20]:
-        print(f"skipped {message}", file=sys.stderr)
+        print(f"skipped {printable(message)}", file=sys.stderr)
     if analysis.n_errors > 20:
         print(f"... and {analysis.n_errors - 20} more bad lines (listed in the report)", file=sys.stderr)
     if not analysis.record_kinds:
         print(f"{PREFIX} no records found in the inputs", file=sys.stderr)
         return 2
+    rooms = analysis.summary()["rooms"]
+    if hasattr(analysis, "with_clean_rooms"):  # the fleet engine: its clean rooms, for the timeline
+        analysis.with_clean_rooms()
     page = render(analysis, title=args.title, max_rooms=max(0, args.max_rooms))
     if args.output == "-":
         sys.stdout.write(page)
@@ -51,9 +79,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         write_atomically(args.output, page)
     except OSError as exc:
-        print(f"{PREFIX} cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"{PREFIX} cannot write {printable(args.output)}: {printable(exc.strerror or exc)}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output} ({len(analysis.rooms):,} rooms, {len(analysis.bad_rooms()):,} not matching)")
+    print(f"wrote {printable(args.output)} ({rooms:,} rooms, {len(analysis.bad_rooms()):,} not matching)")
     return 0
 
 
@@ -62,7 +90,7 @@ def write_atomically(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html.tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

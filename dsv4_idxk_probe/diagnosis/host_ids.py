@@ -2,15 +2,17 @@
 
 Hooks get page ids as device tensors, and diagnosis needs them as host
 numbers, rarely and later (on the collector thread). Reading a device tensor
-then (`.cpu()`) would wait for the whole stream, and would read the values as
-they are then, not as they were at the hook. `capture` instead queues a copy
-into pinned host memory on the current stream, at the hook, with an event
-behind it: a few microseconds, no wait. `host_ints` waits for that event
-only, off the serving thread. Where the hook queues a digest launch right after
-the copy (decode's allocation snapshot), `capture(..., deferred=True)` and
-`HostIds.settle(batch_event)` let the copy ride on the batch's event: on the
-same stream, it completes after the copy, and one event fewer is created,
-recorded and destroyed per room (each a driver call on the serving thread).
+(`.cpu()`) would wait for the whole stream. `capture` instead queues a copy
+into pinned host memory on the current stream, with an event behind it: no
+wait; `host_ints` waits for that event only, off the serving thread. A page
+table's values are fixed once the stream has computed it, so the copy need
+not be made at the hook: decode's monitor has the collector make it, on the
+collector's own stream, once a digest of the room (whose event was recorded
+behind the table) is back, and the serving thread copies nothing (pd/decode.py).
+Where a hook has to copy (an allocation with no digest to follow it), it does
+so here with an event of its own; `capture(..., deferred=True)` and
+`HostIds.settle(batch_event)` let such a copy ride on the event of a launch
+queued right after it, on the same stream.
 
 Host containers (lists, arrays, CPU tensors) are kept as they are. torch is
 not imported here: where it is not loaded no value can be a tensor, and the
@@ -76,6 +78,9 @@ def capture(values: Any, *, deferred: bool = False) -> Any:
     torch = sys.modules["torch"]
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values.detach(), non_blocking=True)
+    # The copy may run on another stream than the one `values` was made on (the decode
+    # collector's own): its memory is not handed out again before the copy has run.
+    values.record_stream(torch.cuda.current_stream(values.device))
     ids = HostIds(host, _UNSETTLED)
     if not deferred:
         ids.settle()  # its own event, right behind the copy

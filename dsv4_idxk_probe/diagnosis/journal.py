@@ -1,10 +1,12 @@
 """The page journal: the last operations the hooks saw on each physical index-K page.
 
-One bounded ring of events per process. An event names its pages as the
-hook got them (a list, a NumPy array, a host tensor, or a device tensor's
-`host_ids.capture`: a copy queued to pinned memory at the hook), held by
+One bounded ring of events per process, in time order. An event names its
+pages as the hook got them (a list, a NumPy array, a host tensor, or a device
+tensor's `host_ids.capture`: a copy queued to pinned memory), held by
 reference: recording one is a tuple append and a monotonic clock read, O(1)
-whatever the room's size, no host sync, no per-token work. Pages are turned
+whatever the room's size, no host sync, no per-token work (a decode room's
+events are recorded on the collector with the time the serving thread saw,
+`record_captured(..., t_ns)`, and slotted in behind the few events newer than it). Pages are turned
 into host numbers only when a mismatch asks which events touched a page (on
 the collector thread, rarely), which waits for the capture's event at most.
 
@@ -118,12 +120,24 @@ class PageJournal:
             self._events.append(event)
             self.recorded += 1
 
-    def record_captured(self, kind: str, pages: Any, room: str | None = None) -> None:
+    def record_captured(self, kind: str, pages: Any, room: str | None = None, t_ns: int | None = None) -> None:
         """`record` for pages already captured by the caller (`host_ids.capture` of them, or
-        a host container): the serving thread's room events skip the capture checks."""
-        event = _Event(self._clock(), kind, room, pages, None, None, None)
+        a host container): a room's events skip the capture checks. `t_ns`: when the
+        event happened, if before now (the decode monitor journals on its collector what
+        the serving thread saw earlier): the event goes in its place in time order, after
+        the later events recorded meanwhile are set aside, so reads that stop at the
+        first event older than their window stay right."""
+        event = _Event(self._clock() if t_ns is None else t_ns, kind, room, pages, None, None, None)
         with self._lock:
-            self._events.append(event)
+            events = self._events
+            if t_ns is not None and events and events[-1].t_ns > t_ns:
+                later = []
+                while events and events[-1].t_ns > t_ns:
+                    later.append(events.pop())
+                events.append(event)
+                events.extend(reversed(later))
+            else:
+                events.append(event)
             self.recorded += 1
 
     def __len__(self) -> int:

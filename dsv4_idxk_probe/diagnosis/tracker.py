@@ -1,13 +1,16 @@
 """Diagnosis for one decode monitor: keeps the content index and reads the journal.
 
-The monitor calls it from two threads. On the serving thread only the
-journal appends happen (`allocated`, `landed`, `freed`: O(1) each; the
-room's page ids are queued to the host once, `host_ids.capture`). On the collector
-thread, with each room digest's content digests: a matching digest becomes
-the room's verified content in the index; a mismatching one is diagnosed
-cell by cell (`diagnose_cells`), against the last verified content when the
-room has one (which names exactly the cells that changed), else the
-localisation's bound.
+The monitor calls it on the collector thread: the journal events of a room
+(`allocated`, `landed`, `freed`, each stamped with the time the serving thread
+saw it, `at_ns`, and put in its place in the journal's time order) come with
+the digest results that carried them, and the room's page ids are copied to
+the host there, once, behind an event the collector has waited for
+(`host_ids.capture`). With each room digest's content digests: a matching
+digest becomes the room's verified content in the index; a mismatching one
+is diagnosed cell by cell (`diagnose_cells`), against the last verified
+content when the room has one (which names exactly the cells that changed),
+else the localisation's bound. Only an allocation without a snapshot digest
+journals on the serving thread (nothing else orders its page ids' copy).
 """
 
 from __future__ import annotations
@@ -54,23 +57,23 @@ class DecodeDiagnosis:
         # looked up once: `zero_cell_digests` would hash the layout again for every room
         self._zeros = zero_table(layout)
 
-    # %% serving thread (O(1))
+    # %% room events (O(1); `at_ns`: when the serving thread saw the event, else now)
 
-    def allocated(self, key: str, pages: Any, *, deferred: bool = False) -> HostIds | None:
+    def allocated(self, key: str, pages: Any, *, deferred: bool = False, at_ns: int | None = None) -> HostIds | None:
         """`deferred`: the page ids' copy, when this call queues it, is returned unsettled,
         for the caller to settle with the event of the launch it queues next (or none)."""
         ids, fresh = self._capture(key, pages, deferred)  # also marks the room live until its free (see `before`)
         if self.journal is not None:
-            self.journal.record_captured("allocated", ids, key)
+            self.journal.record_captured("allocated", ids, key, at_ns)
         return ids if deferred and fresh and isinstance(ids, HostIds) else None
 
-    def landed(self, key: str, pages: Any) -> None:
+    def landed(self, key: str, pages: Any, at_ns: int | None = None) -> None:
         if self.journal is not None:
-            self.journal.record_captured("transfer_landed", self._ids(key, pages), key)
+            self.journal.record_captured("transfer_landed", self._ids(key, pages), key, at_ns)
 
-    def freed(self, key: str, pages: Any) -> None:
+    def freed(self, key: str, pages: Any, at_ns: int | None = None) -> None:
         if self.journal is not None:
-            self.journal.record_captured("freed", self._ids(key, pages), key)
+            self.journal.record_captured("freed", self._ids(key, pages), key, at_ns)
 
     def _ids(self, key: str, pages: Any) -> Any:
         return self._capture(key, pages)[0]

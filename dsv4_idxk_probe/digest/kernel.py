@@ -13,7 +13,7 @@ Every cell is stored exactly once, so the output needs no zeroing and no
 atomics; the host folds cells into the (layer, segment) matrix, the page
 vector and the room digest (sums mod 2^64, as `reference.py` defines them).
 
-Why it reads at the memory's rate (bench/RESULTS.md, 2026-12-01; issue 21):
+Why it reads at the memory's rate (bench/RESULTS.md):
 the layout is compiled in (segment offsets and sizes are constants), so each
 segment of a row is one tile loaded in one go, every segment's loads are
 issued before any word is hashed, and a row holds no masked tail; loads are
@@ -33,8 +33,8 @@ table is the pool's own, so a launch hands Triton five integers and nothing to
 inspect. The engine
 passes device memory by default (its staging buffer's device twin: stores
 straight into pinned host memory, `digest.outputs: pinned`, cross PCIe as
-small writes, 2-6x the kernel's time on fp8 and fp4 rooms, bench/RESULTS.md
-issue 21); the same code runs under
+small writes, which take several times the kernel's own time on fp8 and fp4
+rooms, bench/RESULTS.md); the same code runs under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how CI checks it.
 """
 
@@ -113,7 +113,7 @@ def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
     "Words"); the words it did not read are their salt, so x = 0 adds nothing.
     Lane b is summed before its multiplication: sum(v * MIX_B) = sum(v) * MIX_B
     mod 2^32, so each row multiplies once, not once per word (less integer work;
-    no change measured on the H200, bench/RESULTS.md 2026-12-01 20:57 UTC)."""
+    no change measured on the H200, bench/RESULTS.md)."""
     x = w ^ _salt(OFFSET, TILE)[None, :]
     a = x * _MIX_A
     a = a ^ (a >> 16)
@@ -206,7 +206,7 @@ def _digest_rooms_kernel(
     # last page, so the loads go out together: a program waits for one round trip
     # to the tables, then one to the page table, before its rows. A launch of one
     # room passes its fields by value, which spares every program the first of
-    # those round trips (and the engine the table's copy up; issue 21).
+    # those round trips (and the engine the table's copy up).
     if ONE_ROOM:
         page_table, id_bytes, n_pages, n_tokens = one_pages, one_id_bytes, one_n_pages, one_n_tokens
         first_cell = 0
@@ -348,8 +348,8 @@ class DigestKernel:
     finished and its writes to be visible before it reads anything, so it reads
     what a plain launch reads. The early start applies only when the work
     before it in the stream is a kernel. The kernel never lets the next kernel
-    start early: measured, that made back-to-back fp4 launches 15% slower
-    (bench/RESULTS.md, 2026-12-02 06:34 UTC).
+    start early: measured, that made back-to-back fp4 launches slower
+    (bench/RESULTS.md).
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import xxhash
-import yaml
+
+from .. import safeyaml
+from ..boundedfile import read_bounded_text
 
 #: Bumped whenever the digest arithmetic in docs/digest.md changes.
 DIGEST_VERSION = 1
+#: A layouts file holds a few entries; a bigger one is a mistake (or an attack).
+MAX_LAYOUTS_BYTES = 1 << 20
 
 WORD_BYTES = 4
 
@@ -177,19 +181,14 @@ def parse_layouts(document: Any, source: str) -> dict[str, RowLayout]:
 def load_layouts(path: str | Path) -> dict[str, RowLayout]:
     """Read layouts from a YAML file; errors name the file."""
     path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise LayoutError(f"{path}: cannot read layouts file: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise LayoutError(f"{path}: not valid YAML: {exc}") from None
-    return parse_layouts(document, str(path))
+    text = read_bounded_text(path, "layouts file", MAX_LAYOUTS_BYTES, LayoutError)
+    return parse_layouts(safeyaml.load(text, str(path), LayoutError), str(path))
 
 
 def shipped_layouts() -> dict[str, RowLayout]:
     """The layouts in the package's ``configs/layouts.yaml``."""
     text = resources.files("dsv4_idxk_probe").joinpath("configs", "layouts.yaml").read_text()
-    return parse_layouts(yaml.safe_load(text), "configs/layouts.yaml")
+    return parse_layouts(safeyaml.load(text, "configs/layouts.yaml", LayoutError), "configs/layouts.yaml")
 
 
 def get_layout(name: str, extra: Mapping[str, RowLayout] | None = None) -> RowLayout:

@@ -9,7 +9,7 @@ has completed, so steady state allocates nothing and creates no event.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,8 +28,8 @@ class Staging:
     kernel reads them there and stores its cells into the back of `device`, which
     one copy brings down into `host`. Why not have the kernel read and store
     pinned memory directly (the first design): its few bytes per row cross PCIe
-    as small scattered writes, which made a 43 x 1024-page room take 6x the
-    kernel's own GPU time (bench/RESULTS.md, 2026-12-01 issue 21). Without CUDA
+    as small scattered writes, which made a large room take several times the
+    kernel's own GPU time (bench/RESULTS.md). Without CUDA
     the twin is a second host buffer, so the same offsets and copies run (and
     are tested) under the interpreter."""
 
@@ -38,6 +38,9 @@ class Staging:
     host_address: int = 0
     device: torch.Tensor | None = None  # uint8, same size, on the kernel's device
     device_address: int = 0
+    # (destination, source) slices of a copy, by (start, end, down): made once per range,
+    # so a submit's copy is one `copy_` call, not two slicings and a `copy_` (`pair`)
+    pairs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def upload(self, nbytes: int) -> None:
         """Copy the first `nbytes` (the tables) up, on the current stream."""
@@ -46,6 +49,16 @@ class Staging:
     def download(self, start: int, end: int) -> None:
         """Copy bytes [start, end) (the kernel's outputs) down, on the current stream."""
         self.host[start:end].copy_(self.device[start:end], non_blocking=True)
+
+    def pair(self, start: int, end: int, down: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (destination, source) slices of copying bytes [start, end) down (or up),
+        made and kept (a few hundred ranges at most: room sizes repeat)."""
+        pairs = self.pairs
+        if len(pairs) >= 256:
+            pairs.clear()
+        host, device = self.host[start:end], self.device[start:end]
+        pair = pairs[start, end, down] = (host, device) if down else (device, host)
+        return pair
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +73,10 @@ class StagingPool:
         self.pin = device.type == "cuda"
         self.twin = twin  # each buffer gets its device twin (the engine's outputs "device")
         self.max_free_per_class = max_free_per_class
-        self._free: dict[int, list[Staging]] = {}
+        # The smallest class's free list, never replaced: a submit pops from it directly
+        # (one C call, atomic under the GIL), the collector appends to it (`give`).
+        self.min_free: list[Staging] = []
+        self._free: dict[int, list[Staging]] = {_MIN_BYTES: self.min_free}
         self._lock = threading.Lock()
         self.allocations = 0
 
@@ -89,13 +105,19 @@ class StagingPool:
         Takes from the buffer's own size class first, then the smallest larger
         one; allocates only when none is free.
         """
-        size = _MIN_BYTES if nbytes <= _MIN_BYTES else self.size_class(nbytes)  # nearly every batch: no call
-        with self._lock:
+        size = _MIN_BYTES if nbytes <= _MIN_BYTES else 1 << (int(nbytes) - 1).bit_length()  # `size_class`, inlined
+        with self._lock:  # the smallest class is also popped without it (`min_free`): a pop may find it empty
             free = self._free.get(size)
             if free:
-                return free.pop()
+                try:
+                    return free.pop()
+                except IndexError:
+                    pass
             for cls in sorted(c for c, f in self._free.items() if c > size and f):
-                return self._free[cls].pop()
+                try:
+                    return self._free[cls].pop()
+                except IndexError:
+                    continue
             self.allocations += 1
         return self._allocate(size)
 
@@ -116,17 +138,18 @@ class EventPool:
     def __init__(self, max_free: int = 256, *, blocking: bool = False):
         self.max_free = max_free
         self.blocking = blocking
+        # Free events. A list's pop and append are each atomic under the GIL, so a submit
+        # pops without a lock (one C call) and the collector gives back without one.
         self._free: list = []
-        self._lock = threading.Lock()
 
     def take(self, timing: bool = False):
         if not timing:
-            with self._lock:
-                if self._free:
-                    return self._free.pop()
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
         return torch.cuda.Event(enable_timing=timing, blocking=self.blocking)
 
     def give(self, event) -> None:
-        with self._lock:
-            if len(self._free) < self.max_free:
-                self._free.append(event)
+        if len(self._free) < self.max_free:  # one giver (the collector): the bound holds
+            self._free.append(event)

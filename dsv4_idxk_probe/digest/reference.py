@@ -110,7 +110,7 @@ def fold_cells(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (layer, segment) matrix and its page vector (sums mod 2^64).
 
     Each sum runs over a contiguous axis: NumPy reduces the middle axis of a
-    [layers, pages, 2] block 2.5x slower, and this runs on the collector
+    [layers, pages, 2] block much slower, and this runs on the collector
     thread, holding the GIL the serving thread may want."""
     by_layer = np.ascontiguousarray(block.transpose(0, 2, 1)).sum(axis=2, dtype=np.uint64)
     by_page = block.sum(axis=0, dtype=np.uint64).sum(axis=1, dtype=np.uint64)

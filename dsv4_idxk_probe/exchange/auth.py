@@ -11,6 +11,11 @@ at most `CLIENT_HELLO` bytes, and a frame cannot be replayed or altered::
     server -> client   HMAC(secret, "server" + nonces) (32)
     then, each way:    length (4, big-endian) + payload + HMAC(session, dir + seq + payload)[:16]
 
+A server that turns a connection away for load before its handshake is done
+sends `BUSY` (4 bytes, in place of its greeting or its proof) and closes; a
+refused secret is a close with nothing, so the client can tell "busy" from
+"secret" (docs/security.md).
+
 With no secret configured the key is empty: the handshake and tags still run
 (they then only catch torn or foreign traffic), and the server refuses to
 listen beyond loopback (`address.check_bind`). Nothing is encrypted: digests
@@ -21,12 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import stat
 import struct
 
 from ..boundedfile import read_bounded
 
 MAGIC = b"DXK1"
+BUSY = b"DXKB"  # "closed for load, ask again later", then the server closes (never a whole greeting or proof)
 NONCE = 16
 MAC = 32
 TAG = 16
@@ -41,9 +49,51 @@ class SecretError(ValueError):
     """A secret file that cannot be used; the message names it."""
 
 
+_warned: set = set()  # (path, mode) already logged: the config, the server and the client each load it
+
+
+def secret_mode_problem(mode: int) -> tuple[bool, str] | None:
+    """(refused, why) for a secret file's permission bits; None when only its owner may use it.
+
+    Writable by every user: refused (anyone on the host could swap the key).
+    Readable or writable by its group or others: allowed, with a warning.
+    """
+    bits = stat.S_IMODE(mode)
+    if bits & stat.S_IWOTH:
+        return True, f"is writable by every user (mode {bits:04o}): anyone on the host could replace it; chmod 600 it"
+    if bits & (stat.S_IRWXG | stat.S_IRWXO):
+        return False, (f"is readable by users other than its owner (mode {bits:04o}); chmod 600 it "
+                       "(Kubernetes: defaultMode: 0400 on the Secret volume)")
+    return None
+
+
+def secret_file_warning(path: str | os.PathLike) -> str | None:
+    """The warning `load_secret` logs for this file, or None (for `check`)."""
+    try:
+        problem = secret_mode_problem(os.stat(path).st_mode)
+    except OSError:
+        return None
+    return f"{path}: the exchange secret {problem[1]}" if problem and not problem[0] else None
+
+
 def load_secret(path: str | os.PathLike) -> bytes:
-    """The secret in a file (surrounding whitespace dropped): a regular file, read with a size cap."""
-    data = read_bounded(path, "exchange secret", MAX_SECRET_FILE_BYTES, SecretError).strip()
+    """The secret in a file (surrounding whitespace dropped): a regular file, read with a size cap,
+    refused if every user may write it, logged at WARNING if others may read it."""
+
+    def inspect(info: os.stat_result) -> None:
+        problem = secret_mode_problem(info.st_mode)
+        if problem is None:
+            return
+        refused, why = problem
+        if refused:
+            raise SecretError(f"{path}: the exchange secret {why}")
+        key = (str(path), stat.S_IMODE(info.st_mode))
+        if key not in _warned:
+            _warned.add(key)
+            logging.getLogger("dsv4_idxk_probe.exchange").warning("dsv4-idxk-probe: %s: the exchange secret %s",
+                                                                   path, why)
+
+    data = read_bounded(path, "exchange secret", MAX_SECRET_FILE_BYTES, SecretError, inspect).strip()
     if len(data) < MIN_SECRET_BYTES:
         raise SecretError(f"{path}: the exchange secret must be at least {MIN_SECRET_BYTES} bytes, got {len(data)}")
     return data

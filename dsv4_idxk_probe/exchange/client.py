@@ -7,12 +7,15 @@ it return None at once until then. The first failure marks it down for
 `backoff_initial_s`, each further one in a row for twice as long, up to
 `backoff_s`; any answer resets it (one slow answer from a busy prefill rank
 costs a quarter of a second, not five). A peer that failed authentication is
-left alone for `backoff_s` at once. `fetch(..., retry_s=...)` waits out a
-short backoff and asks again, while `retry_s` from its first try allows it
-and the peer has not failed 3 times in a row (decode's collector does, for
-the rooms it must localise; never the scheduler thread). A peer that closed
-an idle connection is asked again on a fresh one. Every failure is counted in
-``exchange_errors_total{kind}``; `fetch` never raises.
+left alone for `backoff_s` at once. A peer that turned the connection away
+for load before the handshake was done (`auth.BUSY`: a flood, or more peers
+than it takes) counts as ``busy``, never as ``auth``, and is left alone like
+one that timed out: `backoff_initial_s` first. `fetch(..., retry_s=...)`
+waits out a short backoff and asks again, while `retry_s` from its first try
+allows it and the peer has not failed 3 times in a row (decode's collector
+does, for the rooms it must localise; never the scheduler thread). A peer
+that closed an idle connection is asked again on a fresh one. Every failure
+is counted in ``exchange_errors_total{kind}``; `fetch` never raises.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .protocol import ExchangeError, decode_response, encode_request
 log = logging.getLogger("dsv4_idxk_probe.exchange")
 
 Endpoint = tuple[str, int]
-RETRIED = frozenset(("timeout", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
+RETRIED = frozenset(("timeout", "busy", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
 WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer waited for
 
 
@@ -45,6 +48,10 @@ class _Refused(Exception):
 
 class _Closed(Exception):
     """The peer closed the connection."""
+
+
+class _Busy(Exception):
+    """The peer turned the connection away for load before the handshake was done (`auth.BUSY`)."""
 
 
 class _Session:
@@ -160,6 +167,12 @@ class VectorClient:
                     answer = self._request(endpoint, key, deadline)
                 self._strikes.pop(endpoint, None)  # it answered: the next failure starts the backoff afresh
                 return (answer, None) if answer is not None else (None, self._fail("not_found"))
+            except _Busy:
+                # Full (a flood, or more peers than it takes): not our secret's fault; ask again soon.
+                log.debug("exchange peer %s:%d is busy", *endpoint)
+                self._drop(endpoint)
+                self._mark_down(endpoint)
+                return None, self._fail("busy")
             except (_Deadline, _Closed, ConnectionError, socket.timeout):
                 # Refused, reset or silent: the peer did not answer in time.
                 self._drop(endpoint)
@@ -214,14 +227,20 @@ class VectorClient:
         sock = socket.create_connection((host, port), timeout=_left(deadline))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exact(sock, auth.SERVER_HELLO, deadline)
+            hello = _recv_exact(sock, auth.SERVER_HELLO, deadline, busy=True)
             if hello[: len(auth.MAGIC)] != auth.MAGIC:
                 raise _Refused("not a dsv4-idxk-probe exchange (wrong greeting)")
             nonce_s, nonce_c = hello[len(auth.MAGIC) :], auth.new_nonce()
-            _send_all(sock, auth.client_proof(self.secret, nonce_s, nonce_c), deadline)
             try:
-                proof = _recv_exact(sock, auth.MAC, deadline)
+                _send_all(sock, auth.client_proof(self.secret, nonce_s, nonce_c), deadline)
+                send_error = None
+            except ConnectionError as exc:  # closed meanwhile: what it said before (BUSY or nothing) tells why
+                send_error = exc
+            try:
+                proof = _recv_exact(sock, auth.MAC, deadline, busy=True)
             except _Closed:
+                if send_error is not None:
+                    raise send_error from None  # reset while we spoke, nothing said: as before
                 raise _Refused("the peer refused our credentials (is exchange.secret_file the same on both sides?)") from None
             if proof != auth.server_proof(self.secret, nonce_s, nonce_c):
                 raise _Refused("the peer does not know our secret")
@@ -273,8 +292,9 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
         view = view[n:]
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """n bytes, read in bounded pieces (never more than asked)."""
+def _recv_exact(sock: socket.socket, n: int, deadline: float, busy: bool = False) -> bytes:
+    """n bytes, read in bounded pieces (never more than asked). `busy`: a peer that closes after
+    saying only `auth.BUSY` (a server turning us away before the handshake is done) raises _Busy."""
     parts, got = [], 0
     while got < n:
         sock.settimeout(_left(deadline))
@@ -282,7 +302,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
             chunk = sock.recv(min(n - got, 1 << 20))
         except socket.timeout:
             raise _Deadline() from None
+        except ConnectionError:
+            if busy and b"".join(parts) == auth.BUSY:
+                raise _Busy() from None
+            raise
         if not chunk:
+            if busy and b"".join(parts) == auth.BUSY:
+                raise _Busy()
             raise _Closed()
         parts.append(chunk)
         got += len(chunk)

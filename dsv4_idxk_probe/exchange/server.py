@@ -1,13 +1,22 @@
 """Prefill side: answer "vectors for room R" from the table of recent rooms.
 
 One daemon thread serves a TCP listener with a selector. What a peer can make
-the server hold is bounded before it is read (docs/security.md):
+the server hold is bounded before it is read, and shared fairly between
+source addresses (docs/security.md):
 
-* connections: at most `max_connections`, of which at most `max_pending`
-  unauthenticated; a new one evicts the oldest unauthenticated one, or is
-  closed at once when every slot is authenticated;
+* unauthenticated connections: at most `max_pending`, of which at most
+  `max_pending_per_address` from one source address. A new connection past
+  either cap turns away the oldest unauthenticated connection of its own
+  address, or else of the address holding the most, with the `auth.BUSY`
+  notice (``evicted_unauthenticated``): a flood from one address churns only
+  its own connections, never another peer's handshake;
 * an unauthenticated peer: `auth.CLIENT_HELLO` bytes and `handshake_s`
   seconds, then it is authenticated or closed;
+* authenticated sessions: at most `max_connections`. A session past the cap
+  closes the least recently used session of the address holding the most
+  sessions (its own on a tie; ``evicted_authenticated``), so one key holder
+  cannot keep another peer out, and the new peer is always admitted (the
+  evicted one reconnects when it next asks);
 * a request: its length comes first and one over `max_request_bytes` closes
   the connection before a byte of it is buffered; one request at a time per
   connection (the next is not read until the answer is sent);
@@ -38,18 +47,22 @@ log = logging.getLogger("dsv4_idxk_probe.exchange")
 Lookup = Callable[[str], Any]  # room key -> RoomDigest or None
 
 ACCEPT_BURST = 32
+# Series created at zero when a server starts. `refused_connections` is no longer counted (a new
+# peer is always admitted now, docs/security.md); it stays so that existing alerts find it.
 SERVER_KINDS = (
     "refused_auth", "refused_too_big", "refused_request", "refused_mac", "refused_connections",
-    "refused_internal", "evicted_unauthenticated", "handshake_timeout", "dropped_idle", "accept",
-    "server_restart", "server_stopped",
+    "refused_internal", "evicted_unauthenticated", "evicted_authenticated", "handshake_timeout",
+    "dropped_idle", "accept", "server_restart", "server_stopped",
 )
 
 
 class _Conn:
-    __slots__ = ("sock", "authed", "nonce", "buf", "need", "frame_len", "out", "mac", "last", "born")
+    __slots__ = ("sock", "fd", "addr", "authed", "nonce", "buf", "need", "frame_len", "out", "mac", "last", "born")
 
-    def __init__(self, sock: socket.socket, nonce: bytes, now: float):
+    def __init__(self, sock: socket.socket, addr: str, nonce: bytes, now: float):
         self.sock = sock
+        self.fd = sock.fileno()
+        self.addr = addr  # the source address: what the per-address shares count
         self.authed = False
         self.nonce = nonce
         self.buf = bytearray()
@@ -58,6 +71,11 @@ class _Conn:
         self.out = b""
         self.mac: auth.FrameMac | None = None
         self.last = self.born = now
+
+    @property
+    def idle(self) -> bool:
+        """No request half read and no answer unsent."""
+        return self.frame_len < 0 and not self.buf and not self.out
 
 
 class VectorServer:
@@ -76,6 +94,7 @@ class VectorServer:
         secret_file: str | None = None,
         max_connections: int = 64,
         max_pending: int = 16,
+        max_pending_per_address: int | None = None,
         handshake_s: float = 2.0,
         idle_s: float = 60.0,
         max_restarts: int = 5,
@@ -92,6 +111,8 @@ class VectorServer:
         self.secret_file = secret_file
         self.max_connections = max(1, int(max_connections))
         self.max_pending = max(1, min(int(max_pending), self.max_connections))
+        per_address = self.max_pending // 2 if max_pending_per_address is None else int(max_pending_per_address)
+        self.max_pending_per_address = max(1, min(per_address, self.max_pending))
         self.handshake_s = float(handshake_s)
         self.idle_s = float(idle_s)
         self.max_restarts = int(max_restarts)
@@ -104,6 +125,10 @@ class VectorServer:
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._conns: dict[int, _Conn] = {}
+        # source address -> its connections by descriptor, oldest first (insertion order)
+        self._pending_of: dict[str, dict[int, _Conn]] = {}
+        self._authed_of: dict[str, dict[int, _Conn]] = {}
+        self._n_pending = 0
         self._accept_paused_until = 0.0
         self.thread: threading.Thread | None = None
         if metrics is not None:
@@ -116,11 +141,16 @@ class VectorServer:
 
     @property
     def connections(self) -> int:
+        """Authenticated sessions and unauthenticated connections, together."""
         return len(self._conns)
 
     @property
     def pending(self) -> int:
-        return sum(not c.authed for c in list(self._conns.values()))
+        return self._n_pending
+
+    @property
+    def sessions(self) -> int:
+        return len(self._conns) - self._n_pending
 
     def start(self) -> threading.Thread:
         """Check the address, load the secret, bind (errors raise here, in the caller) and start serving."""
@@ -205,7 +235,7 @@ class VectorServer:
         """Take new connections; False when accepting must pause (out of descriptors)."""
         for _ in range(ACCEPT_BURST):
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError as exc:  # EMFILE/ENFILE: leave them in the backlog for a while
@@ -213,28 +243,61 @@ class VectorServer:
                 log.debug("exchange accept failed: %s", exc)
                 self._accept_paused_until = time.monotonic() + 0.1
                 return False
-            if len(self._conns) >= self.max_connections or self.pending >= self.max_pending:
-                victim = min((c for c in self._conns.values() if not c.authed), key=lambda c: c.born, default=None)
-                if victim is None:
-                    self._refuse("connections")  # counted first: the peer may look as soon as it is closed
-                    sock.close()
-                    continue
-                self._close(victim, "evicted_unauthenticated")
-            self._open(sock)
+            source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            mine = self._pending_of.get(source)
+            if mine is not None and len(mine) >= self.max_pending_per_address:
+                self._turn_away(next(iter(mine.values())))  # its own oldest: a flood churns only itself
+            elif self._n_pending >= self.max_pending:
+                self._turn_away(self._pending_victim())
+            self._open(sock, source)
         return True
 
-    def _open(self, sock: socket.socket) -> None:
+    def _pending_victim(self) -> _Conn:
+        """The oldest unauthenticated connection of the address holding the most (the oldest on a tie)."""
+        held = max(self._pending_of.values(), key=lambda conns: (len(conns), -next(iter(conns.values())).born))
+        return next(iter(held.values()))
+
+    def _turn_away(self, conn: _Conn) -> None:
+        """Take an unauthenticated connection out of the pending ones to make room: a hello that
+        has already arrived is checked first (a burst of honest peers is not turned away unread);
+        otherwise the connection is closed for load, telling the peer so (`auth.BUSY`)."""
+        try:
+            self._read(conn)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except Exception:
+            self._close(conn)
+            return
+        if self._conns.get(conn.fd) is not conn or conn.authed:
+            return
+        try:
+            # Read the rest of what it sent (at most its hello): closing on unread bytes would
+            # reset the connection, and the peer could lose the notice.
+            conn.sock.recv(auth.CLIENT_HELLO)
+        except OSError:
+            pass
+        try:
+            conn.sock.send(auth.BUSY)
+        except OSError:
+            pass
+        self._close(conn, "evicted_unauthenticated")
+
+    def _open(self, sock: socket.socket, source: str) -> None:
         sock.setblocking(False)
-        conn = _Conn(sock, auth.new_nonce(), time.monotonic())
+        conn = _Conn(sock, source, auth.new_nonce(), time.monotonic())
         try:
             sock.send(auth.server_hello(conn.nonce))  # 20 bytes into an empty socket buffer
         except OSError:
             sock.close()
             return
-        self._conns[sock.fileno()] = conn
+        self._conns[conn.fd] = conn
+        self._pending_of.setdefault(source, {})[conn.fd] = conn
+        self._n_pending += 1
         self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _service(self, conn: _Conn, events: int) -> None:
+        if self._conns.get(conn.fd) is not conn:
+            return  # closed earlier in this round (evicted), its descriptor maybe reused
         try:
             if events & selectors.EVENT_WRITE:
                 self._flush(conn)
@@ -282,10 +345,34 @@ class VectorServer:
             self._refuse("auth")
             self._close(conn)
             return
-        conn.authed = True
+        self._authenticated(conn)
         conn.mac = auth.FrameMac(auth.session_key(secret, conn.nonce, nonce_c), b"S", b"C")
         conn.need = auth.HEADER.size
         self._send(conn, auth.server_proof(secret, conn.nonce, nonce_c))
+
+    def _authenticated(self, conn: _Conn) -> None:
+        """Move `conn` to the sessions; past `max_connections`, close another one to make room."""
+        self._forget(conn)
+        conn.authed = True
+        self._authed_of.setdefault(conn.addr, {})[conn.fd] = conn
+        if len(self._conns) - self._n_pending > self.max_connections:
+            victim = self._session_victim(conn)
+            if victim is not None:
+                self._close(victim, "evicted_authenticated")
+
+    def _session_victim(self, newcomer: _Conn) -> _Conn | None:
+        """The least recently used session (idle ones first) of the address holding the most
+        sessions, the newcomer counted; its own address on a tie; never the newcomer."""
+        best_rank, victim = None, None
+        for address, conns in self._authed_of.items():
+            candidate = min((c for c in conns.values() if c is not newcomer),
+                            key=lambda c: (not c.idle, c.last), default=None)
+            if candidate is None:
+                continue
+            rank = (len(conns), address == newcomer.addr, candidate.idle, -candidate.last)
+            if best_rank is None or rank > best_rank:
+                best_rank, victim = rank, candidate
+        return victim
 
     def _answer(self, payload: bytes) -> bytes:
         try:
@@ -328,13 +415,27 @@ class VectorServer:
     def _close(self, conn: _Conn, kind: str | None = None) -> None:
         if kind is not None:
             self._count(kind)
-        fd = conn.sock.fileno()
-        if self._conns.pop(fd, None) is not None and self._selector is not None:
-            try:
-                self._selector.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
+        self._forget(conn)
+        if self._conns.get(conn.fd) is conn:  # not yet closed (its descriptor may be another's now)
+            del self._conns[conn.fd]
+            if self._selector is not None:
+                try:
+                    self._selector.unregister(conn.sock)
+                except (KeyError, ValueError):
+                    pass
         conn.sock.close()
+
+    def _forget(self, conn: _Conn) -> None:
+        """Take `conn` out of its address's share (pending or sessions)."""
+        table = self._authed_of if conn.authed else self._pending_of
+        conns = table.get(conn.addr)
+        if conns is None or conns.get(conn.fd) is not conn:
+            return
+        del conns[conn.fd]
+        if not conn.authed:
+            self._n_pending -= 1
+        if not conns:
+            del table[conn.addr]
 
     def _close_all(self) -> None:
         for conn in list(self._conns.values()):
@@ -343,6 +444,9 @@ class VectorServer:
             except Exception:
                 pass
         self._conns.clear()
+        self._pending_of.clear()
+        self._authed_of.clear()
+        self._n_pending = 0
 
     def _refuse(self, kind: str) -> None:
         self.refused += 1

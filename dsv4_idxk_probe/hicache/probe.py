@@ -64,6 +64,8 @@ class PoolState:
         # round trip: (host, device index tensors, host row -> checks) of the load the
         # journal last recorded, so its later layers add their checks to the same event
         self.load_checks: tuple | None = None
+        # the model's (global) layer id of each of the pool's layers, once known (`layer_ids`)
+        self.layer_ids: tuple[int, ...] | None = None
 
 
 class Call:
@@ -88,8 +90,12 @@ class HiCacheProbe:
     """One per probe runtime; shared by every host-pool wrapper."""
 
     def __init__(self, metrics, settings: HiCacheSettings, emit: Callable[[dict], None] | None = None, log=None,
-                 journal=None):
+                 journal=None, layer_source: Callable[[], dict[int, int]] | None = None):
+        """`layer_source`: the model's index-K buffers by data pointer -> global layer id (the PD
+        sides know them); a host pool whose device buffers are those is named by global layer
+        ids in records and log lines, as `diff` names layers. Other pools keep their own index."""
         self.metrics = metrics
+        self._layer_source = layer_source
         self.journal = journal  # diagnosis.PageJournal: backups and loads are page events (docs/diagnosis.md)
         self.settings = settings
         self.active = settings.enabled
@@ -268,6 +274,16 @@ class HiCacheProbe:
         if ok and call.checks:
             safe_invoke("hicache.roundtrip", self._diagnose_load, call)
 
+    def layer_id(self, state: PoolState, layer: int | None) -> int | None:
+        """The global layer id of the pool's layer `layer` (what the PD records and `diff` call
+        it); the pool's own index while the pool's buffers are not known to be the model's."""
+        if layer is None:
+            return None
+        ids = state.layer_ids
+        if ids is None and self._layer_source is not None and state.views is not None:
+            ids = state.layer_ids = _global_layer_ids(state, self._layer_source)
+        return ids[layer] if ids is not None and 0 <= layer < len(ids) else layer
+
     def _journal_event(self, call: Call) -> None:
         """A backup from device pages, or a load into them (recorded once per load: at its
         first layer), naming the host rows; O(1): the index tensors are held, not read.
@@ -276,17 +292,17 @@ class HiCacheProbe:
         if call.layer:  # a later layer of a load
             kept = state.load_checks
             if call.checks and kept is not None and kept[0] is call.host and kept[1] is call.device:
-                merge_checks(kept[2], call.checks, call.layer)
+                merge_checks(kept[2], call.checks, self.layer_id(state, call.layer))
             return
         kind = "hicache_backup" if call.direction == "d2h" else "hicache_load"
         detail = {"pool": state.geom.name}
         if call.checks:
             merged: dict[int, dict] = {}
-            merge_checks(merged, call.checks, call.layer)
+            merge_checks(merged, call.checks, self.layer_id(state, call.layer))
             detail["host_rows"] = merged
             state.load_checks = (call.host, call.device, merged)
         self.journal.record(kind, PageGroups(call.device, size), host_rows=PageGroups(call.host, size),
-                            layer=call.layer, detail=detail)
+                            layer=self.layer_id(state, call.layer), detail=detail)
 
     def _diagnose_load(self, call: Call) -> None:
         """Round trip, after one layer of a load: for each host row it found broken, a
@@ -302,7 +318,8 @@ class HiCacheProbe:
             # page ids are shared by the DeepSeek-V4 sub-pools: keep this pool's copies and the PD events
             events = [e for e in events if e.get("pool") in (None, call.state.geom.name)]
             events = copy.deepcopy(events)  # the load's checks still grow with its later layers
-            diag = culprit_record(call.state.geom.name, row, page, call.layer, checks, events)
+            diag = culprit_record(call.state.geom.name, row, page, self.layer_id(call.state, call.layer), checks, events)
+            diag["pool_layer"] = call.layer
             self.log.error("dsv4-idxk-probe hicache round trip: %s", describe_culprit(diag))
             self.emit(diag)
 
@@ -367,6 +384,7 @@ class HiCacheProbe:
             if n:
                 self.metrics.hicache_roundtrip.labels(pool=state.geom.name, leg=leg, verdict=verdict).inc(n)
         for cell in mismatches:
+            cell = dict(cell, layer=self.layer_id(state, cell["layer"]), pool_layer=cell["layer"])
             self.log.error(
                 "dsv4-idxk-probe hicache round trip: pool %s host row %d layer %d (device row %d) differs after the %s",
                 state.geom.name, cell["host_row"], cell["layer"], cell["device_row"], LEG_NAMES[leg],
@@ -391,6 +409,33 @@ class HiCacheProbe:
             self.roundtrip.invalidate(state, host_rows)
 
 
+def _global_layer_ids(state: PoolState, source: Callable[[], dict[int, int]]) -> tuple[int, ...] | None:
+    """The pool's layers as global layer ids, when its device buffers are the model's index-K
+    buffers (same data pointers); None otherwise, or while the source knows none yet."""
+    try:
+        by_ptr = source()
+        if not by_ptr or not state.geom.layers:
+            return None
+        ptrs = [int(state.views.device_layer(layer).data_ptr()) for layer in range(state.geom.layers)]
+    except Exception:
+        return None
+    if not all(p in by_ptr for p in ptrs):
+        return None
+    return tuple(int(by_ptr[p]) for p in ptrs)
+
+
+def index_k_layers(runtime: Any) -> dict[int, int]:
+    """data pointer -> global layer id of the index-K buffers of the runtime's PD sides."""
+    out: dict[int, int] = {}
+    for side in list(getattr(runtime, "sides", {}).values()):
+        engine = getattr(side, "engine", None)
+        buffers, layer_ids = getattr(engine, "buffers", None), getattr(side, "layer_ids", None)
+        if getattr(side, "active", False) and buffers and layer_ids and len(buffers) == len(layer_ids):
+            for buf, layer in zip(buffers, layer_ids):
+                out[int(buf.data_ptr())] = int(layer)
+    return out
+
+
 # -- one probe per runtime ------------------------------------------------------
 
 _probes: dict[int, tuple[Any, HiCacheProbe]] = {}
@@ -409,7 +454,8 @@ def probe_for(runtime: Any) -> HiCacheProbe:
             return entry[1]
         settings = settings_from_config(getattr(runtime, "config", None))
         probe = HiCacheProbe(runtime.metrics, settings, getattr(runtime, "emit", None), getattr(runtime, "log", None),
-                             journal=getattr(runtime, "journal", None))
+                             journal=getattr(runtime, "journal", None),
+                             layer_source=lambda: index_k_layers(runtime))
         _probes[id(runtime)] = (runtime, probe)
         return probe
 

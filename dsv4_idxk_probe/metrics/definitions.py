@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from ..version import __version__
 from ..vocabulary import DECODE_STAGES, DIAGNOSIS_KINDS, PATCH_STATUSES, VERDICTS
+from .serving import live_gauges_only
 
 NAMESPACE = "dsv4_idxk_probe"
 # SGLang 0.5.23's scheduler metric labels, in its order
@@ -33,6 +34,10 @@ OPTIONAL_PROCESS_LABELS = ("dp_rank",)
 # under --enable-pd-role-switch).
 ENGINE_TYPES = ("prefill", "decode", "unified", "dynamic")
 UNKNOWN = "unknown"  # a label value SGLang has not published (never an empty value)
+# Every gauge of the probe is a state of a running process (info, patch targets, host
+# pools): in a multiprocess directory a "live" gauge is forgotten with its process
+# (serving.live_gauges_only), where a plain "max" one would stay after a restart.
+STATE_GAUGE_MODE = "livemax"
 
 # Where records can be dropped, and which exchange calls can fail (zeroed at start).
 DROP_SINKS = ("roomlog", "digest_queue", "hicache_index_checks", "hicache_roundtrip")
@@ -161,7 +166,7 @@ class ProbeMetrics:
                 base,
             )
 
-        def gauge(name, doc, labels=(), mode="max"):
+        def gauge(name, doc, labels=(), mode=STATE_GAUGE_MODE):
             return _Bound(
                 Gauge(name, doc, (*names, *labels), namespace=NAMESPACE, registry=registry, multiprocess_mode=mode),
                 base,
@@ -311,6 +316,7 @@ class ProbeInfo:
     """
 
     def __init__(self, registry: CollectorRegistry | None, labels: Mapping[str, str]):
+        live_gauges_only()  # before this process's first gauge: gone processes' state is forgotten
         key = id(registry)
         with _info_lock:
             entry = _info_by_registry.get(key)
@@ -319,7 +325,7 @@ class ProbeInfo:
                 gauge = Gauge(
                     "info", "The probe's state in this process: 1 on its current state and reason",
                     (*names, "state", "reason", "mode", "version"), namespace=NAMESPACE, registry=registry,
-                    multiprocess_mode="max",
+                    multiprocess_mode=STATE_GAUGE_MODE,
                 )
                 entry = (registry, gauge, {}, names)
                 _info_by_registry[key] = entry  # the registry stays alive: ids are not reused

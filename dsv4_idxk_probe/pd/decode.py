@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..background import yield_to_serving
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
-from ..digest.room_table import RoomRequest
 from ..metrics.definitions import ProbeMetrics
 from ..safety import record_error, safe_invoke
 from .inband import InbandDigest
@@ -27,32 +26,79 @@ from .records import room_record
 from .rooms import RoomId
 
 Emit = Callable[[dict], Any]
+_monotonic_ns = time.monotonic_ns  # one clock read per serving-thread event (the journal's and latency's)
 FetchVectors = Callable[[str], "RoomDigest | None"]
 # A room whose prefill vectors could not be fetched (prefill busy, not yet published) asks
 # again at its next digests, this many times in all: one slow answer must not cost a room its
 # localisation for life, nor a dead peer a fetch per digest.
 MAX_FETCHES_PER_ROOM = 3
 
+DigestObserver = Callable[[list[tuple[RoomId, str, "int | None"]]], Any]
+_digest_observers: list[DigestObserver] = []  # add_digest_observer; none in production
 
-@dataclass
+
+def add_digest_observer(observer: DigestObserver) -> None:
+    """Call `observer(points)` whenever a DecodeMonitor in this process takes digests.
+
+    `points` lists each digest as (RoomId, stage, step), step None but at
+    `decode_step`; the call comes on the submitting (serving) thread right
+    before the digests are enqueued, so the pages still hold what they will
+    read (a test bed checks them there). Fail-open: an observer that raises is
+    logged once and counted (`safety.record_error`, site
+    ``decode.digest_observer``), never raised into the monitor's caller.
+    """
+    _digest_observers.append(observer)
+
+
+def remove_digest_observer(observer: DigestObserver) -> None:
+    """Undo `add_digest_observer`."""
+    try:
+        _digest_observers.remove(observer)
+    except ValueError:
+        pass
+
+
 class _Room:
-    room: RoomId
-    pages: Any
-    n_tokens: int
-    inband: InbandDigest | None
-    expected: RoomDigest | None = None  # full prefill digest, once fetched
-    fetches: int = 0  # fetches of it that failed (each later digest of the room may try again)
-    first_divergence: str | None = None
-    finished: bool = False
-    retired: str | None = None  # why the room stopped being tracked (retraction, abort)
-    unsafe: set = field(default_factory=set)  # ids of its digests not yet run when it was retired
-    pending: dict = field(default_factory=dict)  # id -> its digests submitted whose results have not come back
-    in_flight: int = 0
-    extra: dict = field(default_factory=dict)
+    """A received room, as decode tracks it. Made on the serving thread at receipt (one
+    Python frame: no dataclass machinery, no default factories); its verdict state is
+    the collector's."""
+
+    __slots__ = ("room", "key", "pages", "n_tokens", "inband", "extra", "expected", "fetches", "first_divergence",
+                 "finished", "retired", "unsafe", "tickets", "in_flight", "table")
+
+    def __init__(self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None,
+                 extra: dict | None = None):
+        self.room = room
+        self.key = room.key  # a room request too (key, pages, n_tokens): the engine digests states as they are
+        self.pages = pages
+        self.n_tokens = n_tokens
+        self.inband = inband
+        self.extra = extra if extra is not None else {}  # goes into every record of the room
+        self.expected: RoomDigest | None = None  # full prefill digest, once fetched
+        self.fetches = 0  # fetches of it that failed (each later digest of the room may try again)
+        self.first_divergence: str | None = None
+        self.finished = False
+        self.retired: str | None = None  # why the room stopped being tracked (retraction, abort)
+        self.unsafe: Any = ()  # its batches whose kernel had not run when it was retired
+        # Its batches whose results have not come back: the serving thread appends, the
+        # collector removes (each one C call, atomic under the GIL; read at retirement).
+        self.tickets: list = []
+        self.in_flight = 0  # kept for callers that count; nothing here reads it
+        # its page table as the receipt's submit found it on the device (address, bytes per
+        # id, pages): later digests of the room (steps, finish) ask the tensor nothing
+        self.table: tuple | None = None
 
 
 class DecodeMonitor:
-    """Tracks received rooms and turns decode-side digests into verdicts."""
+    """Tracks received rooms and turns decode-side digests into verdicts.
+
+    On the serving thread each event does what must happen at that instant and no
+    more: the room's state made or looked up, its digest launched (`DigestEngine.
+    submit_room`, or one `submit` for a batch), one clock read. The rest, the journal
+    events of diagnosis (allocated, landed, freed, each with the time the serving thread
+    saw), the verdicts, records and metrics, and the bookkeeping of rooms retired,
+    evicted or dropped, happens on the collector thread, in order with the digests
+    (`DigestEngine.post` for what has no digest of its own)."""
 
     def __init__(
         self,
@@ -81,6 +127,8 @@ class DecodeMonitor:
         self.snapshot_on_allocation = snapshot_on_allocation and diagnosis is not None
         self._rooms: dict[str, _Room] = {}
         self._lock = threading.Lock()
+        # the engine's queue, read for its length: a snapshot waits behind half of it at most
+        self._queue = engine._tickets.items if hasattr(engine, "_tickets") else ()
 
     # %% events from the serving side (scheduler thread: enqueue only)
 
@@ -88,60 +136,105 @@ class DecodeMonitor:
         """Decode allocated `pages` to the room and told prefill where to write: a journal
         event and, with `snapshot_on_allocation`, a digest of what the pages hold before
         the transfer writes them (one launch; its content goes to the diagnosis only).
-        `snapshot=False`: the caller runs after prefill may have written (journal only)."""
+        `snapshot=False`: the caller runs after prefill may have written (journal only).
+
+        With the snapshot, the journal event is made on the collector when the snapshot
+        comes back (the page ids copied to the host there, behind the snapshot's event),
+        at the time read here. Without it, here, as before: the page ids' copy down with
+        an event of its own (`host_ids.capture`), since nothing else orders it."""
         diagnosis = self.diagnosis
         if diagnosis is None:
             return
+        t_ns = _monotonic_ns()
         key = room.key
-        # the page ids' copy down rides on the snapshot's batch event, queued right behind it
-        copy = diagnosis.allocated(key, pages, deferred=True)
-        ticket = None
-        try:
-            # the verdicts' digests come first: with the collector's queue half full, no snapshot
-            # (the room is then diagnosed without its pages' earlier bytes)
-            if snapshot and self.snapshot_on_allocation and self.engine.backlog() < self.engine.max_pending // 2:
-                # contents only: the snapshot's fold and digests would never be read
-                ticket = self.engine.submit(
-                    [RoomRequest(key, pages, n_tokens)],
-                    lambda batch: safe_invoke("decode.diagnosis_before", self._on_before, key, pages, n_tokens, batch),
-                    contents_only=True)
-        finally:
-            if copy is not None:  # the batch's event orders the copy only on the same device's stream
-                rides = ticket is not None and ticket.error is None and getattr(pages, "device", None) == self.engine.device
-                copy.settle(ticket.done if rides else None)
+        # the verdicts' digests come first: with the collector's queue half full, no snapshot
+        # (the room is then diagnosed without its pages' earlier bytes)
+        if snapshot and self.snapshot_on_allocation and len(self._queue) < self.engine.max_pending // 2:
+            # contents only: the snapshot's fold and digests would never be read
+            if self.engine.submit_room(key, pages, n_tokens, partial(self._on_before, key, pages, n_tokens, t_ns=t_ns),
+                                       contents_only=True) is not None:
+                return
+        diagnosis.allocated(key, pages, at_ns=t_ns)
 
-    def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult) -> None:
-        contents = getattr(batch, "contents", ())
+    def _on_before(self, key: str, pages: Any, n_tokens: int, batch: BatchResult, t_ns: int | None = None) -> None:
+        """The allocation snapshot is back (collector thread): the journal's allocation
+        event at `t_ns` (when the serving thread allocated; None: journalled already),
+        then what the pages held before the transfer."""
+        diagnosis = self.diagnosis
+        if t_ns is not None:
+            safe_invoke("decode.diagnosis_allocated", diagnosis.allocated, key, pages, at_ns=t_ns)
+        contents = batch.contents
         if batch.error is None and contents and not (batch.out_of_range and batch.out_of_range[0]):
-            self.diagnosis.before(key, pages, n_tokens, contents[0])
+            safe_invoke("decode.diagnosis_before", diagnosis.before, key, pages, n_tokens, contents[0])
 
     def room_received(
         self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None, extra: dict | None = None,
     ) -> PendingDigest | None:
         """Transfer complete: start tracking and digest at `decode_recv`.
 
-        `extra` goes into every record of the room; a ``rid`` key (SGLang's
-        request id) becomes the records' ``rid``.
+        `extra` goes into every record of the room (held, not copied: the caller makes
+        one per room); a ``rid`` key (SGLang's request id) becomes the records' ``rid``.
         """
-        state = _Room(room, pages, n_tokens, inband, extra=dict(extra or {}))
-        if self.diagnosis is not None:
-            self.diagnosis.landed(room.key, pages)
+        state = _Room(room, pages, n_tokens, inband, extra)
+        key = state.key
+        rooms = self._rooms
+        with self._lock:
+            if key in rooms:
+                del rooms[key]  # the same room again goes to the end: the newest, evicted last
+            rooms[key] = state
+            full = self.max_rooms is not None and len(rooms) > self.max_rooms
+        if full:
+            self._evict()
+        # the room's digest: one launch (the same lines in `room_finished`)
+        jobs = ((state, "decode_recv", None),)
+        if _digest_observers:
+            self._observe(jobs)
+        t_ns = _monotonic_ns()
+        pending = self.engine.submit_room(key, pages, n_tokens, partial(self._on_results, jobs, t_ns))
+        if pending is None:
+            self._dropped(jobs, t_ns)
+            return None
+        try:
+            state.table = pending.table
+        except AttributeError:  # a stand-in engine's ticket
+            pass
+        state.tickets.append(pending)
+        return pending
+
+    def _evict(self) -> None:
+        """The tracking table is over its bound: the oldest rooms go, recorded as `skipped`
+        (on the collector, after their digests in flight)."""
         evicted = []
         with self._lock:
-            self._rooms.pop(room.key, None)
-            self._rooms[room.key] = state
             while self.max_rooms is not None and len(self._rooms) > self.max_rooms:
                 evicted.append(self._rooms.pop(next(iter(self._rooms))))
+        if evicted:
+            self.engine.post(self._on_evicted, evicted)
+
+    def _on_evicted(self, evicted: list[_Room]) -> None:
         for old in evicted:
             if self.diagnosis is not None:
-                safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, old.room.key)
+                safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, old.key)
             self._publish(old.room, "decode_step", None, "skipped", "evicted: tracking table full", None, None, old)
-        return self._submit_jobs([(state, "decode_recv", None)])
 
     def room_finished(self, room: RoomId) -> PendingDigest | None:
         """Before the room's pages are released: last digest, then forget the room
         (a batch of one, for rooms that finish outside a decode batch)."""
-        return self.batch_done([room], [])
+        state = self._rooms.get(room.key)
+        if state is None:
+            return None
+        state.finished = True
+        jobs = ((state, "decode_finish", None),)  # as in `room_received`
+        if _digest_observers:
+            self._observe(jobs)
+        t_ns = _monotonic_ns()
+        pending = self.engine.submit_room(state.key, state.pages, state.n_tokens, partial(self._on_results, jobs, t_ns),
+                                          table=state.table)
+        if pending is None:
+            self._dropped(jobs, t_ns)
+            return None
+        state.tickets.append(pending)
+        return pending
 
     def step_due(self, batch_index: int) -> bool:
         """Whether decode batch number `batch_index` (counted from 1) is a `decode_step`
@@ -152,23 +245,28 @@ class DecodeMonitor:
         """One decode batch in one launch: `decode_finish` for the rooms that finished in
         it, `decode_step` for `stepped` (room, its step count), which the caller passes
         on batches where `step_due` says so. A batch of 64 rooms costs one enqueue."""
+        rooms = self._rooms
         jobs: list[tuple[_Room, str, int | None]] = []
         for room in finished:
-            state = self._get(room)
+            state = rooms.get(room.key)
             if state is not None:
                 state.finished = True
                 jobs.append((state, "decode_finish", None))
         for room, step in stepped:
-            state = self._get(room)
+            state = rooms.get(room.key)
             if state is not None:
                 jobs.append((state, "decode_step", step))
         if not jobs:
             return None
-        pending = self._submit_jobs(jobs)
-        if self.diagnosis is not None:  # after their last digest: the pages are freed now
-            for state, stage, _ in jobs:
-                if stage == "decode_finish":
-                    self.diagnosis.freed(state.room.key, state.pages)
+        if _digest_observers:
+            self._observe(jobs)
+        t_ns = _monotonic_ns()
+        pending = self.engine.submit([job[0] for job in jobs], partial(self._on_results, jobs, t_ns))
+        if pending is None:
+            self._dropped(jobs, t_ns)
+            return None
+        for job in jobs:
+            job[0].tickets.append(pending)
         return pending
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None) -> None:
@@ -177,92 +275,102 @@ class DecodeMonitor:
         The record keeps the room's extras (its rid) if it was tracked; `extra`
         names them for a room that never was. A digest of the room still in
         flight read pages that are freed now and may be reused before it ran:
-        its result is recorded as skipped too.
+        its result is recorded as skipped too. What the kernels had run is read
+        here; the record, the journal and the diagnosis follow on the collector.
         """
+        t_ns = _monotonic_ns()
         with self._lock:
             state = self._rooms.pop(room.key, None)
-            if state is not None:
-                state.retired = reason
-                state.unsafe = {key for key, p in state.pending.items() if not p.ready()}
+        if state is not None:
+            state.retired = reason
+            state.unsafe = {pending for pending in list(state.tickets) if not pending.ready()}
         extras = {**(state.extra if state is not None else {}), **(extra or {})}
-        if self.diagnosis is not None:
+        self.engine.post(self._on_skipped, (room, stage, reason, state, extras or None, t_ns))
+
+    def _on_skipped(self, args: tuple) -> None:
+        room, stage, reason, state, extras, t_ns = args
+        diagnosis = self.diagnosis
+        if diagnosis is not None:
             if state is not None:
-                self.diagnosis.freed(room.key, state.pages)
-            safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, room.key)
-        self._publish(room, stage, None, "skipped", reason, None, None, state, extra=extras or None)
+                safe_invoke("decode.diagnosis_freed", diagnosis.freed, room.key, state.pages, at_ns=t_ns)
+            safe_invoke("decode.diagnosis_forget", diagnosis.abandoned, room.key)
+        self._publish(room, stage, None, "skipped", reason, None, None, state, extra=extras)
 
     def tracked(self) -> int:
         with self._lock:
             return len(self._rooms)
 
+    def _get(self, room: RoomId) -> _Room | None:
+        return self._rooms.get(room.key)
+
+    def _observe(self, jobs) -> None:
+        points = [(state.room, stage, step) for state, stage, step in jobs]
+        for observer in list(_digest_observers):
+            safe_invoke("decode.digest_observer", observer, points)
+
+    def _dropped(self, jobs, t_ns: int) -> None:
+        """The digest queue was full: the digests are lost (counted). Rooms that finished
+        in them are forgotten on the collector, their pages journalled as freed."""
+        if self.metrics is not None:
+            self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
+        finished = [state for state, stage, _ in jobs if stage == "decode_finish"]
+        if finished:
+            self.engine.post(self._on_lost, (finished, t_ns))
+
+    def _on_lost(self, args: tuple) -> None:
+        finished, t_ns = args
+        for state in finished:
+            if self.diagnosis is not None:
+                safe_invoke("decode.diagnosis_freed", self.diagnosis.freed, state.key, state.pages, at_ns=t_ns + 1)
+            self._forget_if_done(state, "decode_finish")
+
     # %% digest results (collector thread)
 
-    def _get(self, room: RoomId) -> _Room | None:
-        with self._lock:
-            return self._rooms.get(room.key)
-
-    def _count_in_flight(self, jobs: list[tuple[_Room, str, int | None]], delta: int) -> None:
-        """Digests outstanding per room; the serving and collector threads both change them."""
-        with self._lock:
-            for state, _, _ in jobs:
-                state.in_flight += delta
-
-    def _submit_jobs(self, jobs: list[tuple[_Room, str, int | None]]) -> PendingDigest | None:
-        self._count_in_flight(jobs, +1)
-        enqueued = time.monotonic()
-        enqueued_ns = time.monotonic_ns() if self.diagnosis is not None else None
-        requests = [RoomRequest(state.room.key, state.pages, state.n_tokens) for state, _, _ in jobs]
-        holder: list = []  # the batch's PendingDigest, for results of rooms retired meanwhile
-        pending = self.engine.submit(requests, lambda batch: self._on_results(jobs, enqueued, batch, holder, enqueued_ns))
-        if pending is None:
-            self._count_in_flight(jobs, -1)
-            if self.metrics is not None:
-                self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
-            return None
-        holder.append(pending)
-        if not pending.ready():  # one query per batch; a batch digested at submit (host buffers) is done
-            with self._lock:
-                for state, _, _ in jobs:
-                    state.pending[id(pending)] = pending
-        return pending
-
-    def _on_results(self, jobs: list[tuple[_Room, str, int | None]], enqueued: float, batch: BatchResult,
-                    holder: list | None = None, enqueued_ns: int | None = None) -> None:
-        batch_id = id(holder[0]) if holder else None
-        with self._lock:  # results are back: no longer a digest a retirement must wait for
-            for state, _, _ in jobs:
-                state.pending.pop(batch_id, None)
+    def _on_results(self, jobs: Sequence[tuple[_Room, str, int | None]], t_ns: int, batch: BatchResult) -> None:
+        """A batch's results (collector thread): the journal events the serving thread
+        saw with it, then each room judged, one at a time."""
+        ticket = batch.ticket
+        diagnosis = self.diagnosis
+        for state, stage, _ in jobs:
+            try:
+                state.tickets.remove(ticket)  # back: no longer a digest a retirement must look at
+            except ValueError:
+                pass
+            if diagnosis is not None and stage != "decode_step":
+                if stage == "decode_recv":  # the transfer had landed when its digest was enqueued
+                    safe_invoke("decode.diagnosis_landed", diagnosis.landed, state.key, state.pages, at_ns=t_ns)
+                else:  # freed right after its finish digest was enqueued
+                    safe_invoke("decode.diagnosis_freed", diagnosis.freed, state.key, state.pages, at_ns=t_ns + 1)
         if batch.error is not None:
             for state, stage, step in jobs:
                 safe_invoke("decode.on_failure", self._on_failure, state, stage, step, batch.error)
             return
         if self.metrics is not None and batch.gpu_seconds is not None:
             self.metrics.digest_gpu_seconds.labels(stage=jobs[0][1]).observe(batch.gpu_seconds)
+        enqueued = t_ns / 1e9  # time.monotonic's clock
+        enqueued_ns = t_ns if diagnosis is not None else None
+        contents = batch.contents
         for i, (state, stage, step) in enumerate(jobs):
             if i:
                 yield_to_serving()  # a batch's rooms one at a time, never holding the GIL for all of them
             room_bytes = batch.room_bytes[i] if i < len(batch.room_bytes) else None
-            outside = batch.out_of_range[i] if i < len(getattr(batch, "out_of_range", ())) else 0
+            outside = batch.out_of_range[i] if i < len(batch.out_of_range) else 0
             if outside:  # the probe's page list named rows past a buffer: nothing to judge
-                self._count_in_flight([(state, stage, step)], -1)
-                self._forget_if_done(state)
+                self._forget_if_done(state, stage)
                 self._publish(state.room, stage, step, "not_comparable",
                               f"{outside} page rows outside the index-K buffers (not read)", None, None, state)
                 continue
-            if batch_id is not None and batch_id in state.unsafe:
+            if state.unsafe and ticket in state.unsafe:
                 # the room was retired before this digest ran: its pages may hold another room's bytes
-                self._count_in_flight([(state, stage, step)], -1)
                 self._publish(state.room, stage, step, "skipped", f"{state.retired} before this digest ran",
                               None, None, state)
                 continue
-            contents = getattr(batch, "contents", ())
             content = contents[i] if enqueued_ns is not None and i < len(contents) else None
             safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes,
                         content, enqueued_ns)
 
     def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,
                    room_bytes: int | None, content=None, enqueued_ns: int | None = None) -> None:
-        self._count_in_flight([(state, stage, step)], -1)
         verdict, reason, comparison = self._judge(state, digest)
         first = verdict == "mismatch" and state.first_divergence is None
         if first:
@@ -278,23 +386,28 @@ class DecodeMonitor:
             if first and diagnosis and self.metrics is not None:
                 for cell in diagnosis:
                     self.metrics.diagnoses.labels(stage=stage, kind=cell["kind"]).inc()
-        self._forget_if_done(state)  # first: whoever reads the record finds the room forgotten
+        self._forget_if_done(state, stage)  # first: whoever reads the record finds the room forgotten
         self._publish(state.room, stage, step, verdict, reason, digest, comparison, state, room_bytes, enqueued,
                       diagnosis=diagnosis, page_events=page_events)
 
     def _on_failure(self, state: _Room, stage: str, step: int | None, error: str) -> None:
         """The digest of this stage could not be taken: say so, and stop waiting for it."""
-        self._count_in_flight([(state, stage, step)], -1)
-        self._forget_if_done(state)
+        self._forget_if_done(state, stage)
         self._publish(state.room, stage, step, "skipped", f"digest failed: {error}", None, None, state)
 
-    def _forget_if_done(self, state: _Room) -> None:
+    def _forget_if_done(self, state: _Room, stage: str) -> None:
+        """A finished room is forgotten with its finish digest's result: that digest is the
+        room's last, and the collector delivers a room's digests in the order they were
+        submitted, so none of its results is still to come."""
+        if stage != "decode_finish" or not state.finished:
+            return
+        key = state.key
         with self._lock:
-            done = state.finished and state.in_flight <= 0 and self._rooms.get(state.room.key) is state
+            done = self._rooms.get(key) is state
             if done:
-                del self._rooms[state.room.key]
+                del self._rooms[key]
         if done and self.diagnosis is not None:
-            self.diagnosis.retired(state.room.key)  # its content is now its pages' last occupant's
+            self.diagnosis.retired(key)  # its content is now its pages' last occupant's
 
     def _judge(self, state: _Room, digest: RoomDigest) -> tuple[str, str, Comparison | None]:
         """Verdict against the best prefill evidence we have."""

@@ -8,7 +8,6 @@ the layout signature, and the token count the digest covers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from ..digest.layout import DIGEST_VERSION
@@ -16,14 +15,39 @@ from ..digest.layout import DIGEST_VERSION
 MAGIC = 0x1D4B_0000_0000_0000  # "idxk" marker in the high bits
 MAGIC_MASK = 0xFFFF_0000_0000_0000
 SLOTS = 4
+_MASK64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
 class InbandDigest:
-    room_digest: int
-    signature: int
-    n_tokens: int
-    version: int = DIGEST_VERSION
+    """A value (equal and hashing alike by its fields; treat it as immutable), made on the
+    serving thread at every send and receipt: a plain class, one Python frame and no
+    C call to make (a frozen dataclass sets each field through `object.__setattr__`)."""
+
+    __slots__ = ("room_digest", "signature", "n_tokens", "version")
+
+    def __init__(self, room_digest: int, signature: int, n_tokens: int, version: int = DIGEST_VERSION):
+        self.room_digest = room_digest
+        self.signature = signature
+        self.n_tokens = n_tokens
+        self.version = version
+
+    def _fields(self) -> tuple:
+        return self.room_digest, self.signature, self.n_tokens, self.version
+
+    def __eq__(self, other):
+        if other.__class__ is not InbandDigest:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self):
+        return (f"InbandDigest(room_digest={self.room_digest!r}, signature={self.signature!r}, "
+                f"n_tokens={self.n_tokens!r}, version={self.version!r})")
+
+    def __reduce__(self):
+        return InbandDigest, self._fields()
 
     def to_slots(self) -> list[int]:
         """Four uint64 values for bootstrap_room[idx, 1:5]."""
@@ -34,12 +58,7 @@ class InbandDigest:
         """None when the slots hold no probe digest (probe off on prefill, or cleared)."""
         if len(slots) < SLOTS:
             return None
-        header = int(slots[0]) & ((1 << 64) - 1)
+        header = int(slots[0]) & _MASK64
         if header & MAGIC_MASK != MAGIC:
             return None
-        return cls(
-            room_digest=int(slots[1]) & ((1 << 64) - 1),
-            signature=int(slots[2]) & ((1 << 64) - 1),
-            n_tokens=int(slots[3]),
-            version=header & 0xFFFF,
-        )
+        return cls(int(slots[1]) & _MASK64, int(slots[2]) & _MASK64, int(slots[3]), header & 0xFFFF)

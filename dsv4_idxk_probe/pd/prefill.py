@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
@@ -50,7 +51,11 @@ class RecentRooms:
 
 
 class PrefillMonitor:
-    """Digests rooms at `prefill_send`; results are logged and kept for the exchange."""
+    """Digests rooms at `prefill_send`; results are logged and kept for the exchange.
+
+    On the serving thread a send is its digest's launch and nothing else: the room's
+    extras (its rid) ride with the batch's callback to the collector, which writes the
+    record, fills the exchange's table and counts the metrics."""
 
     def __init__(
         self,
@@ -63,11 +68,6 @@ class PrefillMonitor:
         self.emit = emit
         self.metrics = metrics
         self.recent = RecentRooms(table_size)
-        # Room-log extras (SGLang's rid, ...) of rooms whose digest is in flight;
-        # bounded like the table, in case a result never comes back.
-        self._extras: OrderedDict[str, dict] = OrderedDict()
-        self._extras_cap = max(1, int(table_size))
-        self._extras_lock = threading.Lock()
 
     def rooms_sent(self, rooms: Sequence[tuple[RoomId, Any, int]],
                    extras: Sequence[dict | None] | None = None) -> PendingDigest | None:
@@ -79,39 +79,25 @@ class PrefillMonitor:
         key becomes the record's ``rid``.
         """
         requests = [RoomRequest(rid.key, pages, n_tokens) for rid, pages, n_tokens in rooms]
-        keys = [r.key for r in requests]
-        if extras:
-            self._remember_extras(keys, extras)
         # The send path asks ready() right after NIXL's sync, to fill the in-band slot:
         # the batch's event is recorded right behind the kernel, so that works.
-        pending = self.engine.submit(requests, self._on_result)
-        if pending is None and extras:
-            self._take_extras(keys)
-        return pending
+        return self.engine.submit(requests, partial(self._on_result, tuple(extras) if extras else None))
 
     def room_sent(self, room: RoomId, pages: Any, n_tokens: int, extra: dict | None = None) -> PendingDigest | None:
-        return self.rooms_sent([(room, pages, n_tokens)], [extra] if extra else None)
-
-    def _remember_extras(self, keys: Sequence[str], extras: Sequence[dict | None]) -> None:
-        with self._extras_lock:
-            for key, extra in zip(keys, extras):
-                if extra:
-                    self._extras[key] = dict(extra)
-                    self._extras.move_to_end(key)
-            while len(self._extras) > self._extras_cap:
-                self._extras.popitem(last=False)
-
-    def _take_extras(self, keys: Sequence[str]) -> list[dict | None]:
-        with self._extras_lock:
-            return [self._extras.pop(key, None) for key in keys]
+        """`rooms_sent` of one room: one launch, no request object, no table."""
+        return self.engine.submit_room(room.key, pages, n_tokens, partial(self._on_result, (extra,) if extra else None))
 
     def lookup(self, key: str) -> RoomDigest | None:
         """The full digest of a recent room, for the exchange; None once evicted."""
         return self.recent.get(key)
 
-    def _on_result(self, batch: BatchResult) -> None:
-        extras = self._take_extras([d.key for d in batch.digests]) if self._extras else [None] * len(batch.digests)
-        for digest, extra in zip(batch.digests, extras):
+    def _on_result(self, extras: Sequence[dict | None] | None, batch: BatchResult) -> None:
+        """A batch's digests (collector thread): kept for the exchange, recorded with each
+        room's extras, counted."""
+        digests = batch.digests
+        if extras is None:
+            extras = (None,) * len(digests)
+        for digest, extra in zip(digests, extras):
             self.recent.put(digest)
             room = RoomId.from_key(digest.key)
             safe_invoke(
@@ -119,11 +105,11 @@ class PrefillMonitor:
                 self.emit,
                 room_record(
                     role="prefill", stage="prefill_send", room=room.room, attempt=room.attempt,
-                    digest=digest, layout=self.engine.layout.name, extra=extra,
+                    digest=digest, layout=self.engine.layout.name, extra=dict(extra) if extra else None,
                 ),
             )
         if self.metrics is not None:
-            self.metrics.rooms_digested.labels(stage="prefill_send").inc(len(batch.digests))
+            self.metrics.rooms_digested.labels(stage="prefill_send").inc(len(digests))
             self.metrics.digest_bytes.labels(stage="prefill_send").inc(batch.bytes_digested)
             if batch.gpu_seconds is not None:
                 self.metrics.digest_gpu_seconds.labels(stage="prefill_send").observe(batch.gpu_seconds)

@@ -7,7 +7,9 @@ share); ``rid`` is SGLang's request id on the side that wrote the record
 (what that server's request logs show), null when the hook did not know it. Prefill records carry the full digest (room value, the
 (layer, segment) matrix and the page vector) so `diff` can localise from the
 logs alone; decode records carry their own digest plus the verdict they
-reached live.
+reached live. Where the probe config names a cluster (``roomlog.cluster``,
+`set_cluster`), every record carries it as ``cluster``, and `diff` joins on
+it: the same room id from two clusters is then two rooms.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from ..vocabulary import SCHEMA_VERSION, STAGES, VERDICTS
 
 
 _instance: tuple[int, str] = (-1, "")
+_cluster = ""  # this process's cluster label (config roomlog.cluster); "" writes none
+
+
+def set_cluster(label: str | None) -> None:
+    """The cluster label every record of this process carries from now on ("" or None: none)."""
+    global _cluster
+    _cluster = str(label or "")
+
+
+def cluster_label() -> str:
+    return _cluster
 
 
 def instance_id() -> str:
@@ -93,6 +106,8 @@ def room_record(
         extra_rid = extra.pop("rid")
         rid = extra_rid if rid is None else rid
     record["rid"] = str(rid) if rid is not None else None
+    if _cluster:
+        record["cluster"] = _cluster
     if extra:
         record["extra"] = extra
     return record

@@ -1,5 +1,5 @@
-"""Per-room JSONL log: the writer the serving side uses, and the reader and
-join that `dsv4-idxk-probe diff` and `report` use.
+"""Per-room JSONL log: the line format, the writer the serving side uses, and the
+reader that `dsv4-idxk-probe diff` and `report` use (their join is in `offline/`).
 
 Usage (serving side)::
 

@@ -28,9 +28,9 @@ except ImportError:  # the standard library gives the same records, slower
 
 
 def _dumps(record: dict[str, Any]) -> bytes:
-    """Compact JSON. orjson writes it on the probe's threads in under a microsecond per
-    record (the standard library takes ~7 us, all of it holding the GIL the serving
-    thread needs). orjson writes non-ASCII text as UTF-8, and NaN or infinity as null:
+    """Compact JSON. orjson writes it on the probe's threads several times faster than
+    the standard library, which holds the GIL the serving thread needs all the while.
+    orjson writes non-ASCII text as UTF-8, and NaN or infinity as null:
     so a record's top-level numbers (its only floats, `ts`) are checked first, and a
     non-finite one refuses the record (the writer drops and counts it, docs/roomlog.md).
     What orjson refuses (lone surrogates, integers past 64 bits) goes to the standard

@@ -18,7 +18,7 @@ import numpy as np
 ATTR_INBAND = "_dsv4_idxk_inband"  # on a KV sender: the in-band write waiting for its digest
 ATTR_SENT = "_dsv4_idxk_sent"  # on a prefill Req: (room, start, end) already digested
 ATTR_DEST = "_dsv4_idxk_dest"  # on a DecodeRequest: RoomPages recorded at _send_kv_metadata
-ATTR_RECV = "_dsv4_idxk_recv"  # on a decode Req: (RoomId, PendingDigest, InbandDigest) at receipt
+ATTR_RECV = "_dsv4_idxk_recv"  # on a decode Req: (PendingDigest, InbandDigest, n_tokens) at receipt
 ATTR_STEPS = "_dsv4_idxk_steps"  # on a decode Req: decode batches seen
 
 #: Metadata row slots (bootstrap_room[idx, :]) when SGLang uses only slot 0

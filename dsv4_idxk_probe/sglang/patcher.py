@@ -17,6 +17,18 @@ the same table (configs/targets/*.yaml):
   logged once, and the original method runs and returns as without the probe.
   SGLang's own exceptions pass through unchanged.
 
+What the guard contains: every `BaseException` the probe raises except
+`KeyboardInterrupt`. A `SystemExit` (a factory or hook calling ``sys.exit``),
+`GeneratorExit` or any other non-`Exception` from probe code is a probe
+failure like any other and must not end or unwind SGLang's call: counted,
+logged, the original runs. `KeyboardInterrupt` is the one exception that is
+not the probe's doing: the signal lands on whatever frame the main thread is
+in, the probe's included, and swallowing it there would eat the operator's
+Ctrl-C (and re-run the original after it), so it always propagates. An
+exception raised by SGLang's original method inside the hook (``SystemExit``
+included) is SGLang's and passes through unchanged, as does a refusal the
+config asked for (the HiCache guard in block mode).
+
 Idempotence: a registry keyed by (target, attribute) and a
 ``_dsv4_idxk_probe_patched`` set of qualnames on each patched module, filled
 before wrapping so a re-entrant import cannot patch twice.
@@ -73,7 +85,9 @@ class GuardedHook:
             if self._hook is None and not self._broken:
                 try:
                     self._hook = load_factory(self.target)(self.patcher.runtime)
-                except Exception:
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # SystemExit included: a factory never ends SGLang's call (module doc)
                     self._broken = True
                     record_error(f"factory.{self.target.name}")
                     self.patcher.set_status(self.target, "hook_error", "factory raised (see log)")
@@ -98,7 +112,9 @@ class GuardedHook:
 
         try:
             return hook(original, instance, args, kwargs)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise  # the operator's, wherever it landed (module doc)
+        except BaseException as exc:  # SystemExit and the like from the probe are contained too
             if call.returned:  # the probe failed after SGLang's method returned: keep its result
                 record_error(self.site)
                 return call.result
@@ -214,7 +230,9 @@ class Patcher:
                 return
             try:
                 self._apply_one(target)
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # runs inside SGLang's import of the target module
                 record_error("patch.apply")
                 self.set_status(target, "not_applied", f"{type(exc).__name__}: {exc}")
 
@@ -227,7 +245,9 @@ class Patcher:
             return
         try:
             load_factory(target)  # import only; the factory runs on first call
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a module that raises SystemExit at import included
             self.set_status(target, "hook_error", f"hook {target.hook} cannot be loaded: {exc}")
             return
         module = sys.modules[target.module]

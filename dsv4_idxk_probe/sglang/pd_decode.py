@@ -2,29 +2,38 @@
 
 Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
 
-* ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side;
-* ``DecodePreallocQueue._send_kv_metadata`` (before): remember the room's
-  destination pages (the exact list decode publishes to prefill); with
+* ``DecodePreallocQueue._init_kv_manager`` (after): build the decode side
+  and, in enforce mode, agree with the other attention-TP ranks
+  (sglang/enforce.py);
+* ``DecodePreallocQueue._send_kv_metadata`` (before; 0.5.21 on): remember the
+  room's destination pages (the exact list decode publishes to prefill); with
   diagnosis on, journal them as allocated to the room and digest what they
   hold before the transfer writes them (docs/diagnosis.md): before the call,
   since prefill may write as soon as the metadata is out;
+* ``DecodePreallocQueue.pop_preallocated`` (after; before 0.5.21, which has
+  no ``_send_kv_metadata``): the same pages, read back from req_to_token for
+  every room it preallocated; journalled without the before-transfer digest;
 * ``DecodeTransferQueue._commit_transfer_to_req`` (around): read the in-band
   digest and the prefill's exchange endpoint from the metadata row before
   SGLang clears it, then, unless the commit aborted the request, enqueue the
   ``decode_recv`` digest on the current stream (every decode forward waits on
   that stream, so it runs before the first one);
+* ``SchedulerDisaggregationDecodeMixin._verify_kv_checksums`` (around,
+  enforce only; 0.5.21 on): judge each room's receipt digest against
+  prefill's (`mismatch_flags`) and drop the mismatching ones on every
+  attention-TP rank alike (sglang/enforce.py);
 * ``SchedulerBatchResultProcessor.process_batch_result_decode`` (after, once
   per batch): ``decode_finish`` for rooms that finished in the batch
   (enqueued before any later batch can reuse their pages) and, every
   ``step_interval`` decode batches, ``decode_step`` for every other room of
   the batch; both in one launch;
+* ``release_kv_cache`` as the batch result processor calls it (before):
+  ``decode_finish`` of a finished room while its pages are still its own;
 * ``SchedulerBatchResultProcessor.process_batch_result_prebuilt`` (after):
   ``decode_finish`` for rooms that finished at once;
 * ``ScheduleBatch.retract_decode`` (after): a retracted room is `skipped`;
-* ``SchedulerDisaggregationDecodeMixin._verify_kv_checksums`` (around,
-  enforce only): drop rooms whose receipt digest differs from prefill's, after
-  a MAX all-reduce of the flags over the attention-TP CPU group, as upstream's
-  own checksum does, so every rank drops the same requests.
+* ``DecodeTransferQueue._abort_failed_transfer`` (before; 0.5.22 on): a room whose
+  transfer failed is `skipped` with "transfer failed: <SGLang's reason>".
 
 Only frozen bytes are digested (the kernel counts them from each room's tokens), so the tail slots
 later decode steps write never count. No SGLang import.
@@ -37,6 +46,7 @@ from typing import Any
 from ..exchange.endpoint import unpack_endpoint
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
+from . import enforce
 from .accessors import (
     ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, cache_protected_len, decode_skip_reason,
     is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, rid_of, room_of,
@@ -64,7 +74,7 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
     side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
     if runtime.config.enforce and side.active:
         scheduler = getattr(queue, "scheduler", None)
-        agreed, why = agree_on_enforce(getattr(scheduler, "attn_tp_cpu_group", None))
+        agreed, why = enforce.agree_on_enforce(getattr(scheduler, "attn_tp_cpu_group", None))
         side.enforce_agreed = agreed
         if not agreed:
             runtime.log.error("dsv4-idxk-probe: enforce is off on this rank, decode observes only: %s", why)
@@ -214,14 +224,32 @@ def on_retract(runtime: Any, retracted: Any) -> None:
             side.monitor.room_skipped(room, "retracted", stage="decode_step")
 
 
-# %% enforce
+def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
+    """SGLang found the room's transfer Failed and aborts it: a `skipped` record at
+    `decode_recv` whose reason says the transfer failed (and why, where SGLang recorded
+    it), so the room's prefill record does not stand alone in the logs."""
+    side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
+    req = getattr(decode_req, "req", None)
+    if side is None or room_of(req) is None:
+        return
+    room = room_of(req)
+    receiver = getattr(decode_req, "kv_receiver", None)
+    manager = getattr(receiver, "kv_mgr", None)
+    records = getattr(manager, "failure_records", None)
+    why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
+    reason = f"transfer failed: {why}" if why else "transfer failed"
+    side.monitor.room_skipped(RoomId(room), reason, extra={"rid": rid_of(req)})
+
+
+# %% enforce: what this rank judges (sglang/enforce.py makes the ranks act alike)
 
 
 def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
-    """1 for each request whose receipt digest differs from the in-band prefill digest.
+    """1 for each request whose receipt digest differs from prefill's (`expected_room_digest`):
+    enforce's judge, passed to `enforce.enforce_batch`.
 
     Waits for digests still in flight: the one host sync enforce mode costs.
-    Rooms without a comparable in-band digest are kept (not judged here).
+    Rooms without a comparable prefill digest are kept (not judged here).
     """
     side = decode_side(runtime)
     flags = [0] * len(reqs)
@@ -254,82 +282,6 @@ def expected_room_digest(side: Any, room: Any, inband: Any) -> tuple[int, int, i
         return None
     digest = side.fetch(room.key)
     return None if digest is None else (int(digest.room), int(digest.signature), int(digest.n_tokens))
-
-
-ENFORCE_AGREEMENT_TIMEOUT_S = 20.0
-
-
-def agree_on_enforce(group: Any, timeout_s: float = ENFORCE_AGREEMENT_TIMEOUT_S) -> tuple[bool, str]:
-    """Do all attention-TP ranks run an active probe? Only then may enforce all-reduce.
-
-    A rank whose probe did not start never joins the all-reduce, and the
-    others would hang in it. Each rank with an active decode side announces
-    itself in the process group's store; a rank that does not see all of its
-    group within `timeout_s` keeps enforce off (observe only). No collective:
-    a rank without the probe is never waited on by a call it does not make.
-    """
-    try:
-        import torch.distributed as dist
-
-        if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return True, "one rank"
-        ranks = dist.get_process_group_ranks(group)
-        store = dist.distributed_c10d._get_default_store()
-        prefix = "dsv4_idxk_probe/enforce/" + "-".join(str(r) for r in ranks)
-        store.set(f"{prefix}/{dist.get_rank()}", "1")
-        from datetime import timedelta
-
-        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))
-        return True, ""
-    except Exception as exc:
-        return False, f"not every attention-TP rank announced an active probe ({type(exc).__name__}: {exc})"
-
-
-def all_reduce_max(flags: list[int], group: Any) -> list[int]:
-    """Every attention-TP rank must drop the same requests (reference 2.3)."""
-    import torch
-    import torch.distributed as dist
-
-    if not flags or group is None or not dist.is_available() or not dist.is_initialized():
-        return flags
-    if dist.get_world_size(group) == 1:
-        return flags
-    tensor = torch.tensor(flags, dtype=torch.int32, device="cpu")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
-def enforce_batch(runtime: Any, scheduler: Any, batch: Any) -> None:
-    """Judge a prebuilt batch and drop its mismatching rooms on every rank alike.
-
-    Once the ranks agreed at start (`agree_on_enforce`), this rank takes part
-    in the all-reduce on every batch, whatever else of the probe failed (its
-    flags are then zeros), so no other rank waits for it in vain.
-    """
-    side = runtime.sides.get("decode")
-    if side is None or not side.active or not getattr(side, "enforce_agreed", True):
-        return
-    reqs = list(batch.reqs)
-    flags = safe_invoke("decode.enforce_flags", mismatch_flags, runtime, reqs, fallback=None) or [0] * len(reqs)
-    flags = safe_invoke("decode.enforce_all_reduce", all_reduce_max, flags,
-                        getattr(scheduler, "attn_tp_cpu_group", None), fallback=None)
-    if not flags or not any(flags):
-        return
-    dropped = set()
-    for i, req in enumerate(reqs):
-        if not flags[i]:
-            continue
-        message = f"dsv4-idxk-probe: index-K mismatch at receipt, room {room_of(req)} (rid {getattr(req, 'rid', '?')})"
-        runtime.log.error(message)
-        if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
-            dropped.add(i)
-    if dropped:
-        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in dropped])
-
-
-def _abort(scheduler: Any, req: Any, message: str) -> bool:
-    scheduler._handle_kv_checksum_mismatch(req, message)
-    return True
 
 
 # %% wrapper factories (named in the target table)
@@ -457,6 +409,21 @@ def make_release_wrapper(runtime):
     return wrapper
 
 
+def make_transfer_failed_wrapper(runtime):
+    """``DecodeTransferQueue._abort_failed_transfer(self, decode_req)`` (0.5.22 on), before:
+    the room's transfer failed; record it (`on_transfer_failed`)."""
+
+    def _pick(decode_req, *_a, **_k):
+        return decode_req
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            safe_invoke("decode.transfer_failed", on_transfer_failed, runtime, instance, _pick(*args, **kwargs))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 def make_verify_checksums_wrapper(runtime):
     """``_verify_kv_checksums(self, batch)``, around: enforce mode drops mismatching rooms."""
 
@@ -466,7 +433,7 @@ def make_verify_checksums_wrapper(runtime):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         if runtime.enabled and runtime.config.enforce:
-            enforce_batch(runtime, instance, _pick(*args, **kwargs))
+            enforce.enforce_batch(runtime, instance, _pick(*args, **kwargs), mismatch_flags)
         return result
 
     return wrapper

@@ -1,23 +1,34 @@
-"""The prefill or decode side of one scheduler: digest engine, monitor, exchange.
+"""The prefill or decode side of one scheduler, from SGLang's pool.
 
 Built once per process, when SGLang creates its PD queue (the
-``_init_kv_manager`` hooks) or, failing that, on the first hook call, from the
-pool, the transfer's ``kv_args`` and the address SGLang's KV manager reports
-to its peers. A pool the probe cannot read (not DeepSeek-V4, unknown row
-layout) gives an inactive side: logged once with the reason, and every hook
-of that role then calls straight through.
+``_init_kv_manager`` hooks) or, failing that, on the first hook call. This
+module holds only what needs SGLang knowledge: finding the DeepSeek-V4 pool,
+its index-K geometry (layer ids, buffers, the layout its rows follow), the
+wire positions in the transfer's ``kv_args``, and the address SGLang's KV
+manager reports to its peers. The side itself (digest engine, monitor,
+exchange) is assembled by dsv4_idxk_probe.pd.assembly, as the built-in rig's
+is. A pool the probe cannot read (not DeepSeek-V4, unknown row layout) gives
+an inactive side: logged once with the reason, and every hook of that role
+then calls straight through.
+
+A side whose build fails (its engine, monitor or exchange raises) is tried
+once: what the build made before it failed (the engine and its collector
+thread, started by the CUDA warm-up; an exchange server or client) is closed,
+the failure is counted (``errors_total``, site ``<role>.build``) and logged once,
+and a failed `InactiveSide` takes the role's place, so every later hook call is
+a cheap no-op instead of another build that leaks another engine and thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from typing import Any
 
-from ..digest.engine import DigestEngine
 from ..digest.layout import load_layouts, shipped_layouts
-from ..pd import DecodeMonitor, PrefillMonitor
+from ..pd.assembly import DecodeAssembly, PrefillAssembly, exchange_bind, exchange_port
+from ..pd.records import set_cluster
+from ..safety import record_error
 from .index_k import IndexKError, IndexKGeometry, choose_layout, dsv4_pool, index_k_geometry, wire_positions
 
 log = logging.getLogger("dsv4_idxk_probe")
@@ -30,118 +41,56 @@ class InactiveSide:
 
     active = False
 
-    def __init__(self, role: str, reason: str):
+    def __init__(self, role: str, reason: str, *, failed: bool = False):
         self.role = role
         self.reason = reason
+        self.failed = failed  # the build raised (not a pool the probe does not apply to)
 
 
-class _Side:
-    active = True
+def _close_partial(side: Any) -> None:
+    """Close what a side's constructor made before it raised: the exchange, then the engine
+    (whose collector thread the warm-up started). Never raises."""
+    for name in ("server", "client", "engine"):
+        part = side.__dict__.get(name)
+        if part is None:
+            continue
+        try:
+            part.close()
+        except Exception:
+            log.debug("dsv4-idxk-probe: closing the failed side's %s failed", name, exc_info=True)
 
-    def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any):
-        self.runtime = runtime
-        self.geometry = geometry
-        self.layout = layout
-        self.engine = DigestEngine.from_config(layout, geometry.layer_ids, geometry.buffers, runtime.config, role=self.role)
-        self.signature = self.engine.signature
 
-
-class PrefillSide(_Side):
-    role = "prefill"
+class PrefillSide(PrefillAssembly):
+    """The prefill assembly over SGLang's pool; the exchange binds where SGLang's KV manager
+    is reached (``bind: auto``), on ``port_base`` + the scheduler's GPU id."""
 
     def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any, *, host: str | None, gpu_id: int | None):
-        super().__init__(runtime, geometry, layout)
         config = runtime.config
-        self.monitor = PrefillMonitor(self.engine, runtime.emit, runtime.metrics, table_size=config.exchange.table_size)
-        self.server = None  # exchange.VectorServer when the exchange is on
-        self.endpoint_slot = 0
+        try:
+            super().__init__(layout, geometry.layer_ids, geometry.buffers, config, runtime.emit, runtime.metrics,
+                             bind=exchange_bind(config.exchange, host), port=exchange_port(config.exchange, gpu_id))
+        except BaseException:
+            _close_partial(self)
+            raise
+        self.runtime = runtime
+        self.geometry = geometry
         self.inband_deferred = 0  # digests not ready when the aux data left (no blocking copy on that path)
-        bind = _bind_address(config.exchange, host)
-        if config.exchange.enabled and bind:
-            from ..exchange import VectorServer, pack_endpoint
-
-            port = config.exchange.port_base + int(gpu_id or 0) if config.exchange.port_base else 0
-            server = VectorServer(
-                self.monitor.lookup, bind=bind, port=port,
-                max_request_bytes=config.exchange.max_request_bytes, metrics=runtime.metrics,
-                secret_file=config.exchange.secret_file, max_connections=config.exchange.max_connections, idle_s=config.exchange.idle_s,
-            )
-            try:
-                server.start()
-                self.server = server
-                self.endpoint_slot = pack_endpoint(bind, server.port)
-            except Exception as exc:
-                log.error("dsv4-idxk-probe: exchange cannot bind %s:%s (%s); decode can match rooms but not localise",
-                          bind, port, exc)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        self.engine.close()
 
 
-class DecodeSide(_Side):
-    role = "decode"
+class DecodeSide(DecodeAssembly):
+    """The decode assembly over SGLang's pool, with the hooks' per-process state."""
 
     def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any):
-        super().__init__(runtime, geometry, layout)
-        config = runtime.config
-        self.client = None
-        if config.exchange.enabled:
-            from ..exchange import VectorClient
-
-            self.client = VectorClient.from_config(config.exchange, runtime.metrics)
-        self._peers: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self._peers_cap = config.exchange.table_size
-        self._retry_s = config.exchange.retry_s
+        try:
+            super().__init__(layout, geometry.layer_ids, geometry.buffers, runtime.config, runtime.emit,
+                             runtime.metrics, journal=getattr(runtime, "journal", None))
+        except BaseException:
+            _close_partial(self)
+            raise
+        self.runtime = runtime
+        self.geometry = geometry
         self.batches = 0  # decode batches seen: `decode_step` runs every step_interval of them
-        self.enforce_agreed = True  # enforce: every attention-TP rank runs an active probe (pd_decode)
-        self._lock = threading.Lock()
-        self.monitor = DecodeMonitor(
-            self.engine, runtime.emit, runtime.metrics,
-            fetch_vectors=self.fetch_to_localise if self.client is not None else None,
-            fetch_always=config.exchange.fetch_always,
-            step_interval=config.step_interval,
-            max_rooms=config.exchange.table_size,
-            diagnosis=_diagnosis(runtime, layout, geometry.layer_ids),
-            snapshot_on_allocation=getattr(getattr(config, "diagnosis", None), "snapshot_on_allocation", False),
-        )
-
-    def remember_peer(self, key: str, endpoint: tuple[str, int] | None) -> None:
-        if endpoint is None:
-            return
-        with self._lock:
-            self._peers[key] = endpoint
-            self._peers.move_to_end(key)
-            while len(self._peers) > self._peers_cap:
-                self._peers.popitem(last=False)
-
-    def fetch(self, key: str, retry_s: float = 0.0):
-        with self._lock:
-            endpoint = self._peers.get(key)
-        return self.client.fetch(endpoint, key, retry_s=retry_s)
-
-    def fetch_to_localise(self, key: str):
-        """The monitor's fetch, on the collector thread: it may wait out a short backoff."""
-        return self.fetch(key, self._retry_s)
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.client is not None:
-            self.client.close()
-
-
-def _diagnosis(runtime: Any, layout: Any, layer_ids) -> Any:
-    """Decode's diagnosis (content index + the process's page journal), or None when off."""
-    from ..diagnosis.tracker import decode_diagnosis
-
-    return decode_diagnosis(runtime.config, layout, layer_ids, getattr(runtime, "journal", None))
-
-
-def _bind_address(exchange: Any, host: str | None) -> str | None:
-    if exchange.bind == "auto":
-        return host or None
-    return exchange.bind or None
+        self.enforce_agreed = True  # enforce: every attention-TP rank runs an active probe (sglang.enforce)
 
 
 def _layouts(config: Any) -> dict:
@@ -153,12 +102,20 @@ def _layouts(config: Any) -> dict:
 
 def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host: str | None = None,
                gpu_id: int | None = None) -> Any:
-    """Build and attach `role`'s side once; later calls return the same object."""
+    """Build and attach `role`'s side once; later calls return the same object, a failed
+    build's `InactiveSide` too (one attempt per process: see the module's docstring)."""
     with _build_lock:
         existing = runtime.sides.get(role)
         if existing is not None:
             return existing
-        side = _make(runtime, role, pool, kv_args, host, gpu_id)
+        set_cluster(getattr(runtime.config.roomlog, "cluster", ""))  # before the side's first record
+        try:
+            side = _make(runtime, role, pool, kv_args, host, gpu_id)
+        except Exception as exc:
+            record_error(f"{role}.build")  # counted; logged with its traceback the first time
+            reason = f"the {role} side failed to build: {type(exc).__name__}: {exc}"
+            log.error("dsv4-idxk-probe: %s; its hooks call straight through from now on (not retried)", reason)
+            side = InactiveSide(role, reason, failed=True)
         runtime.attach(role, side)
         patcher = getattr(runtime, "patcher", None)
         if patcher is not None:

@@ -10,7 +10,12 @@ optional target ``cost``s the operator. One table covers every release it
 lists under ``releases``; loading it for a release keeps the entries whose
 range holds that release (`select_table`): ``sglang`` is the installed
 release's table, ``sglang@0.5.21`` (or ``sglang-0.5.21``) a given release's.
-A bad table raises `TargetFileError` naming the file, line and field.
+A bad table raises `TargetFileError` naming the file, line and field. A table
+is data an operator may edit, so it is read by `safeyaml` (no anchors or
+aliases, bounded size, nodes and depth, no duplicate keys) and its ``hook``
+may name only the probe's own wrapper factories
+(``dsv4_idxk_probe.sglang.<module>:make_<name>_wrapper``, `hook_problem`):
+``sys:exit`` or ``os:system`` is refused when the table is loaded.
 Resolution never raises: a target whose module or attribute is missing, or
 whose parameters changed, comes back with that status and a reason, and the
 caller skips it while the others work.
@@ -26,9 +31,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
-
+from .. import safeyaml
 from ..boundedfile import read_bounded_text
+from ..safeyaml import shorten
 from ..vocabulary import PATCH_STATUSES
 
 KINDS = ("before", "after", "around")
@@ -37,6 +42,15 @@ ROLES = ("prefill", "decode", "any")
 STATUSES = PATCH_STATUSES
 _FIELDS = {"name", "module", "qualname", "params", "kind", "hook", "required", "role", "sglang", "cost"}
 _LINE = "__line__"
+MAX_TABLE_NODES = 50_000  # the shipped table, every release, is ~1,000 nodes
+
+#: The package whose modules a table's ``hook`` may name.
+HOOK_PACKAGE = "dsv4_idxk_probe.sglang"
+#: Modules outside HOOK_PACKAGE whose factories a table may name too. Only Python code
+#: sets it (the tests' stand-in hosts, a fork's own plugin before it loads its tables),
+#: never a table, a config file or the environment.
+EXTRA_HOOK_MODULES: frozenset[str] = frozenset()
+_HOOK = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<factory>make_\w*wrapper)$", re.ASCII)
 
 
 class TargetFileError(ValueError):
@@ -83,8 +97,19 @@ class Resolution:
 # %% loading
 
 
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping."""
+def hook_problem(hook: str) -> str | None:
+    """Why a table may not name `hook`, or None: it must be ``module:make_..._wrapper`` with
+    the module inside `HOOK_PACKAGE` (or listed in `EXTRA_HOOK_MODULES`)."""
+    match = _HOOK.match(hook)
+    if match is None or not (match.group("module").startswith(HOOK_PACKAGE + ".")
+                             or match.group("module") in EXTRA_HOOK_MODULES):
+        return (f"{shorten(hook)} is not one of the probe's wrapper factories: a table may name only "
+                f"'{HOOK_PACKAGE}.<module>:make_<name>_wrapper'")
+    return None
+
+
+class _LineLoader(safeyaml.Loader):
+    """The safe loader (`safeyaml`), remembering the line of every mapping."""
 
     def construct_mapping(self, node, deep=False):
         mapping = super().construct_mapping(node, deep=deep)
@@ -108,27 +133,35 @@ def _entry(source: str, index: int, raw: Any) -> Target:
         raise TargetFileError(f"{source}: targets[{index}] must be a mapping, got {type(raw).__name__}")
     where = f"{source}:{raw.get(_LINE, '?')}"
     raw = {k: v for k, v in raw.items() if k != _LINE}
-    label = f"targets[{index}]" + (f" ({raw['name']})" if isinstance(raw.get("name"), str) else "")
-    unknown = sorted(set(raw) - _FIELDS)
+    name = raw.get("name")
+    if isinstance(name, str):
+        label = f"targets[{index}] ({name if len(name) <= 60 else name[:57] + '...'})"
+    else:
+        label = f"targets[{index}]"
+    unknown = sorted(map(str, set(raw) - _FIELDS))
     if unknown:
-        raise TargetFileError(f"{where}: {label} has unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
+        raise TargetFileError(f"{where}: {label} has unknown field(s) {shorten(unknown, 200)}; "
+                              f"known: {sorted(_FIELDS)}")
     for key in ("name", "module", "qualname", "kind", "hook", "role"):
         if not isinstance(raw.get(key), str) or not raw[key]:
-            raise TargetFileError(f"{where}: {label}.{key} must be a non-empty string, got {raw.get(key)!r}")
+            raise TargetFileError(f"{where}: {label}.{key} must be a non-empty string, got {shorten(raw.get(key))}")
     if raw["kind"] not in KINDS:
-        raise TargetFileError(f"{where}: {label}.kind must be one of {list(KINDS)}, got {raw['kind']!r}")
+        raise TargetFileError(f"{where}: {label}.kind must be one of {list(KINDS)}, got {shorten(raw['kind'])}")
     if raw["role"] not in ROLES:
-        raise TargetFileError(f"{where}: {label}.role must be one of {list(ROLES)}, got {raw['role']!r}")
+        raise TargetFileError(f"{where}: {label}.role must be one of {list(ROLES)}, got {shorten(raw['role'])}")
     if raw["hook"].count(":") != 1:
-        raise TargetFileError(f"{where}: {label}.hook must be 'package.module:factory', got {raw['hook']!r}")
+        raise TargetFileError(f"{where}: {label}.hook must be 'package.module:factory', got {shorten(raw['hook'])}")
+    refused = hook_problem(raw["hook"])
+    if refused:
+        raise TargetFileError(f"{where}: {label}.hook: {refused}")
     params = raw.get("params", [])
     if not isinstance(params, list) or not all(isinstance(p, str) and p for p in params):
-        raise TargetFileError(f"{where}: {label}.params must be a list of parameter names, got {params!r}")
+        raise TargetFileError(f"{where}: {label}.params must be a list of parameter names, got {shorten(params)}")
     if not isinstance(raw.get("required"), bool):
-        raise TargetFileError(f"{where}: {label}.required must be true or false, got {raw.get('required')!r}")
+        raise TargetFileError(f"{where}: {label}.required must be true or false, got {shorten(raw.get('required'))}")
     for key in ("sglang", "cost"):
         if key in raw and (not isinstance(raw[key], str) or not raw[key].strip()):
-            raise TargetFileError(f"{where}: {label}.{key} must be a non-empty string, got {raw[key]!r}")
+            raise TargetFileError(f"{where}: {label}.{key} must be a non-empty string, got {shorten(raw[key])}")
     releases = raw.get("sglang", "")
     if releases:
         try:
@@ -153,7 +186,7 @@ _OPS = {
 def release_tuple(version: str) -> tuple[int, ...] | None:
     """(0, 5, 23) for "0.5.23", "0.5.23.post1" or "0.5.23+fork"; None when it has no leading number."""
     match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", str(version))
-    if match is None:
+    if match is None or any(len(p) > 9 for p in match.group(1).split(".")):  # int() of 5000 digits raises
         return None
     parts = tuple(int(p) for p in match.group(1).split("."))
     return (parts + (0, 0, 0))[:3]
@@ -165,8 +198,11 @@ def parse_range(text: str) -> list[tuple[str, tuple[int, ...]]]:
     for clause in text.split(","):
         match = _CLAUSE.match(clause.strip())
         if match is None:
-            raise ValueError(f"{clause.strip()!r} is not a version clause like '>=0.5.21' (in {text!r})")
-        clauses.append((match.group(1), release_tuple(match.group(2))))
+            raise ValueError(f"{shorten(clause.strip())} is not a version clause like '>=0.5.21' (in {shorten(text)})")
+        bound = release_tuple(match.group(2))
+        if bound is None:
+            raise ValueError(f"{shorten(clause.strip())} has a version part of more than 9 digits (in {shorten(text)})")
+        clauses.append((match.group(1), bound))
     return clauses
 
 
@@ -216,10 +252,7 @@ class TableSelection:
 
 
 def parse_table(text: str, source: str) -> TargetTable:
-    try:
-        document = yaml.load(text, Loader=_LineLoader)
-    except yaml.YAMLError as exc:
-        raise TargetFileError(f"{source}: not valid YAML: {exc}") from None
+    document = safeyaml.load(text, source, TargetFileError, loader=_LineLoader, max_nodes=MAX_TABLE_NODES)
     if not isinstance(document, dict) or "targets" not in document:
         raise TargetFileError(f"{source}: the top level must be a mapping with a 'targets' list")
     entries = document["targets"] or []
@@ -228,7 +261,7 @@ def parse_table(text: str, source: str) -> TargetTable:
     releases = document.get("releases", [])
     if not isinstance(releases, list) or not all(isinstance(r, str) and release_tuple(r) for r in releases):
         raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: releases must be a list of versions "
-                              f"in quotes (\"0.5.23\"), got {releases!r}")
+                              f"in quotes (\"0.5.23\"), got {shorten(releases)}")
     targets = [_entry(source, i, raw) for i, raw in enumerate(entries)]
     seen: dict[str, Target] = {}
     for t in targets:

@@ -158,7 +158,7 @@ def test_the_digest_choices_a_config_accepts_are_the_engines(key, engine_name, r
         parse_config({"digest": {key: refused}})
 
 
-# %% hostile files and values (issue 17)
+# %% hostile files and values
 
 
 def test_a_fifo_config_is_refused_without_hanging(tmp_path):

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKS = REPO / "hooks"
@@ -64,6 +67,29 @@ def test_pth_route_patches_a_target_module_imported_after_it(tmp_path):
     assert result["before"] == ["dsv4_idxk_probe", "dsv4_idxk_probe.bootstrap", "dsv4_idxk_probe.version"]
     assert result["wrapped"] and result["loaded"]
     assert result["status"]["pd.send_kv_chunk"] == "patched"
+
+
+@pytest.mark.parametrize("probe", [None, "1", "0"])
+def test_a_pth_left_after_uninstall_prints_no_traceback(tmp_path, probe):
+    """Issue "Reliability round two": `pip uninstall` leaves the .pth that install-hook copied,
+    and every Python start printed a traceback. Now: nothing, or (variable set) one short line."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(HOOKS / "dsv4_idxk_probe.pth", site_dir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_IDXK_PROBE", "PYTHON"))}
+    if probe is not None:
+        env["DSV4_IDXK_PROBE"] = probe
+    # -S: no site-packages, so the package is not importable, as after `pip uninstall`
+    code = f"import site, sys; site.addsitedir({str(site_dir)!r}); print('dsv4_idxk_probe' in sys.modules)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stdout) == (0, "False\n"), out.stderr
+    assert "Traceback" not in out.stderr and "Error processing line" not in out.stderr, out.stderr
+    if probe == "1":
+        assert len(out.stderr.splitlines()) == 1 and len(out.stderr) < 300, out.stderr
+        assert "DSV4_IDXK_PROBE is set" in out.stderr and "No module named 'dsv4_idxk_probe'" in out.stderr
+    else:
+        assert out.stderr == ""
 
 
 # %% plugin entry point

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from rigutil import diff_rooms, dump, run
+from tests.support.rigutil import diff_rooms, dump, run
 
 from dsv4_idxk_probe.testbed.builtin.config import RigConfig, explicit_plan
 

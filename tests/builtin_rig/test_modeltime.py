@@ -1,4 +1,4 @@
-"""The ways the rig's decode loop passes a model step's time (sim/modeltime.py)."""
+"""The ways the rig's decode loop passes a model step's time (testbed/builtin/modeltime.py)."""
 
 from __future__ import annotations
 

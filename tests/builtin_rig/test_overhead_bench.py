@@ -1,24 +1,16 @@
 """bench/overhead.py runs probe configs against each other: each named variant reaches
 the rig's children as a config file the product's own loader accepts."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture
-def overhead(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # it imports its sibling hicache_overhead
-    spec = importlib.util.spec_from_file_location("overhead_bench", BENCH / "overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "overhead_bench", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def overhead():
+    from bench import overhead
+
+    return overhead
 
 
 @pytest.mark.parametrize("variants", ["observe,off", "off", "off,observe,fast"])

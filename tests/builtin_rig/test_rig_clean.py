@@ -10,7 +10,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from rigutil import diff_rooms, dump, run
+from tests.support.rigutil import diff_rooms, dump, run
 
 from dsv4_idxk_probe.testbed.builtin.config import RigConfig
 from dsv4_idxk_probe.testbed.faults.verify import verify

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import yaml
-from rigutil import diff_rooms, dump, free_port, run, write_faults, write_probe_config
+from tests.support.rigutil import diff_rooms, dump, free_port, run, write_faults, write_probe_config
 
 from dsv4_idxk_probe.cli.main import run as cli
 from dsv4_idxk_probe.config import ConfigError

@@ -11,7 +11,7 @@ prefill-side changes to pages that already left, must not be reported.
 from __future__ import annotations
 
 import pytest
-from rigutil import diff_rooms, dump, run, stages_of
+from tests.support.rigutil import diff_rooms, dump, run, stages_of
 
 from dsv4_idxk_probe.testbed.faults.spec import KINDS, TRANSFER_KINDS
 from dsv4_idxk_probe.testbed.builtin.config import RigConfig, explicit_plan

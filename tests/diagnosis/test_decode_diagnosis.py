@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from recordsink import Sink
+from tests.support.recordsink import Sink
 
 from dsv4_idxk_probe.diagnosis import ContentIndex, PageJournal
 from dsv4_idxk_probe.diagnosis.journal import PageGroups
@@ -210,8 +209,8 @@ def test_diff_and_report_show_the_diagnosis_beside_the_localisation(bed, tmp_pat
     import io
 
     from dsv4_idxk_probe.cli.diff import print_summary
-    from dsv4_idxk_probe.offline.analysis import analyse
-    from dsv4_idxk_probe.offline.html import render
+    from dsv4_idxk_probe.offline.join import analyse
+    from dsv4_idxk_probe.offline.report_html import render
     from dsv4_idxk_probe.roomlog.lineformat import encode_line
 
     a, b = RoomId(60), RoomId(61)
@@ -241,7 +240,7 @@ def test_without_live_localisation_decode_names_suspects_and_the_diff_completes_
     """The prefill vectors did not come (exchange down): decode knows only that the room
     digest differs. Its record carries the zeroed suspects and each page's events; the diff,
     which localises from prefill's log, names every bad cell."""
-    from dsv4_idxk_probe.offline.analysis import analyse
+    from dsv4_idxk_probe.offline.join import analyse
     from dsv4_idxk_probe.roomlog.lineformat import encode_line
 
     bed.decode.fetch_vectors = None

@@ -3,6 +3,8 @@ copy's event, once; host containers pass through untouched."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -73,9 +75,14 @@ def test_a_deferred_capture_is_read_only_after_its_event_is_settled(monkeypatch)
     assert RecordedEvent.made[-1].recorded == 1 and host_ints(own).tolist() == [1]
 
 
-def test_decode_allocation_settles_the_page_ids_copy_on_the_snapshot_event(monkeypatch):
-    """The allocation hook's page-id copy waits on the snapshot launch's event when one is
-    queued (one event fewer per room), and records its own when the snapshot is skipped."""
+def test_decode_allocation_copies_the_page_ids_on_the_collector_behind_the_snapshot(monkeypatch):
+    """With a snapshot digest, the allocation hook copies nothing on the serving thread:
+    the collector copies the page ids to the host once the snapshot is back (its event
+    has completed, so the ids are on the device by then) and journals the allocation at
+    the time the hook read. Without a snapshot (no launch orders the copy) the hook
+    copies them itself, with an event of its own, as before."""
+    import threading
+
     from dsv4_idxk_probe.diagnosis import ContentIndex, tracker
     from dsv4_idxk_probe.diagnosis.tracker import DecodeDiagnosis
     from dsv4_idxk_probe.digest import DigestEngine, get_layout
@@ -84,33 +91,27 @@ def test_decode_allocation_settles_the_page_ids_copy_on_the_snapshot_event(monke
     layout = get_layout("fp8")
     made = []
 
-    def deferred_capture(pages, *, deferred=False):  # what `capture` does with a CUDA tensor
-        ids = HostIds(torch.as_tensor(pages), host_ids._UNSETTLED if deferred else CountingEvent())
-        made.append(ids)
-        return ids
+    def capture_where(pages, *, deferred=False):  # what `capture` does with a CUDA tensor, and where
+        made.append(threading.current_thread().name)
+        return HostIds(torch.as_tensor(pages), CountingEvent())
 
-    monkeypatch.setattr(tracker, "capture", deferred_capture)
-    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
+    monkeypatch.setattr(tracker, "capture", capture_where)
     engine = DigestEngine(layout, [0], [torch.zeros((8, layout.row_bytes), dtype=torch.uint8)])
-    batch_event = CountingEvent()
-    submitted = []
-
-    def submit(rooms, callback, **kw):
-        ticket = type("Ticket", (), {"done": batch_event, "error": None})()
-        submitted.append(ticket)
-        return ticket
-
-    monkeypatch.setattr(engine, "submit", submit)
-    diagnosis = DecodeDiagnosis(layout, [0], PageJournal(capacity=16), ContentIndex(1000))
+    journal = PageJournal(capacity=16)
+    diagnosis = DecodeDiagnosis(layout, [0], journal, ContentIndex(1000))
     decode = DecodeMonitor(engine, lambda *_: None, diagnosis=diagnosis, snapshot_on_allocation=True)
+    caller = threading.current_thread().name
+    before = time.monotonic_ns()
     try:
-        decode.room_allocated(RoomId(1), torch.tensor([2, 3]), 512)  # on the engine's device
-        assert len(submitted) == 1 and made[0]._event is batch_event
-        RecordedEvent.made.clear()
-        decode.room_allocated(RoomId(2), torch.tensor([4, 5]), 512, snapshot=False)  # no launch to ride on
-        assert len(submitted) == 1 and made[1]._event is RecordedEvent.made[-1] and RecordedEvent.made[-1].recorded == 1
-        decode.room_allocated(RoomId(3), torch.tensor([6, 7], device="meta"), 512)  # not the engine's device
-        assert len(submitted) == 2 and made[2]._event is RecordedEvent.made[-1] and made[2]._event is not batch_event
-        assert all(ids._event is not host_ids._UNSETTLED for ids in made)
+        decode.room_allocated(RoomId(1), torch.tensor([2, 3]), 512)
+        assert caller not in made  # the serving thread copied nothing
+        decode.room_allocated(RoomId(2), torch.tensor([4, 5]), 512, snapshot=False)
+        assert made.count(caller) == 1  # no launch to ride on: copied at the hook
     finally:
         engine.close()
+    assert sorted(made) == sorted([caller, "dsv4-idxk-digest"])
+    events = journal.events_for(2) + journal.events_for(4)
+    assert [(e["event"], e["room"]) for e in events] == [("allocated", "1/0"), ("allocated", "2/0")]
+    assert before < events[0]["t_ns"] < events[1]["t_ns"]  # the hooks' times, in order
+    # the journal keeps time order whoever records first: room 1's event came back after room 2's
+    assert [e.room for e in journal._snapshot()] == ["1/0", "2/0"]

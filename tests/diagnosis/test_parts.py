@@ -73,8 +73,8 @@ def test_summary_lines_count_kinds_with_their_last_event():
 
 
 def test_a_log_line_with_a_malformed_diagnosis_is_skipped_naming_the_field(tmp_path):
+    from dsv4_idxk_probe.offline.join import analyse
     from dsv4_idxk_probe.pd.records import room_record
-    from dsv4_idxk_probe.offline.analysis import analyse
     from dsv4_idxk_probe.roomlog.lineformat import encode_line
 
     def record(room, diagnosis):

@@ -10,8 +10,6 @@ the event and the stream are fakes that log what is asked of them, and on which 
 """
 
 import threading
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -42,17 +40,17 @@ class FakeEvent:
 
 
 def cuda_path_engine(events, wait="block", stream="caller-stream"):
-    """An engine on host buffers that takes its CUDA submit path: launch and stream
-    lookup faked, events taken from `events`."""
+    """An engine on host buffers that takes its CUDA submit path: launch, device and
+    stream lookup faked (as bench/hook_ops.py fakes them), events taken from `events`
+    and recorded through their own `record` (to log it)."""
+    from bench.hook_ops import fake_device_calls
+
     buffers = [torch.zeros(4, LAYOUT.row_bytes, dtype=torch.uint8)]
-    engine = DigestEngine(LAYOUT, [0], buffers, backend="triton", wait=wait)
-    engine.device = torch.device("cuda")  # the submit path branches on it; nothing allocates on it
-    engine._current_stream = lambda: (0, 7)
-    fake = SimpleNamespace(run=lambda *args: None, function=1, packed_metadata=())
-    engine._kernel.compiled = {False: fake, True: fake}  # the kernel for several rooms, and for one
-    engine._kernel.compiled_on = {False: 0, True: 0}
+    engine = fake_device_calls(DigestEngine(LAYOUT, [0], buffers, backend="triton", wait=wait), events=0)
     engine._events.take = lambda timing=False: next(events)
+    engine._events.max_free = 0  # none kept: every batch takes the next of `events`
     engine._streams[7] = stream  # the torch stream of raw handle 7
+    engine._record = lambda event, on: event.record(on)
     return engine
 
 
@@ -142,7 +140,7 @@ def test_a_failed_device_call_drops_that_batch_and_serving_and_the_collector_go_
 def test_polls_back_off_to_a_few_per_forward():
     from itertools import islice
 
-    from dsv4_idxk_probe.digest.engine import poll_intervals
+    from dsv4_idxk_probe.digest.collector import poll_intervals
 
     waits = list(islice(poll_intervals(0.0005, 0.004), 7))
     assert waits == [0.0005, 0.001, 0.002, 0.004, 0.004, 0.004, 0.004]

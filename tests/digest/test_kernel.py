@@ -53,7 +53,7 @@ def _kernel_cells(layout, buffers, layer_ids, rooms, by_value=False, **shape):
 
 def _reference_cells(layout, buffers, layer_ids, rooms, plan):
     """What the kernel must store: cells, contents and flags by the engine's checked reference."""
-    from dsv4_idxk_probe.digest.engine import checked_room_cells, flag_block
+    from dsv4_idxk_probe.digest.launch import checked_room_cells, flag_block
 
     cells = np.zeros((plan.n_cells, len(layout.segments)), dtype=np.uint64)
     contents = np.zeros_like(cells)
@@ -228,7 +228,7 @@ def test_out_of_range_page_ids_are_flagged_not_read_and_stored_as_zero(layout, r
         want_cells, want_contents, want_flags = _reference_cells(layout, buffers, [3, 8], rooms, plan)
         assert np.array_equal(flags, want_flags) and np.array_equal(cells, want_cells), rows
         assert np.array_equal(contents, want_contents), rows
-    from dsv4_idxk_probe.digest.engine import flag_block
+    from dsv4_idxk_probe.digest.launch import flag_block
 
     # layer 0 has 6 pages, layer 1 has 4: page 5 and 4 are in range for layer 0 only
     assert flag_block(plan, flags, 0).tolist() == [[0, 1, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]]

@@ -70,3 +70,19 @@ def test_signature_separates_what_must_agree():
     base = layout_signature(fp8, [0, 2])
     assert base == layout_signature(shipped_layouts()["fp8"], [0, 2])
     assert len({base, layout_signature(fp4, [0, 2]), layout_signature(fp8, [0, 3]), layout_signature(fp8, [2, 0])}) == 4
+
+
+def test_a_layouts_file_with_an_alias_bomb_is_refused_at_once(tmp_path):
+    bomb = tmp_path / "layouts.yaml"
+    rows = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+                                                    for p, c in zip("abcdefgh", "bcdefghi")]
+    bomb.write_text("\n".join(rows) + "\n")
+    with pytest.raises(LayoutError, match="layouts.yaml"):
+        load_layouts(bomb)
+
+
+def test_a_layouts_file_too_big_is_refused(tmp_path):
+    big = tmp_path / "layouts.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(LayoutError, match="layouts file"):
+        load_layouts(big)

@@ -4,12 +4,20 @@ The nested-JSON frame, the unfinished multipart flood (a real zmq DEALER, as
 in the report), a flood of idle connections into a 256-descriptor process,
 unauthenticated peers, a malicious server, and a serving loop that fails.
 Memory is measured on a server child, so the attackers' own buffers never count.
+
+Round two (fair admission): an unauthenticated connect flood from one address
+while fresh peers open sessions, one key holder holding every session, and a
+client turned away for load that must say "busy", not "secret". Peers get
+distinct loopback source addresses (127.0.0.2, ...) by binding their sockets.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -22,7 +30,8 @@ from dsv4_idxk_probe.exchange import ExchangeError, VectorClient, VectorServer
 from dsv4_idxk_probe.exchange import auth
 from dsv4_idxk_probe.exchange.address import BindRefused, scope
 from dsv4_idxk_probe.exchange.client import raw_request
-from dsv4_idxk_probe.exchange.protocol import decode_request, decode_response, encode_response
+from dsv4_idxk_probe.exchange.protocol import decode_request, decode_response, encode_request, encode_response
+from dsv4_idxk_probe.exchange.server import SERVER_KINDS
 
 SECRET = b"a shared secret of the cluster"
 MIB = 1 << 20
@@ -196,13 +205,17 @@ def test_idle_authenticated_peer_is_dropped_and_the_client_reconnects():
         srv.close()
 
 
-def test_connections_past_the_cap_are_closed_at_once_when_every_slot_is_authenticated():
+def test_a_session_past_the_cap_closes_the_least_recently_used_one_whose_peer_reconnects():
     srv = VectorServer({"7/0": digest("7/0")}.get, bind="127.0.0.1", secret=SECRET, max_connections=2)
     srv.start()
     clients = [VectorClient(timeout_ms=2000, secret=SECRET) for _ in range(3)]
     try:
-        assert [c.fetch(srv.endpoint, "7/0") is not None for c in clients] == [True, True, False]
-        assert srv.counts.get("refused_connections") == 1 and srv.connections == 2
+        assert [c.fetch(srv.endpoint, "7/0") is not None for c in clients] == [True, True, True]
+        assert srv.counts.get("evicted_authenticated") == 1 and srv.connections == 2
+        assert clients[0].fetch(srv.endpoint, "7/0") is not None  # its session was closed: a fresh one
+        assert [c.failures for c in clients] == [{}, {}, {}]
+        assert srv.counts.get("evicted_authenticated") == 2 and srv.connections == 2
+        assert "refused_connections" not in srv.counts
     finally:
         for c in clients:
             c.close()
@@ -405,4 +418,232 @@ def test_failed_serving_loop_is_restarted_counted_and_bounded(monkeypatch):
         assert wait_for(lambda: not srv.thread.is_alive(), 5.0)
         assert srv.stopped_by_failure and srv.restarts == 2 and srv.counts.get("server_stopped") == 1
     finally:
+        srv.close()
+
+
+# %% round two: fair admission
+
+
+FLOODER = r"""
+import select, socket, struct, sys, time
+port, source, limit, held_max = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[5])
+seconds = float(sys.argv[4])
+reset = struct.pack("ii", 1, 0)  # close with a reset: no TIME_WAIT, the flood cannot run out of ports
+held, made, failed, end = [], 0, 0, time.monotonic() + seconds
+print("ready", flush=True)
+while made < limit and failed < limit and time.monotonic() < end:
+    if made % 64 == 0 and select.select([sys.stdin], [], [], 0)[0]:
+        break
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, reset)
+    s.settimeout(0.2)  # a dropped SYN costs a second: try the next one instead
+    try:
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        failed += 1
+        continue
+    made += 1
+    held.append(s)  # never says a word; the oldest are let go
+    if len(held) > held_max:
+        held.pop(0).close()
+print(made, flush=True)
+"""
+
+
+class Flooder:
+    """A child connecting to `port` from `source` as fast as it can, never authenticating:
+    at most `limit` connections in `seconds`, `held` of them open at once."""
+
+    def __init__(self, port: int, source: str, *, limit: int = 100_000, seconds: float = 90.0, held: int = 200):
+        args = [sys.executable, "-c", FLOODER, str(port), source, str(limit), str(seconds), str(held)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> int:
+        """The connections it made (-1: it had to be killed)."""
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+            made = int(self.proc.stdout.readline() or -1)
+            self.proc.wait(10)
+            return made
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+            return -1
+
+
+class KeyHolder:
+    """A peer holding the secret, played by hand from `source`: one authenticated session."""
+
+    def __init__(self, endpoint, source: str):
+        self.sock = socket.socket()
+        self.sock.settimeout(5.0)
+        self.ids = 0
+        try:
+            self.sock.bind((source, 0))
+            self.sock.connect(endpoint)
+            hello = self._recv(auth.SERVER_HELLO)
+            nonce_c = auth.new_nonce()
+            self.sock.sendall(auth.client_proof(SECRET, hello[4:], nonce_c))
+            self._recv(auth.MAC)
+            self.mac = auth.FrameMac(auth.session_key(SECRET, hello[4:], nonce_c), b"C", b"S")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _recv(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError("closed by the server")
+            data += chunk
+        return data
+
+    def ping(self) -> bool:
+        """Ask for a room on this session: True when answered, False when the server closed it."""
+        self.ids += 1
+        try:
+            self.sock.sendall(self.mac.seal(encode_request(self.ids, "7/0")))
+            (size,) = auth.HEADER.unpack(self._recv(auth.HEADER.size))
+            self._recv(size + auth.TAG)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_unauthenticated_connect_flood_from_one_address_does_not_keep_fresh_peers_out():
+    """The report: a peer without the secret churning thousands of connects a second left 0 of
+    25 fresh sessions served (each evicted before its handshake), reported as a secret mismatch."""
+    srv = VectorServer({"7/0": digest("7/0")}.get, bind="127.0.0.1", secret=SECRET)  # the shipped bounds
+    srv.start()
+    flood = Flooder(srv.port, "127.0.0.2")
+    outcomes = []
+    try:
+        # The flood is on: the server has had to turn its connections away.
+        assert wait_for(lambda: srv.counts.get("evicted_unauthenticated", 0) >= 100, 30.0), srv.counts
+        evicted_before = srv.counts["evicted_unauthenticated"]
+        deadline = time.monotonic() + 120.0
+        for _ in range(25):  # fresh sessions one after another, from 127.0.0.1, spread over the flood
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+            client = VectorClient(timeout_ms=5000, secret=SECRET)
+            try:
+                got = client.fetch(srv.endpoint, "7/0")
+                outcomes.append((got is not None and got.key == "7/0", dict(client.failures)))
+            finally:
+                client.close()
+        evicted_during = srv.counts["evicted_unauthenticated"] - evicted_before
+    finally:
+        made = flood.stop()
+        srv.close()
+    assert evicted_during >= 25, (evicted_during, made)  # the flood went on all along
+    assert outcomes == [(True, {})] * 25, outcomes
+
+
+def test_one_key_holder_holding_every_session_cannot_keep_a_new_peer_out():
+    """The report: one key holder pinging 64 sessions starved every other peer."""
+    srv = VectorServer({"7/0": digest("7/0")}.get, bind="127.0.0.1", secret=SECRET)  # 64 sessions
+    srv.start()
+    hog, others = [], []
+    peer = VectorClient(timeout_ms=5000, secret=SECRET)
+    try:
+        hog.extend(KeyHolder(srv.endpoint, "127.0.0.2") for _ in range(64))
+        assert all(h.ping() for h in hog) and srv.connections == 64
+        got = peer.fetch(srv.endpoint, "7/0")  # a new peer, from 127.0.0.1
+        assert got is not None and peer.failures == {}
+        assert sum(h.ping() for h in hog) == 63  # one of the key holder's sessions made room
+        # It keeps pinging and opens 64 sessions more: it only ever pushes out its own.
+        for _ in range(64):
+            hog.append(KeyHolder(srv.endpoint, "127.0.0.2"))
+        assert sum(h.ping() for h in hog) == 63 and srv.connections == 64
+        assert peer.fetch(srv.endpoint, "7/0") is not None and peer.failures == {}
+        # Peers from further addresses are each admitted, and the first one still is.
+        others.extend(KeyHolder(srv.endpoint, f"127.0.0.{n}") for n in (3, 4, 5))
+        assert all(o.ping() for o in others)
+        assert sum(h.ping() for h in hog) == 60 and srv.connections == 64
+        assert peer.fetch(srv.endpoint, "7/0") is not None and peer.failures == {}
+    finally:
+        for h in hog + others:
+            h.close()
+        peer.close()
+        srv.close()
+
+
+def test_the_client_reports_busy_not_a_secret_mismatch_when_turned_away_for_load(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, "dsv4_idxk_probe.exchange")
+    srv = VectorServer({"7/0": digest("7/0")}.get, bind="127.0.0.1", secret=SECRET, max_pending=1)
+    srv.start()
+    client = VectorClient(timeout_ms=5000, secret=SECRET)
+    turned_away = threading.Event()
+    real_proof = auth.client_proof
+
+    def held_proof(*args):  # the client answers the greeting only once the server has turned it away
+        turned_away.wait(10.0)
+        return real_proof(*args)
+
+    monkeypatch.setattr(auth, "client_proof", held_proof)
+    result = {}
+    asking = threading.Thread(target=lambda: result.update(got=client.fetch(srv.endpoint, "7/0")), daemon=True)
+    asking.start()
+    other = None
+    try:
+        assert wait_for(lambda: srv.pending == 1, 10.0)  # greeted, answering
+        other = socket.create_connection(srv.endpoint)  # one more from the same address: past its share
+        assert wait_for(lambda: srv.counts.get("evicted_unauthenticated", 0) == 1, 10.0)
+        turned_away.set()
+        asking.join(15.0)
+        assert not asking.is_alive() and result["got"] is None
+        assert client.failures == {"busy": 1}
+        assert not [r for r in caplog.records if "credentials" in r.getMessage() or "secret" in r.getMessage()]
+        assert client.backoff_left(srv.endpoint) <= client.backoff_initial_s < client.backoff_s  # not 5 s
+        monkeypatch.undo()
+        other.close()
+        got = client.fetch(srv.endpoint, "7/0", retry_s=5.0)  # asked again once the short backoff is over
+        assert got is not None and client.failures["busy"] == 1 and set(client.failures) <= {"busy", "peer_down"}
+    finally:
+        turned_away.set()
+        if other is not None:
+            other.close()
+        client.close()
+        srv.close()
+
+
+def test_the_new_kinds_have_their_series_created_at_start_and_every_count_is_one_of_them():
+    class Series:  # exchange_errors_total{kind}, as the server uses it (one thread)
+        def __init__(self):
+            self.values, self.kind = {}, None
+
+        def labels(self, kind):
+            self.values.setdefault(kind, 0)
+            self.kind = kind
+            return self
+
+        def inc(self, n=1):
+            self.values[self.kind] += n
+
+    class Metrics:
+        exchange_errors = Series()
+
+    metrics = Metrics()
+    srv = VectorServer({"7/0": digest("7/0")}.get, bind="127.0.0.1", secret=SECRET, metrics=metrics,
+                       max_connections=1)
+    srv.start()
+    clients = [VectorClient(timeout_ms=2000, secret=SECRET) for _ in range(2)]
+    try:
+        assert set(SERVER_KINDS) >= {"evicted_unauthenticated", "evicted_authenticated", "refused_connections"}
+        assert metrics.exchange_errors.values == dict.fromkeys(SERVER_KINDS, 0)
+        assert all(c.fetch(srv.endpoint, "7/0") is not None for c in clients)
+        assert metrics.exchange_errors.values["evicted_authenticated"] == 1
+        assert set(srv.counts) <= set(SERVER_KINDS)
+    finally:
+        for c in clients:
+            c.close()
         srv.close()

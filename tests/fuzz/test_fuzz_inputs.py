@@ -1,22 +1,24 @@
-"""Random bytes and random JSON values into every parser that meets outside input
-(issue 17): the exchange decoders, the room-log reader and analysis, the config
+"""Random bytes and random JSON values into every parser that meets outside input:
+the exchange decoders, the room-log reader and analysis, the config
 and fault-spec loaders. Each must give a valid result or its own named error,
 never another exception. Moderate example counts: CI runs this on 2 cores."""
 
 from __future__ import annotations
 
 import json
+import math
 import string
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4_idxk_probe.config import ConfigError, load_file, parse_config
 from dsv4_idxk_probe.exchange.protocol import ExchangeError, decode_request, decode_response
+from dsv4_idxk_probe.offline.join import _Joiner, analyse
+from dsv4_idxk_probe.offline.results import Analysis
+from dsv4_idxk_probe.offline.validation import RecordError
 from dsv4_idxk_probe.roomlog import encode_line
-from dsv4_idxk_probe.offline.analysis import Analysis, RecordError, _Joiner, analyse
 from dsv4_idxk_probe.roomlog.lineformat import LineError, decode_line
 from dsv4_idxk_probe.roomlog.reader import read_file
 from dsv4_idxk_probe.testbed.faults.spec import FaultSpecError, parse_fault_spec
@@ -161,3 +163,71 @@ def test_fault_spec_parser_on_random_text(text):
         parse_fault_spec(text)
     except FaultSpecError:
         pass
+
+
+# %% reliability round two: anchors and aliases, numbers past every bound
+
+
+def _loaders():
+    from dsv4_idxk_probe.sglang.targets import TargetFileError, parse_target_table
+
+    def config(text):
+        from pathlib import Path
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "probe.yaml"
+            path.write_text(text)
+            load_file(path)
+
+    return [(config, ConfigError), (parse_fault_spec, FaultSpecError),
+            (lambda text: parse_target_table(text, "t.yaml"), TargetFileError)]
+
+
+@FUZZ
+@given(json_values, st.sampled_from(["targets", "faults", "mode", "hicache"]), st.integers(1, 9))
+def test_every_yaml_loader_refuses_anchors_and_aliases(value, key, uses):
+    flow = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
+    text = f"{key}: [&v {flow}" + ", *v" * uses + "]\n"
+    for load, error in _loaders():
+        try:
+            load(text)
+        except error as exc:
+            assert "anchors and aliases are not accepted" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{text!r} was accepted")
+
+
+NUMERIC_FIELDS = [("exchange", k) for k in ("port_base", "timeout_ms", "table_size", "max_request_bytes", "backoff_s",
+                                            "backoff_initial_s", "retry_s", "max_connections", "idle_s")] + [
+    ("roomlog", k) for k in ("max_bytes", "max_files", "queue_size")] + [("metrics", "port")] + [
+    ("diagnosis", k) for k in ("journal_events", "journal_per_page", "index_cells", "max_cells_per_room")] + [
+    (None, "step_interval")]
+huge = st.integers(-(10**6000), 10**6000) | st.integers(-(2**80), 2**80) | st.floats()
+
+
+@FUZZ
+@given(st.sampled_from(NUMERIC_FIELDS), huge)
+def test_config_numbers_are_in_range_or_a_config_error(field, value):
+    section, key = field
+    try:
+        config = parse_config({key: value} if section is None else {section: {key: value}}, "fuzz.yaml")
+    except ConfigError as exc:
+        assert len(str(exc)) < 300
+        return
+    got = getattr(config, key) if section is None else getattr(getattr(config, section), key)
+    assert got is not None and math.isfinite(got) and 0 <= got <= 1 << 36
+
+
+@FUZZ
+@given(st.sampled_from(["guard_stack_logs", "flush_interval_s", "index_queue_max", "roundtrip_max_entries"]), huge)
+def test_hicache_numbers_are_in_their_range_or_an_error(key, value):
+    from dsv4_idxk_probe.hicache.settings import RANGES, HiCacheConfigError, parse_settings
+
+    try:
+        settings = parse_settings({key: value})
+    except HiCacheConfigError as exc:
+        assert len(str(exc)) < 300
+        return
+    low, high = RANGES[key]
+    assert low <= getattr(settings, key) <= high

@@ -186,7 +186,7 @@ def test_a_pool_that_cannot_be_registered_is_tried_once_not_on_every_copy(hicach
 def test_host_pool_records_are_read_by_diff_without_errors(hicache, make_pool, standins, tmp_path):
     """Found with SGLang's own servers: the pool's start-up record had no schema version,
     and `diff` counted every host-pool record of a prefill log as a bad line."""
-    from dsv4_idxk_probe.offline.analysis import analyse
+    from dsv4_idxk_probe.offline.join import analyse
     from dsv4_idxk_probe.roomlog.lineformat import encode_line
 
     env = hicache()

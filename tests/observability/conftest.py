@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from logdata import write_logs  # noqa: E402
+from tests.support.logdata import write_logs
 
 
 @pytest.fixture

@@ -14,18 +14,15 @@ on CUDA; the run is on CPU) and "Patch targets" (the rig patches nothing).
 from __future__ import annotations
 
 import shutil
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from promql import dashboard_gaps
-from test_prometheus_live import LOOPBACK, Prometheus, free_port, wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
-from rigutil import run  # noqa: E402
+from dsv4_idxk_probe.testbed.builtin.config import RigConfig, explicit_plan
 
-from dsv4_idxk_probe.testbed.builtin.config import RigConfig, explicit_plan  # noqa: E402
+from tests.support.prometheus_server import LOOPBACK, Prometheus, free_port, wait_for
+from tests.support.promql import dashboard_gaps
+from tests.support.rigutil import run
 
 WANTED = {("dsv4_idxk_probe_rooms_digested_total", "prefill"), ("dsv4_idxk_probe_rooms_verified_total", "decode"),
           ("dsv4_idxk_probe_mismatch_cells_total", "decode"), ("dsv4_idxk_probe_first_divergence_total", "decode")}

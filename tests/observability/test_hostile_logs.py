@@ -8,11 +8,12 @@ import gzip
 import json
 import os
 import subprocess
+import re
 import sys
 from pathlib import Path
 
 import pytest
-from logdata import LAYER_IDS, LAYOUT, N_TOKENS, RoomPlan, room_records
+from tests.support.logdata import LAYER_IDS, LAYOUT, N_TOKENS, Fault, RoomPlan, room_records
 
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.digest.reference import digest_room
@@ -95,7 +96,7 @@ def test_compare_calls_equal_signature_digests_of_other_layers_not_comparable():
     import dataclasses
 
     from dsv4_idxk_probe.digest.result import compare
-    from logdata import _buffers
+    from tests.support.logdata import _buffers
 
     import numpy as np
 
@@ -269,3 +270,130 @@ def test_version_and_the_exit_table_in_help(capsys):
             run(argv)
         out = capsys.readouterr().out
         assert "exit status (every command):" in out and "3    internal error" in out
+
+
+# %% Reliability round two: hostile text, huge rids, odd kinds
+
+# What a terminal or a page must never receive raw: C0 (but the newlines that end lines), DEL, C1,
+# bidi controls, lone surrogates.
+UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+HOSTILE = "rid\x1b[2J\x1b]52;c;ZXZpbA==\x07\x1b]0;owned\x07\nforged row\u202eevil\u2066\x9b31m"
+
+
+def _hostile_logs(tmp_path):
+    """A mismatching room whose rids, pool names and a diagnosis carry terminal escapes and
+    bidi overrides; a file whose name does; a skipped line in it; an odd record kind."""
+    from tests.support.logdata import hicache_record, roundtrip_record
+
+    prefill, decode = room_records(RoomPlan(1, fault=Fault(0, 0, 0)))
+    for rec in prefill + decode:
+        rec["rid"] = HOSTILE
+    hicache = hicache_record("pool\x1b[31m\u202e", "token\x1b]0;x\x07", "d2h\n")
+    roundtrip = roundtrip_record()
+    roundtrip["pool"] = "rt\x1b[2J\u202e"
+    odd = {"v": 1, "kind": "kind\x1b[2J\u202e", "ts": 0.0}
+    write_lines(tmp_path / "p.jsonl", prefill)
+    name = tmp_path / "d\x1b[31m\u202e.jsonl"
+    name.write_bytes(b"".join(encode_line(r) for r in [*decode, hicache, roundtrip, odd]) + b"not json\n")
+    return tmp_path
+
+
+def test_diff_prints_no_control_or_bidi_character_from_the_logs(tmp_path, capsys):
+    logs = _hostile_logs(tmp_path)
+    assert run(["diff", str(logs), "--max-errors", "5"]) == 1
+    captured = capsys.readouterr()
+    for stream in (captured.out, captured.err):
+        assert not UNSAFE.search(stream), UNSAFE.search(stream)
+    assert "rid\\x1b[2J\\x1b]52;c;ZXZpbA==\\x07" in captured.out  # the rid is there, escaped
+    assert "\\u202e.jsonl:" in captured.err and "skipped " in captured.err  # the file name too
+    assert "forged row" not in captured.out.split("\n")[0]
+
+
+def test_diff_json_to_a_terminal_escapes_them_and_reads_back_the_same(tmp_path, capsys):
+    logs = _hostile_logs(tmp_path)
+    assert run(["diff", str(logs), "--json", "-"]) == 1
+    captured = capsys.readouterr()
+    assert not UNSAFE.search(captured.out) and not UNSAFE.search(captured.err)
+    report = json.loads(captured.out)
+    assert report["rooms"][0]["rid"] == {"prefill": HOSTILE, "decode": HOSTILE}  # the data is unchanged
+
+
+def test_report_html_carries_no_control_or_bidi_character_from_the_logs(tmp_path, capsys):
+    logs = _hostile_logs(tmp_path)
+    out = tmp_path / "r.html"
+    assert run(["report", str(logs), "-o", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    text = page.replace("\n", "")
+    assert not UNSAFE.search(text), UNSAFE.search(text)
+    assert "\\u202e" in page and "\\x1b[2J" in page
+    captured = capsys.readouterr()
+    assert not UNSAFE.search(captured.out) and not UNSAFE.search(captured.err)
+
+
+def test_a_lone_surrogate_record_kind_does_not_crash_report_to_a_file(tmp_path, capsys):
+    """The kind is counted under its escape: `report -o FILE` exited 3 (UnicodeEncodeError)."""
+    prefill, decode = one_room()
+    odd = {"v": 1, "kind": "k\ud800", "ts": 0.0}
+    write_lines(tmp_path / "p.jsonl", prefill)
+    write_lines(tmp_path / "d.jsonl", [*decode, odd])
+    out = tmp_path / "r.html"
+    assert run(["report", str(tmp_path), "-o", str(out)]) == 0
+    assert "k\\ud800 1" in out.read_text(encoding="utf-8")
+    assert run(["diff", str(tmp_path), "--json", str(tmp_path / "d.json")]) == 0
+    assert json.loads((tmp_path / "d.json").read_text())["summary"]["records"]["k\\ud800"] == 1
+
+
+def test_a_million_made_up_kinds_are_counted_in_a_bounded_table(tmp_path):
+    from dsv4_idxk_probe.offline.join import MAX_KINDS, OTHER_KINDS
+
+    prefill, decode = one_room()
+    odd = [{"v": 1, "kind": f"kind-{i}-" + "x" * 500, "ts": 0.0} for i in range(300)]
+    write_lines(tmp_path / "d.jsonl", [*prefill, *decode, *odd])
+    assert run(["diff", str(tmp_path), "--json", str(tmp_path / "d.json")]) == 0
+    kinds = json.loads((tmp_path / "d.json").read_text())["summary"]["records"]
+    assert len(kinds) == MAX_KINDS + 1 and sum(kinds.values()) == 304 and kinds[OTHER_KINDS] > 200
+    assert max(map(len, kinds)) < 200
+
+
+@pytest.mark.parametrize("length", [100_000, 9 << 20])
+def test_a_huge_rid_is_cut_with_a_marker_and_its_room_still_judged(tmp_path, capsys, caplog, length):
+    """A 9 MiB rid put its line over the 8 MiB line bound: the room vanished and the diff
+    exited 2. The rid is cut when read, the room kept and judged, and the cut logged."""
+    prefill, decode = one_room()
+    huge = "q" * length
+    for rec in prefill + decode:
+        rec["rid"] = huge
+    write_lines(tmp_path / "p.jsonl", prefill)
+    write_lines(tmp_path / "d.jsonl", decode)
+    out = tmp_path / "d.json"
+    assert run(["diff", str(tmp_path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["room_verdicts"] == {"match": 1} and report["summary"]["bad_lines"] == 0
+    rid = report["rooms"][0]["rid"]["decode"]
+    assert rid.startswith("q" * 256) and len(rid) < 400 and "rid cut to 256 characters" in rid
+    assert f"{length:,}" in rid  # how long it was
+    assert len(capsys.readouterr().out) < 20_000
+    said = [r.getMessage() for r in caplog.records if "rid cut to 256 characters" in r.getMessage()]
+    assert sorted(m.split(":")[0].rsplit("/", 1)[-1] for m in said) == ["d.jsonl", "p.jsonl"]  # once a file
+
+
+def test_a_long_line_is_still_skipped_when_its_excess_is_not_the_rid(tmp_path, capsys):
+    prefill, decode = one_room()
+    bad = copy.deepcopy(decode[0])
+    bad["reason"] = "r" * (9 << 20)
+    write_lines(tmp_path / "p.jsonl", prefill)
+    write_lines(tmp_path / "d.jsonl", [bad, *decode[1:]])
+    assert run(["diff", str(tmp_path)]) == 2
+    assert "d.jsonl:1: line is over 8,388,608 bytes (skipped unread)" in capsys.readouterr().err
+
+
+def test_a_squeezed_line_must_still_match_its_checksum(tmp_path, capsys):
+    prefill, decode = one_room()
+    rec = copy.deepcopy(decode[0])
+    rec["rid"] = "q" * (9 << 20)
+    line = bytearray(encode_line(rec))
+    line[100] ^= 1  # edited after it was written
+    write_lines(tmp_path / "p.jsonl", prefill)
+    (tmp_path / "d.jsonl").write_bytes(bytes(line))
+    assert run(["diff", str(tmp_path)]) == 2
+    assert "d.jsonl:1: line is over 8,388,608 bytes" in capsys.readouterr().err

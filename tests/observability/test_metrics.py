@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -113,20 +114,31 @@ def test_inside_sglang_nothing_is_started(monkeypatch, tmp_path):
 
 
 CHILD = """
+import sys
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
 m = ProbeMetrics(labels={{"model_name": "m", "engine_type": "decode", "tp_rank": "{rank}", "pp_rank": "0", "moe_ep_rank": "0"}})
 m.zero_pd_series()
 m.rooms_verified.labels(stage="decode_finish", verdict="mismatch").inc(3)
 m.set_patch_target("hicache.backup", "missing", required=True)
 m.digest_gpu_seconds.labels(stage="decode_recv").observe(0.002)
+print("ready", flush=True)
+sys.stdin.readline()
 """
 
 
 def test_multiprocess_directory_reaches_the_hosts_collector(tmp_path):
-    """Two scheduler processes write; the host's MultiProcessCollector (as SGLang's /metrics) reads both."""
+    """Two scheduler processes, running side by side as SGLang's ranks do, write; the host's
+    MultiProcessCollector (as SGLang's /metrics) reads both. (One started after the other had
+    exited would forget that one's gauges: test_a_restarted_process_...)"""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    for rank in (0, 1):
-        subprocess.run([sys.executable, "-c", CHILD.format(rank=rank)], env=env, check=True, timeout=120)
+    children = [subprocess.Popen([sys.executable, "-c", CHILD.format(rank=rank)], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE) for rank in (0, 1)]
+    try:
+        assert [c.stdout.readline().strip() for c in children] == ["ready", "ready"]
+    finally:
+        for c in children:
+            c.communicate("\n", timeout=120)
+    assert [c.returncode for c in children] == [0, 0]
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
     for rank in ("0", "1"):
@@ -137,6 +149,60 @@ def test_multiprocess_directory_reaches_the_hosts_collector(tmp_path):
             "dsv4_idxk_probe_patch_target_status", {**labels, "target": "hicache.backup", "status": "missing"}) == 1
         assert registry.get_sample_value(
             "dsv4_idxk_probe_digest_gpu_seconds_count", {**labels, "stage": "decode_recv"}) == 1
+
+
+RESTART_LABELS = {"model_name": "m", "engine_type": "decode", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+CRASHED_BROKEN = f"""
+import os, signal
+from prometheus_client import REGISTRY
+from dsv4_idxk_probe.metrics.definitions import ProbeInfo, process_labels
+ProbeInfo(REGISTRY, process_labels({RESTART_LABELS!r})).set("broken", "config_error")
+os.kill(os.getpid(), signal.SIGKILL)  # as a scheduler killed by its parent
+"""
+RESTARTED_ON = f"""
+import json
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+ProbeMetrics(labels={RESTART_LABELS!r}).set_patch_target("pd.send_kv_chunk", "patched", required=True)
+registry = CollectorRegistry()
+MultiProcessCollector(registry)
+print(json.dumps(sorted([s.labels["state"], s.value] for f in registry.collect() if f.name == "dsv4_idxk_probe_info"
+                        for s in f.samples)))
+"""
+
+
+def test_a_restarted_process_does_not_show_the_dead_ones_state(tmp_path):
+    """Issue "Reliability round two": a scheduler that failed (broken) was killed and restarted
+    with the same labels; SGLang's /metrics showed broken and on at once, for good."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    crashed = subprocess.run([sys.executable, "-c", CRASHED_BROKEN], env=env, timeout=120)
+    assert crashed.returncode == -9
+    out = subprocess.run([sys.executable, "-c", RESTARTED_ON], env=env, timeout=120, check=True,
+                         capture_output=True, text=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [["on", 1.0]], out.stdout
+
+
+def test_gauge_files_of_gone_processes_and_of_a_reused_pid_are_forgotten(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60)
+    dead_pid, me = int(dead.stdout), os.getpid()
+    names = {
+        f"gauge_livemax_{dead_pid}.db": False,  # its process is gone
+        f"gauge_liveall_{dead_pid}.db": False,
+        f"gauge_max_{dead_pid}.db": True,  # not a live gauge: prometheus_client keeps it by design
+        f"counter_{dead_pid}.db": True,
+        f"gauge_livemax_{me}.db": True,  # this process, written since it started
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    reused = tmp_path / "gauge_livesum_1.db"  # pid 1 runs, and started after this file was last written
+    reused.write_bytes(b"")
+    os.utime(reused, (0, 0))
+    forgotten = serving.forget_dead_processes(tmp_path)
+    assert dead_pid in forgotten and me not in forgotten and 1 in forgotten
+    assert {name: (tmp_path / name).exists() for name in names} == names
+    assert not reused.exists()
 
 
 def test_every_metric_is_documented():

@@ -7,12 +7,12 @@ import shutil
 import subprocess
 
 import pytest
-from logdata import Fault, RoomPlan, hicache_record, room_records, roundtrip_record
+from tests.support.logdata import Fault, RoomPlan, hicache_record, room_records, roundtrip_record
 from PIL import Image
 
 from dsv4_idxk_probe.cli.main import run
+from dsv4_idxk_probe.offline.report_html import HEAT
 from dsv4_idxk_probe.roomlog import RoomLogWriter
-from dsv4_idxk_probe.offline.html import HEAT
 
 CHROMIUM_TIMEOUT_S = 90
 
@@ -167,7 +167,7 @@ def test_cross_room_heat_counts_rooms_per_layer_and_page_bucket(logs, tmp_path):
 
 def test_time_axis_has_readable_ticks(logs, tmp_path):
     page = make_report(logs, tmp_path, [RoomPlan(1), RoomPlan(2)])
-    from dsv4_idxk_probe.offline.html import TIME_TICKS
+    from dsv4_idxk_probe.offline.report_html import TIME_TICKS
 
     ticks = re.findall(r'<text class="tick"[^>]*>([^<]+)</text>', page.read_text())
     assert len(ticks) == TIME_TICKS + 1
@@ -185,3 +185,92 @@ def test_a_hundred_persistently_corrupt_rooms_keep_the_page_bounded(logs, tmp_pa
     assert html.count('<svg class="heatmap"') == 50 and html.count('<a href="#room-') == 50
     height = page_height(tmp_path, page, width)
     assert 1000 < height < bound, height
+
+
+# %% Reliability round two: the page's size is bounded whatever the logs hold
+
+
+def _digest(layers: int, pages: int, value: int) -> dict:
+    """A digest as the logs carry it: every cell and page folded to `value`."""
+    h = f"{value:016x}"
+    return {"key": "1/0", "signature": "00000000000004d2", "n_tokens": pages * 256, "layer_ids": list(range(layers)),
+            "segments": ["payload"], "room": h, "layer_segment": [[h] for _ in range(layers)], "pages": [h] * pages}
+
+
+def _wholly_corrupt(room: int, layers: int, pages: int, rid: str | None = None) -> list[dict]:
+    """A room whose every layer and page differs on decode: the largest heatmap it can draw."""
+    base = {"v": 1, "kind": "room", "ts": 1.7e9, "instance": "h:1", "room": str(room), "attempt": 0, "step": None,
+            "layout": "fp8", "verdict": "match", "reason": "", "rid": rid}
+    return [dict(base, role="prefill", stage="prefill_send", digest=_digest(layers, pages, 0)),
+            dict(base, role="decode", stage="decode_recv", digest=_digest(layers, pages, room))]
+
+
+def _write(path, records):
+    from dsv4_idxk_probe.roomlog import encode_line
+
+    path.write_bytes(b"".join(encode_line(r) for r in records))
+    return path
+
+
+@pytest.mark.parametrize("shape", ["one room of 12,000 layers x 12,000 pages", "50 rooms of 64 layers x 512 pages"])
+def test_a_hostile_megabyte_of_log_makes_a_bounded_page(tmp_path, shape):
+    """1 MB of log made 1.16 GB of HTML (heatmaps were never binned: one rectangle per
+    red cell) and 50 wholly corrupt rooms 171 MiB. Now a heatmap is at most MAX_HEAT_ROWS x
+    MAX_COLUMNS bins in at most MAX_HEAT_RECTS rectangles, and the page at most MAX_REPORT_BYTES."""
+    from dsv4_idxk_probe.offline.report_html import MAX_HEAT_RECTS, MAX_REPORT_BYTES
+
+    if shape.startswith("one"):
+        records = _wholly_corrupt(1, 12_000, 12_000)
+    else:
+        records = [r for room in range(1, 51) for r in _wholly_corrupt(room, 64, 512)]
+    log = _write(tmp_path / "log.jsonl", records)
+    assert 0.9e6 < log.stat().st_size < 1.3e6
+    out = tmp_path / "r.html"
+    assert run(["report", str(log), "-o", str(out)]) == 0
+    size = out.stat().st_size
+    assert size <= MAX_REPORT_BYTES and size < 2 << 20, f"{size:,} bytes"
+    html = out.read_text()
+    for svg in re.findall(r'<svg class="heatmap".*?</svg>', html):
+        assert svg.count('class="cell"') <= MAX_HEAT_RECTS
+        assert len(re.findall(r"<text ", svg)) <= 64 + 512
+    assert html.count('<svg class="heatmap"') == (1 if shape.startswith("one") else 50)
+
+
+def test_alternating_cells_are_binned_coarser_not_drawn_one_by_one(tmp_path):
+    """Every other layer and every other page differs: the worst case for blocks of red cells."""
+    from dsv4_idxk_probe.offline.report_html import MAX_HEAT_RECTS
+
+    prefill, decode = _wholly_corrupt(1, 64, 4096)
+    decode["digest"]["layer_segment"] = [["0" * 16] if i % 2 else ["1" * 16] for i in range(64)]
+    decode["digest"]["pages"] = ["0" * 16 if i % 2 else "1" * 16 for i in range(4096)]
+    out = tmp_path / "r.html"
+    assert run(["report", str(_write(tmp_path / "log.jsonl", [prefill, decode])), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert 0 < html.count('class="cell"') <= MAX_HEAT_RECTS and "each column covers" in html
+
+
+def test_rooms_not_drawn_are_counted_and_a_rid_draws_one(tmp_path):
+    records = [r for room in range(1, 6) for r in _wholly_corrupt(room, 4, 8, rid=f"req-{room}")]
+    log = _write(tmp_path / "log.jsonl", records)
+    out = tmp_path / "r.html"
+    assert run(["report", str(log), "-o", str(out), "--max-rooms", "2"]) == 0
+    html = out.read_text()
+    assert html.count('<svg class="heatmap"') == 2
+    assert "3 not drawn" in html and "report --rid RID" in html
+    assert run(["report", str(log), "-o", str(out), "--max-rooms", "2", "--rid", "req-5"]) == 0
+    drawn = re.findall(r'<svg class="heatmap" data-room="([^"]+)"', out.read_text())
+    assert drawn == ["5/0"]
+    assert run(["report", str(log), "-o", str(out), "--rid", "no-such-rid"]) == 2
+
+
+def test_the_page_stops_drawing_rooms_at_its_size_cap(tmp_path, monkeypatch):
+    from dsv4_idxk_probe.offline import report_html
+
+    monkeypatch.setattr(report_html, "MAX_REPORT_BYTES", 120_000)
+    records = [r for room in range(1, 41) for r in _wholly_corrupt(room, 16, 64, rid=f"req-{room}")]
+    out = tmp_path / "r.html"
+    assert run(["report", str(_write(tmp_path / "log.jsonl", records)), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert out.stat().st_size <= 120_000
+    drawn = html.count('<svg class="heatmap"')
+    assert 0 < drawn < 40 and f"{40 - drawn} not drawn" in html and "stops drawing rooms" in html

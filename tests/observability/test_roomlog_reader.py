@@ -65,3 +65,70 @@ def test_binary_garbage_becomes_error_entries_with_line_numbers(tmp_path):
     assert any(e.record == {"v": 1, "room": "ok"} for e in entries)
     errors = [e for e in entries if e.error]
     assert errors and all(e.where.startswith(f"{path}:") for e in errors)
+
+
+# %% a torn final line (a crash mid-write) is not bad input
+
+
+def torn_copy(path, cut=20):
+    data = path.read_bytes()
+    path.write_bytes(data[:-cut])
+    return path
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_torn_final_line_is_skipped_and_counted_not_an_error(tmp_path, compress):
+    data = b"".join(encode_line({"v": 1, "kind": "room", "room": str(r)}) for r in range(3))[:-20]
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(gzip.compress(data) if compress else data)
+    entries = list(read_entries([path]))
+    assert [e.where for e in entries if e.error] == []  # a crash is not bad input
+    assert [e.record["room"] for e in entries] == ["0", "1"]
+    torn = []
+    assert list(read_entries([path], torn=torn)) == entries  # counted where the caller asks
+    assert [(e.where, e.record) for e in torn] == [(f"{path}:3", None)]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{"v":1,"kind":"ro\n' + encode_line({"v": 1, "room": "9"}),  # torn bytes with a line after them
+        b"garbage with no newline",  # not the start of a line
+        encode_line({"v": 1, "room": "9"})[:-1].replace(b'"9"', b'"8"'),  # whole, but edited
+    ],
+)
+def test_only_a_torn_final_line_is_forgiven(tmp_path, tail):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(encode_line({"v": 1, "room": "1"}) + tail)
+    entries = list(read_entries([path]))
+    assert [e.line for e in entries if e.error] == [2]
+    torn = []
+    list(read_entries([path], torn=torn))
+    assert torn == []
+
+
+def test_a_whole_final_line_without_its_newline_is_read(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(encode_line({"v": 1, "room": "1"}) + encode_line({"v": 1, "room": "2"})[:-1])
+    assert rooms_of([path]) == ["1", "2"]
+    torn = []
+    list(read_entries([path], torn=torn))
+    assert torn == []
+
+
+def test_diff_of_logs_with_a_torn_final_line_is_not_bad_input(logs, tmp_path):
+    """Issue "Reliability round two": a server killed mid-write left a torn last line, and
+    `diff` said bad input (exit 2) for that log set for good."""
+    try:
+        from tests.support.logdata import RoomPlan
+    except ImportError:
+        from logdata import RoomPlan
+    from dsv4_idxk_probe.cli.main import run
+
+    prefill, decode = logs([RoomPlan(i) for i in range(1, 4)])
+    torn_copy(sorted(decode.glob("*.jsonl"))[-1])
+    assert run(["diff", str(prefill), str(decode), "--json", str(tmp_path / "d.json")]) == 0
+    import json
+
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert report["summary"]["bad_lines"] == 0

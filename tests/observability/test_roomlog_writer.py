@@ -82,10 +82,14 @@ def test_rotation_never_has_more_than_max_files_on_disk(tmp_path, monkeypatch, m
     def visible() -> int:
         return sum(1 for p in tmp_path.iterdir() if not p.name.startswith("."))
 
-    real_replace, real_open = writer_module.os.replace, writer_module.os.open
+    real_replace, real_open, real_link = writer_module.os.replace, writer_module.os.open, writer_module.os.link
 
     def replace(*args, **kwargs):
         real_replace(*args, **kwargs)
+        seen.append(visible())
+
+    def link(*args, **kwargs):  # the .gz comes into place by a link (never over another file)
+        real_link(*args, **kwargs)
         seen.append(visible())
 
     def open_(*args, **kwargs):
@@ -95,6 +99,7 @@ def test_rotation_never_has_more_than_max_files_on_disk(tmp_path, monkeypatch, m
 
     monkeypatch.setattr(writer_module.os, "replace", replace)
     monkeypatch.setattr(writer_module.os, "open", open_)
+    monkeypatch.setattr(writer_module.os, "link", link)
     writer = RoomLogWriter(tmp_path, "decode", max_bytes=2048, max_files=max_files, gzip_rotated=True)
     for i in range(300):
         writer.emit(record(i, pad=100))
@@ -124,7 +129,7 @@ def test_a_record_that_is_not_json_is_dropped_and_the_writer_goes_on(tmp_path):
     assert read_back(writer.files) == [1, 2] and writer.dropped == 1
 
 
-def test_a_torn_last_line_is_reported_and_the_rest_read(tmp_path):
+def test_a_torn_last_line_is_counted_as_torn_and_the_rest_read(tmp_path):
     writer = RoomLogWriter(tmp_path, "decode")
     for i in range(3):
         writer.emit(record(i))
@@ -133,8 +138,11 @@ def test_a_torn_last_line_is_reported_and_the_rest_read(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-20])  # a crash mid-write of the last line
     entries = list(read_entries([path]))
-    assert [e.record["room"] for e in entries if e.record] == ["0", "1"]
-    assert [(e.line, e.error is not None) for e in entries if e.record is None] == [(3, True)]
+    assert [e.where for e in entries if e.error] == []  # a crash is not bad input
+    assert [e.record["room"] for e in entries] == ["0", "1"]
+    torn = []
+    list(read_entries([path], torn=torn))
+    assert [(e.line, e.record) for e in torn] == [(3, None)] and "torn" in torn[0].error
 
 
 def test_a_new_writer_never_appends_to_an_old_file(tmp_path):
@@ -162,3 +170,208 @@ def test_bad_settings_are_refused(tmp_path, kwargs):
     args = {"role": "decode", **kwargs}
     with pytest.raises(ValueError):
         RoomLogWriter(tmp_path, **args)
+
+
+# %% a directory it shares (issue "Reliability round two")
+
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from dsv4_idxk_probe.roomlog import expand_inputs
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = b"root:only:secret\n"
+
+
+def secret_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+def holds_secret(directory) -> list[str]:
+    out = []
+    for p in directory.iterdir():
+        if p.is_symlink():  # the planted links themselves
+            continue
+        data = p.read_bytes()
+        if p.name.endswith(".gz"):
+            data = gzip.decompress(data)
+        if SECRET in data:
+            out.append(p.name)
+    return out
+
+
+def test_a_link_planted_at_the_next_file_name_is_never_followed(tmp_path):
+    """Names are predictable (role-host-pid.seq): a link at the next ones must neither be
+    appended to nor compressed into the directory; the writer skips the name."""
+    logs = tmp_path / "logs"
+    secret = secret_file(tmp_path)
+    writer = RoomLogWriter(logs, "decode", max_bytes=2048, max_files=1000, gzip_rotated=True, start=False)
+    planted = [writer._path(writer._seq + k) for k in range(4)]  # the first file and the next three
+    for link in planted:
+        link.symlink_to(secret)
+    writer.start()
+    for i in range(60):
+        writer.emit(record(i, pad=100))
+    writer.close()
+    assert secret.read_bytes() == SECRET, "the writer appended to the file a planted link points at"
+    assert holds_secret(logs) == [], "a planted link's target was copied into the log directory"
+    assert all(p.is_symlink() for p in planted), "a planted link was deleted or replaced"
+    assert read_back(writer.files) == list(range(60)) and writer.dropped == 0
+    assert not set(planted) & set(writer.files)
+
+
+def test_a_file_swapped_in_after_close_is_not_compressed_nor_deleted(tmp_path):
+    """Between closing a full file and compressing it, its name comes to hold someone else's
+    file (here a link to a root-only one): the writer checks by fd (inode, owner) and leaves it."""
+    logs = tmp_path / "logs"
+    secret = secret_file(tmp_path)
+    writer = RoomLogWriter(logs, "decode", max_bytes=2048, max_files=1000, gzip_rotated=True, start=False)
+    real_close = writer._close_file
+    swapped = []
+
+    def close_then_swap():
+        path = writer._files[-1] if writer._fd is not None and writer._files else None
+        real_close()
+        if path is not None and not swapped:
+            path.unlink()
+            path.symlink_to(secret)
+            swapped.append(path)
+
+    writer._close_file = close_then_swap
+    writer.start()
+    for i in range(40):
+        writer.emit(record(i, pad=100))
+    writer.close()
+    assert swapped, "the writer rotated"
+    assert secret.read_bytes() == SECRET
+    assert holds_secret(logs) == []
+    assert swapped[0].is_symlink(), "the swapped-in name was deleted"
+    assert not (logs / (swapped[0].name + ".gz")).exists()
+
+
+def test_modes_are_set_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        logs = tmp_path / "a" / "logs"  # parents too
+        writer = RoomLogWriter(logs, "decode", max_bytes=2048, max_files=10, gzip_rotated=True)
+        for i in range(40):
+            writer.emit(record(i, pad=100))
+        writer.close()
+        os.umask(0o077)
+        narrow = RoomLogWriter(tmp_path / "b", "decode", gzip_rotated=False)
+        narrow.emit(record(1))
+        narrow.close()
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(logs) == mode(logs.parent) == 0o750
+    files = list(logs.iterdir())
+    assert any(f.name.endswith(".gz") for f in files) and any(f.name.endswith(".jsonl") for f in files)
+    assert {f.name: mode(f) for f in files} == {f.name: 0o640 for f in files}
+    assert mode(tmp_path / "b") == 0o750 and [mode(f) for f in narrow.files] == [0o640]
+
+
+def refused(writer, n=3):
+    for i in range(n):
+        assert writer.emit(record(i)) is True  # never raises, never blocks
+    writer.close()
+    assert (writer.written, writer.dropped) == (0, n) and writer.write_errors >= 1
+
+
+def test_a_world_writable_directory_without_the_sticky_bit_is_refused(tmp_path, caplog):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    logs.chmod(0o777)
+    with caplog.at_level(logging.ERROR, "dsv4_idxk_probe.roomlog"):
+        writer = RoomLogWriter(logs, "decode")
+        refused(writer)
+    assert list(logs.iterdir()) == []
+    assert "writable by every user without the sticky bit" in caplog.text
+
+
+def test_a_sticky_world_writable_directory_is_accepted(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    logs.chmod(0o1777)  # as /tmp
+    writer = RoomLogWriter(logs, "decode")
+    writer.emit(record(1))
+    writer.close()
+    assert read_back(writer.files) == [1]
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch, caplog):
+    from dsv4_idxk_probe.roomlog import writer as writer_module
+
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        os.chown(logs, 4242, 4242)
+    else:  # we cannot give it away: become, to the writer, another user than its owner
+        monkeypatch.setattr(writer_module.os, "geteuid", lambda: os.getuid() + 1)
+    with caplog.at_level(logging.ERROR, "dsv4_idxk_probe.roomlog"):
+        refused(RoomLogWriter(logs, "decode"))
+    assert list(logs.iterdir()) == [] and "neither this process's user" in caplog.text
+
+
+def test_a_group_writable_directory_is_used_with_a_warning(tmp_path, caplog):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    logs.chmod(0o770)
+    with caplog.at_level(logging.WARNING, "dsv4_idxk_probe.roomlog"):
+        writer = RoomLogWriter(logs, "decode")
+        writer.emit(record(1))
+        writer.close()
+    assert read_back(writer.files) == [1]
+    assert "group-writable" in caplog.text
+
+
+SAME_STEM_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import dsv4_idxk_probe.roomlog.writer as w
+
+    logs, tag, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    w._file_stem = lambda role: role + "-samehost-7"  # two containers: same host name, same pid
+    writer = w.RoomLogWriter(logs, "decode", max_bytes=4096, max_files=100000, queue_size=100000)
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while not go.exists() and time.monotonic() < deadline:  # both start writing at once
+        time.sleep(0.001)
+    for i in range(n):
+        writer.emit({"v": 1, "kind": "room", "room": f"{tag}-{i}", "attempt": 0, "stage": "decode_recv",
+                     "pad": "x" * 60})
+        if i % 16 == 15:
+            writer.flush()
+    writer.close()
+    print(json.dumps({"written": writer.written, "dropped": writer.dropped}))
+""")
+
+
+def test_two_processes_with_the_same_file_stem_lose_no_record(tmp_path):
+    """Two writer processes (two ranks, two containers with the same host name and pid) in one
+    directory: each file belongs to one writer (O_EXCL), so all 2N records are read back."""
+    n = 1500
+    logs, go = tmp_path / "logs", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    children = [subprocess.Popen([sys.executable, "-c", SAME_STEM_CHILD, str(logs), tag, str(n), str(go)],
+                                 env=env, stdout=subprocess.PIPE, text=True) for tag in ("a", "b")]
+    assert [c.stdout.readline().strip() for c in children] == ["ready", "ready"]
+    go.touch()
+    outs = [json.loads(c.communicate(timeout=120)[0].strip().splitlines()[-1]) for c in children]
+    assert all(c.returncode == 0 for c in children)
+    entries = list(read_entries(expand_inputs([str(logs)])))
+    assert [e.error for e in entries if e.error] == []
+    rooms = [e.record["room"] for e in entries]
+    assert sorted(rooms) == sorted(f"{tag}-{i}" for tag in ("a", "b") for i in range(n)), (
+        f"{2 * n - len(set(rooms))} of {2 * n} records lost, {len(rooms) - len(set(rooms))} duplicated; {outs}")
+    assert outs == [{"written": n, "dropped": 0}] * 2

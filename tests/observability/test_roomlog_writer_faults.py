@@ -1,4 +1,4 @@
-"""The room-log writer when its disk fills or its directory disappears (issue 17)."""
+"""The room-log writer when its disk fills or its directory disappears."""
 
 from __future__ import annotations
 
@@ -92,3 +92,40 @@ def test_nan_or_infinity_drops_the_record_as_documented(tmp_path):
     writer.close()
     assert [e.record["room"] for e in entries(tmp_path)] == ["2"]
     assert writer.dropped == 2
+
+
+def test_a_dir_that_names_a_file_fails_closed_and_counted(tmp_path):
+    """roomlog.dir naming a file: Runtime.emit (the serving thread) must not raise; every record
+    is dropped and counted, and the failure is counted in errors_total."""
+    from prometheus_client import CollectorRegistry
+
+    from dsv4_idxk_probe.config import parse_config
+    from dsv4_idxk_probe.runtime import Runtime
+
+    (tmp_path / "not-a-dir").write_text("an operator's file\n")
+    config = parse_config({"roomlog": {"dir": "not-a-dir"}}, "probe.yaml", tmp_path)
+    registry = CollectorRegistry()
+    labels = {"model_name": "m", "engine_type": "decode", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+    runtime = Runtime(config, registry=registry, identity=lambda: labels)
+    for i in range(3):
+        runtime.emit(record(i))  # raised FileExistsError before
+    assert runtime._writer is not None and runtime._writer.flush()
+    writer = runtime._writer
+    runtime.close()
+    assert (tmp_path / "not-a-dir").read_text() == "an operator's file\n"
+    assert (writer.written, writer.dropped) == (0, 3) and writer.write_errors >= 1
+    assert registry.get_sample_value("dsv4_idxk_probe_records_dropped_total", {**labels, "sink": "roomlog"}) == 3
+    assert registry.get_sample_value("dsv4_idxk_probe_errors_total", {**labels, "component": "other"}) >= 1
+
+
+def test_a_directory_that_becomes_usable_is_written_again(tmp_path):
+    """Failing closed is not for good: once the path is a usable directory, records land again."""
+    path = tmp_path / "logs"
+    path.write_text("in the way\n")
+    writer = RoomLogWriter(path, "decode", gzip_rotated=False)
+    assert writer.emit(record(0)) and writer.flush()
+    path.unlink()
+    assert writer.emit(record(1)) and writer.flush()
+    writer.close()
+    assert [e.record["room"] for e in entries(path)] == ["1"]
+    assert (writer.written, writer.dropped) == (1, 1)

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "observability"))
+from tests.support.logdata import Fault, RoomPlan, write_logs
 
-from logdata import Fault, RoomPlan, write_logs  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sh(*cmd, cwd, env=None, timeout=300, expect=0):

@@ -1,20 +1,15 @@
 """bench/collector_cost.py keeps working: every room gets exactly one record per stage,
 and the per-room costs it reports are measured, not defaulted, with diagnosis off and on."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "collector_cost.py"
 
 
 @pytest.mark.parametrize("diagnosis", [False, True])
 def test_collector_cost_bench_writes_one_record_per_room_and_stage(tmp_path, diagnosis):
-    spec = importlib.util.spec_from_file_location("collector_cost", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import collector_cost as bench
+
     argv = ["--rooms", "40", "--count-rooms", "5", "--layers", "2", "--pages", "3", "--out", str(tmp_path)] + (["--diagnosis"] if diagnosis else [])
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "collector_cost.json").read_text())

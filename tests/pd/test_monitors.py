@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from recordsink import Sink
+from tests.support.recordsink import Sink
 
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels

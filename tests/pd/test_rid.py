@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
-from recordsink import Sink
 
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
 from dsv4_idxk_probe.pd.records import room_record
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observability"))
-from logdata import Fault, RoomPlan, room_records  # noqa: E402
+from tests.support.logdata import Fault, RoomPlan, room_records
+from tests.support.recordsink import Sink
 
 LAYER_IDS = [0, 1]
 LAYOUT = get_layout("fp8")
@@ -38,7 +36,7 @@ def test_monitors_write_the_rid_on_every_record():
         (sent7, sent8) = sorted(pre_sink.wait_for(2), key=lambda r: r["room"])
         assert sent7["rid"] == "req-prefill-7" and "extra" not in sent7
         assert sent8["rid"] is None
-        assert not prefill._extras, "extras are forgotten once the record is out"
+        assert len(prefill.recent) == 2  # the exchange's table; extras ride with the batch's callback, in no table
         pending.ready()
         inband = InbandDigest(int(pending.room_digests[0]), prefill.engine.signature, 100)
         decode.room_received(room, [0, 1], 100, inband, {"rid": "req-decode-7", "prefill_endpoint": "h:1"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
-from recordsink import Sink  # noqa: F401  (re-exported to the adapter tests)
+from tests.support.recordsink import Sink  # noqa: F401  (re-exported to the adapter tests)
 
 from dsv4_idxk_probe.config import parse_config
 from dsv4_idxk_probe.runtime import Runtime

@@ -8,7 +8,7 @@ import socket
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsv4_idxk_probe.sglang.pd_decode import all_reduce_max
+from dsv4_idxk_probe.sglang.enforce import all_reduce_max
 
 
 def _rank(rank: int, port: int, flags: list[int], results) -> None:
@@ -50,7 +50,7 @@ def _enforce_rank(rank: int, port: int, has_probe: bool, flags_fail: bool, resul
     from datetime import timedelta
     from types import SimpleNamespace
 
-    from dsv4_idxk_probe.sglang import pd_decode
+    from dsv4_idxk_probe.sglang import enforce
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=10))
@@ -59,7 +59,7 @@ def _enforce_rank(rank: int, port: int, has_probe: bool, flags_fail: bool, resul
             time.sleep(6)
             results[rank] = "no probe"
             return
-        agreed, _why = pd_decode.agree_on_enforce(dist.group.WORLD, timeout_s=3)
+        agreed, _why = enforce.agree_on_enforce(dist.group.WORLD, timeout_s=3)
         runtime = SimpleNamespace(sides={"decode": SimpleNamespace(active=True, enforce_agreed=agreed)},
                                   log=logging.getLogger("test"))
 
@@ -68,13 +68,12 @@ def _enforce_rank(rank: int, port: int, has_probe: bool, flags_fail: bool, resul
                 raise RuntimeError("this rank's probe broke after start")
             return [1 if rank == 0 else 0, 0]
 
-        pd_decode.mismatch_flags = flags
         dropped, kept = [], []
         scheduler = SimpleNamespace(attn_tp_cpu_group=dist.group.WORLD,
                                     _handle_kv_checksum_mismatch=lambda req, msg: dropped.append(req.rid))
         batch = SimpleNamespace(reqs=[SimpleNamespace(rid="a", bootstrap_room=1), SimpleNamespace(rid="b", bootstrap_room=2)],
                                 filter_batch=lambda keep_indices: kept.append(keep_indices))
-        pd_decode.enforce_batch(runtime, scheduler, batch)
+        enforce.enforce_batch(runtime, scheduler, batch, flags)
         results[rank] = (agreed, dropped, kept)
     finally:
         dist.destroy_process_group()

@@ -539,7 +539,7 @@ def test_port_base_plus_gpu_id(worlds):
 
 
 
-# %% findings of the SGLang-in-the-loop review (issue 16)
+# %% findings of the SGLang-in-the-loop review
 
 
 @pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,

@@ -73,7 +73,7 @@ def test_an_unlisted_installed_release_is_served_and_flagged_untested():
     assert not selection.tested and "pd.send_kv_metadata" in {t.name for t in selection.targets}
 
 
-ENTRY = "  - {{name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any{extra}}}\n"
+ENTRY = "  - {{name: a, module: m, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: true, role: any{extra}}}\n"
 
 
 def test_entries_sharing_a_name_need_disjoint_ranges():

@@ -75,16 +75,24 @@ targets:
 
 
 @pytest.mark.parametrize("entry, message", [
-    ("  - {name: a, module: m, qualname: C.f, kind: sideways, hook: 'p:f', required: true, role: any}",
+    ("  - {name: a, module: m, qualname: C.f, kind: sideways, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: true, role: any}",
      "t.yaml:3: targets[0] (a).kind must be one of ['before', 'after', 'around'], got 'sideways'"),
     ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p.f', required: true, role: any}",
      "t.yaml:3: targets[0] (a).hook must be 'package.module:factory'"),
-    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: yes please, role: any}",
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: yes please, role: any}",
      "t.yaml:3: targets[0] (a).required must be true or false"),
-    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any, colour: red}",
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: true, role: any, colour: red}",
      "t.yaml:3: targets[0] (a) has unknown field(s) ['colour']"),
-    ("  - {name: a, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any}",
+    ("  - {name: a, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: true, role: any}",
      "t.yaml:3: targets[0] (a).module must be a non-empty string"),
+    # a hook names only the probe's own wrapper factories (reliability round two)
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'sys:exit', required: true, role: any}",
+     "t.yaml:3: targets[0] (a).hook: 'sys:exit' is not one of the probe's wrapper factories"),
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.cli.main:run', required: true,"
+     " role: any}",
+     "t.yaml:3: targets[0] (a).hook: 'dsv4_idxk_probe.cli.main:run' is not one of the probe's wrapper factories"),
+    ("  - {name: a, module: m, qualname: C.f, kind: after, hook: 'p:f', required: true, role: any, role: decode}",
+     "t.yaml:3: key 'role' is given twice in one mapping (first at line 3)"),
 ])
 def test_bad_table_names_file_line_and_field(entry, message):
     with pytest.raises(TargetFileError) as info:
@@ -92,10 +100,18 @@ def test_bad_table_names_file_line_and_field(entry, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["sglang", "fork-prefill2-decode2"])
+def test_every_shipped_hook_is_one_the_allowlist_accepts(name):
+    from dsv4_idxk_probe.sglang.targets import hook_problem, read_table, shipped_target_path
+
+    table = read_table(shipped_target_path(name))
+    assert table.targets and [t.hook for t in table.targets if hook_problem(t.hook)] == []
+
+
 def test_duplicate_target_names_across_tables_are_refused(tmp_path):
     for name in ("one", "two"):
         (tmp_path / f"{name}.yaml").write_text(
-            "targets:\n  - {name: dup, module: m, qualname: C.f, kind: after, hook: 'p:f', required: false, role: any}\n"
+            "targets:\n  - {name: dup, module: m, qualname: C.f, kind: after, hook: 'dsv4_idxk_probe.sglang.x:make_f_wrapper', required: false, role: any}\n"
         )
     with pytest.raises(TargetFileError, match="target name 'dup' also defined at"):
         load_targets([str(tmp_path / "one.yaml"), str(tmp_path / "two.yaml")])

@@ -58,28 +58,29 @@ def cached_tokens(session) -> list[int]:
     return [int(n) for n in re.findall(r"#cached-token: (\d+)", session.cluster.logs["prefill"].read_text())]
 
 
-def test_rooms_backed_up_to_the_host_pool_and_loaded_back_take_the_page_branch_and_still_match(rig):
+def test_a_prompt_resent_after_filler_traffic_is_loaded_back_from_the_host_on_the_first_round(rig):
+    """The load path (`load_to_device_per_layer` on prefill) is reached: two rooms are backed
+    up, sixteen filler rooms push them out of the small device pool, and the two prompts sent
+    once more are prefix hits on the host pool, loaded back to the device in that very round."""
     first = workload.plan("hicache", workload.WorkloadOptions(rooms=2, seed=8, **PROMPTS))
     phase = rig.phase("first", first)
     assert phase.ok, describe(phase)
     assert wait_for(lambda: copies(rig, "d2h", "page") > 0), "nothing was backed up to the host pool"
 
-    # Other rooms push the first two out of the small device pool (to the host pool);
-    # then the first prompts again, until SGLang loads their pages back (three rounds at most).
     fill = workload.plan("fill", workload.WorkloadOptions(rooms=16, seed=9, **PROMPTS))
     phase = rig.phase("fill", [Request(10 + r.number, r.rid, r.input_ids, r.max_new_tokens) for r in fill])
     assert phase.ok, describe(phase)
     hits_before = sum(n > 0 for n in cached_tokens(rig))
-    for round_ in range(3):
-        again = [Request(100 + 10 * round_ + r.number, f"again{round_}-{r.number}", r.input_ids, r.max_new_tokens)
-                 for r in first]
-        phase = rig.phase(f"again{round_}", again)
-        assert phase.ok, describe(phase)
-        assert phase.verification.verdicts == {"match": len(again)}, describe(phase)
-        if wait_for(lambda: copies(rig, "h2d", "page") > 0, timeout_s=15):
-            break
-    assert copies(rig, "h2d", "page") > 0, "SGLang loaded nothing back from the host pool"
-    assert sum(n > 0 for n in cached_tokens(rig)) > hits_before, "the repeated prompts were no prefix hits"
+    loads_before, pages_before = copies(rig, "h2d", "page"), counters(rig, "hicache_pages_total", pool=INDEXER_POOL,
+                                                                       direction="h2d")
+    again = [Request(100 + r.number, f"again-{r.number}", r.input_ids, r.max_new_tokens) for r in first]
+    phase = rig.phase("again", again)
+    assert phase.ok, describe(phase)
+    assert phase.verification.verdicts == {"match": len(again)}, describe(phase)
+    assert wait_for(lambda: copies(rig, "h2d", "page") > loads_before, timeout_s=30), \
+        "the resent prompts loaded nothing back from the host pool (load_to_device_per_layer never ran)"
+    assert counters(rig, "hicache_pages_total", pool=INDEXER_POOL, direction="h2d") > pages_before
+    assert sum(n > 0 for n in cached_tokens(rig)) > hits_before, "the resent prompts were no prefix hits"
     # index-K stayed page-aligned: the token-granular branch was never taken
     assert copies(rig, "d2h", "token") == 0 and copies(rig, "h2d", "token") == 0
 
@@ -95,12 +96,14 @@ def test_rooms_backed_up_to_the_host_pool_and_loaded_back_take_the_page_branch_a
 
 # A byte of a frozen slot's payload, in the indexer host pool's copy of a page the room loads
 # back, after the backup stored it and before the load (docs/faults.md, in_host_pool).
+# Layer 3 is the model's second C4 layer (the index-K host pool's layer 1): every record and
+# line must name it 3, as `diff` names layers (global ids), not by its place in the pool.
 HOST_ROW_FAULT = """faults:
   - name: host-row-changed-while-resident
-    room: [300, 310, 320]
+    room: 300
     when: in_host_pool
     kind: byte_set
-    where: {segment: payload}
+    where: {layer: 3, segment: payload}
 """
 
 
@@ -125,38 +128,35 @@ def test_a_host_row_changed_between_backup_and_load_is_named_by_round_trip_with_
     (seed,) = workload.plan("hostrow", workload.WorkloadOptions(rooms=1, seed=21, **PROMPTS))
     phase = rig.phase("hostrow-seed", [Request(200, "hostrow-seed", seed.input_ids, seed.max_new_tokens)])
     assert phase.ok, describe(phase)
-    applied = []
-    for round_ in range(3):  # push the seed's pages out of the device pool, then load them back
-        fill = workload.plan(f"hrfill{round_}", workload.WorkloadOptions(rooms=16, seed=30 + round_, **PROMPTS))
-        phase = rig.phase(f"hostrow-fill{round_}",
-                          [Request(210 + 20 * round_ + r.number, r.rid, r.input_ids, r.max_new_tokens) for r in fill])
-        assert phase.ok, describe(phase)
-        again = Request(300 + 10 * round_, f"hostrow-{round_}", seed.input_ids, seed.max_new_tokens)
-        phase = rig.phase(f"hostrow{round_}", [again], faults=str(spec))
-        applied = [f for f in phase.faults if f["applied"]]
-        if applied:
-            break
+    # push the seed's pages out of the device pool, then send its prompt again: it is loaded back
+    fill = workload.plan("hrfill", workload.WorkloadOptions(rooms=16, seed=30, **PROMPTS))
+    phase = rig.phase("hostrow-fill", [Request(210 + r.number, r.rid, r.input_ids, r.max_new_tokens) for r in fill])
+    assert phase.ok, describe(phase)
+    phase = rig.phase("hostrow", [Request(300, "hostrow-again", seed.input_ids, seed.max_new_tokens)], faults=str(spec))
+    applied = [f for f in phase.faults if f["applied"]]
     assert applied, [f["reason"] for f in phase.faults]
     # the rig's own verdict: no digest point reported it, the oracle saw it on decode, and
-    # round trip named the row, the leg, the backup's verdict and the load (sim.verify)
+    # round trip named the row, the leg, the backup's verdict and the load (testbed.faults.verify)
     assert phase.ok, describe(phase)
     assert phase.verification.verdicts == {"match": 1}, describe(phase)
     (fault,) = applied
     (want,) = fault["roundtrip"]
     assert fault["effects"] and all(e["oracle_stage"] == "decode_recv" for e in fault["effects"]), fault
+    # the model's layer 3, the pool's layer 1: named 3 everywhere below, as `diff` names layers
+    assert (want["layer"], want["pool_layer"]) == (3, 1) and fault["target"]["layers"] == [3], fault
 
     # the room log (prefill): the host leg's mismatch, and the diagnosis with the journal's events
     records = hicache_records(rig)
     assert any(r.get("event") == "roundtrip_mismatch" and r["leg"] == "host" and r["host_row"] == want["host_row"]
                and r["layer"] == want["layer"] for r in records)
     (diag,) = [r for r in records if r.get("event") == "roundtrip_diagnosis"]
-    assert (diag["host_row"], diag["layer"], diag["device_page"], diag["leg"]) == (
-        want["host_row"], want["layer"], want["device_page"], "host")
+    assert (diag["host_row"], diag["layer"], diag["pool_layer"], diag["device_page"], diag["leg"]) == (
+        want["host_row"], 3, 1, want["device_page"], "host")
     assert diag["checks"] == {"d2h": "match", "host": "mismatch", "h2d": "match"}
     load = diag["events"][-1]
     assert (load["event"], load["page"], load["host_row"], load["pool"]) == (
         "hicache_load", want["device_page"], want["host_row"], INDEXER_POOL)
-    assert load["host_row_checks"]["host"] == "mismatch" and want["layer"] in load["host_row_checks"]["layers"]
+    assert load["host_row_checks"]["host"] == "mismatch" and load["host_row_checks"]["layers"] == [3]
 
     # the metrics and what an operator's `diff` prints
     assert counters(rig, "hicache_roundtrip_total", pool=INDEXER_POOL, leg="host", verdict="mismatch") >= 1
@@ -165,7 +165,7 @@ def test_a_host_row_changed_between_backup_and_load_is_named_by_round_trip_with_
     out = capsys.readouterr().out
     assert ("hicache round trip: 1 host row changed in host memory while resident (matched at backup), "
             "last event hicache_load") in out, out
-    assert (f"{INDEXER_POOL} host row {want['host_row']} layer {want['layer']}: changed in host memory while "
+    assert (f"{INDEXER_POOL} host row {want['host_row']} layer 3: changed in host memory while "
             f"resident (matched at backup); loaded into device page {want['device_page']}, last event hicache_load") in out
 
 
@@ -174,14 +174,10 @@ def test_sglangs_own_metrics_fill_every_dashboard_variable_and_panel(rig, tmp_pa
     shipped faults run: every dashboard variable returns its label and every panel a
     series (the HiCache rows included), but "Digest GPU time" (observed on CUDA only)."""
     import shutil
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observability"))
-    from promql import dashboard_gaps
-    from test_prometheus_live import Prometheus, wait_for as wait_until
 
     from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
+    from tests.support.prometheus_server import Prometheus, wait_for as wait_until
+    from tests.support.promql import dashboard_gaps
 
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: run .ci/install-test-services.sh (make test does)"

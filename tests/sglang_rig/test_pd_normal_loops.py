@@ -7,8 +7,10 @@ decode's radix cache cannot run with DeepSeek-V4 here (test_sglang_refusals.py).
 from __future__ import annotations
 
 import re
+import time
 
 from dsv4_idxk_probe.testbed.sglang import launch, workload
+from dsv4_idxk_probe.testbed.sglang.workload import Request
 from dsv4_idxk_probe.testbed.faults.summary import shipped_fault_spec
 
 from .conftest import decode_records, describe, pair_fixture
@@ -69,6 +71,66 @@ def test_aborted_requests_are_skipped_and_serving_goes_on(rig):
     assert not v.unexplained and not v.oracle_disagreements, describe(phase)
     assert v.verdicts.get("mismatch", 0) == 0 and v.verdicts.get("unverified", 0) == 0, describe(phase)
     assert judged <= set(phase.rooms), "a request sent after the aborts was not verified"
+
+
+def test_a_room_aborted_mid_decode_is_digested_at_its_release_and_judged(rig):
+    """docs/pd.md: a room aborted after decode received it keeps its pages until SGLang
+    releases them, so its `decode_finish` digest is taken there and judged, as for any
+    finished room; only rooms aborted before their receipt are `skipped`."""
+    (long,) = workload.plan("midabort", workload.WorkloadOptions(rooms=1, seed=11, min_prompt=600, max_prompt=700,
+                                                                min_new_tokens=6000, max_new_tokens=6000))
+    request = Request(long.number, long.rid, long.input_ids, long.max_new_tokens, abort_after_s=8.0)
+    phase = rig.phase("midabort", [request])
+    (outcome,) = phase.outcomes
+    assert outcome.status != 200, "the request finished before the client hung up: raise max_new_tokens"
+
+    def stages() -> dict[str, dict]:
+        return {r["stage"]: r for r in decode_records(rig) if r.get("rid") == request.rid}
+
+    deadline = time.monotonic() + 60
+    while "decode_finish" not in stages() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    seen = stages()
+    assert seen.get("decode_recv", {}).get("verdict") == "match", f"decode never received the room: {seen}"
+    assert "decode_step" in seen, "the client hung up before decode stepped the room: raise abort_after_s"
+    assert seen["decode_finish"]["verdict"] == "match", seen["decode_finish"]
+
+
+NEVER_REACHED = """faults:
+  - name: past-the-last-step
+    room: 2
+    when: {after_step: 500}
+    kind: zero_page
+"""
+
+
+def test_a_failed_transfer_leaves_a_record_and_a_fault_never_reached_is_recorded_not_applied(rig, tmp_path):
+    """Prefill fails room 1's first transfer at its last send (as its transfer worker does on
+    a NIXL error): SGLang aborts that room, and decode's room log says its transfer failed;
+    the router sends the request again, as a new room, which is served and judged. Room 2's
+    fault comes due after step 500 of a room that decodes 11: it is recorded "not applied:
+    room ended at step 11" when the room finishes."""
+    spec = tmp_path / "never.yaml"
+    spec.write_text(NEVER_REACHED)
+    requests = workload.plan("xfail", workload.WorkloadOptions(rooms=3, seed=5, shared_prefix_share=0.0,
+                                                              min_new_tokens=12, max_new_tokens=12))
+    phase = rig.phase("xfail", requests, faults=str(spec), fail_transfer=(1,))
+    assert phase.ok, describe(phase)
+    failed_rid = requests[0].rid
+    (event,) = [e for e in rig.events({failed_rid}) if e["event"] == "transfer_failed_on_purpose"]
+
+    def failed_records() -> list[dict]:
+        return [r for r in decode_records(rig) if int(r["room"]) == event["room"]]
+
+    deadline = time.monotonic() + 30
+    while not failed_records() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    records = failed_records()
+    assert [(r["stage"], r["verdict"], r["rid"]) for r in records] == [("decode_recv", "skipped", failed_rid)], records
+    assert records[0]["reason"] == "transfer failed: dsv4-idxk-probe rig: transfer failed on purpose", records[0]
+
+    (never,) = [f for f in phase.faults if f["rig_room"] == 2]
+    assert never["applied"] is False and never["reason"] == f"room ended at step {requests[1].max_new_tokens - 1}", never
 
 
 def test_the_warm_up_room_on_the_fake_bootstrap_host_is_skipped(rig):

@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...digest import DigestEngine, get_layout
-from ...diagnosis.tracker import decode_diagnosis
-from ...pd import DecodeMonitor, InbandDigest, RoomId
+from ...digest import get_layout
+from ...pd import DecodeAssembly, InbandDigest, RoomId
+from ...pd.assembly import peer_endpoint
 from ..faults import content, expect, inject
 from ..faults.spec import load_fault_spec
 from .loopclock import LoopClock
 from .modeltime import step_wait
 from .config import RigConfig, RoomPlan
 from .pool import build_buffers, build_meta, select_device
-from .probe_io import ProbeSinks, VectorFetcher, parse_address
+from .probe_io import LOOPBACK, ProbeSinks, parse_address
 from .settings import read_settings
 from .transport import NixlEndpoint
 from .wire import META_ENDPOINT_SLOT, META_INBAND_SLOTS, META_ROOM_SLOT, TransferInfo, parse_notification
@@ -84,18 +84,15 @@ class DecodeSide:
         self.batches = 0  # decode batches so far; decode_step digests run every `interval` of them
         self.clock = LoopClock()
         self.model_wait = step_wait(cfg.decode_step_wait, device) if cfg.decode_step_ms else None
-        self.monitor = self.sinks = self.fetcher = None
+        self.probe = self.monitor = self.sinks = None
         if self.settings.enabled:
+            # the side SGLang's decode builds (pd.assembly); `exchange_address` sends
+            # every room's vector fetch to one address instead of prefill's
             config = self.settings.config
             self.sinks = ProbeSinks(config, "decode")
-            self.fetcher = VectorFetcher(config, self.sinks.metrics, parse_address(cfg.exchange_address))
-            engine = DigestEngine.from_config(self.layout, self.layer_ids, self.bufs, config, role="decode")
-            self.monitor = DecodeMonitor(
-                engine, self.sinks.emit, self.sinks.metrics,
-                fetch_vectors=self.fetcher, fetch_always=config.exchange.fetch_always, step_interval=self.interval,
-                diagnosis=decode_diagnosis(config, self.layout, self.layer_ids),
-                snapshot_on_allocation=config.diagnosis.snapshot_on_allocation,
-            )
+            self.probe = DecodeAssembly(self.layout, self.layer_ids, self.bufs, config, self.sinks.emit,
+                                        self.sinks.metrics, peer_override=parse_address(cfg.exchange_address))
+            self.monitor = self.probe.monitor
 
     # %% main loop
 
@@ -184,8 +181,8 @@ class DecodeSide:
         self._oracle(room, "decode_recv", None)
         if self.monitor is not None:
             with self.clock.probe("receive"):
-                if self.fetcher is not None and inband is not None:
-                    self.fetcher.remember(room.rid.key, int(row[META_ENDPOINT_SLOT]))
+                if inband is not None:  # a host-less endpoint is prefill's, on loopback
+                    self.probe.remember_peer(room.rid.key, peer_endpoint(int(row[META_ENDPOINT_SLOT]), LOOPBACK))
                 self.monitor.room_received(room.rid, room.sent_phys, room.plan.sent_tokens, inband)
         room.state = "running"
         self.stats["received"] += 1
@@ -374,10 +371,8 @@ class DecodeSide:
         self.events.put(("oracle", "decode", {"room": plan.room, "stage": stage, "step": step, "cells": cells}))
 
     def _shutdown(self) -> None:
-        if self.monitor is not None:
-            self.monitor.engine.close()  # delivers every pending verdict before the log closes
-        if self.fetcher is not None:
-            self.fetcher.close()
+        if self.probe is not None:
+            self.probe.close()  # delivers every pending verdict before the log closes
         if self.sinks is not None:
             self.sinks.close()
         self.endpoint.close()

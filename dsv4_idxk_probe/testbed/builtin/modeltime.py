@@ -11,8 +11,9 @@ choice is named in the rig's config (`decode_step_wait`):
   (the CUDA driver spin-waits when cores outnumber GPUs). Closest to serving;
   needs CUDA, and two GPUs to keep prefill's work off decode's GPU.
 
-Measured on H200s (bench/RESULTS.md): a digest submit after 10 ms of any of
-these costs 3-4x one made right after another (315-540 us against 108-217).
+On H200s a digest submit after a model step of any of these costs several
+times one made right after another (the caches and clocks cool): benchmarks
+must pass model time, and say how (bench/RESULTS.md has the measurements).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ def build_buffers(layout: RowLayout, n_layers: int, n_pages: int, device: str, s
     """Return (buffers, "sglang" | "builtin"); `source="sglang"` fails rather than fall back."""
     if source in ("auto", "sglang"):
         try:
-            from ..sglang import indexer_pool as sim_pool
+            from ..sglang import indexer_pool
 
-            if sim_pool.supports(layout.name):
-                bufs = sim_pool.build_indexer_buffers(layout.name, n_layers, n_pages, device)
+            if indexer_pool.supports(layout.name):
+                bufs = indexer_pool.build_indexer_buffers(layout.name, n_layers, n_pages, device)
                 _check(bufs, layout, n_layers, n_pages)
                 return bufs, "sglang"
             if source == "sglang":

@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...digest import DigestEngine, get_layout
-from ...pd import InbandDigest, PrefillMonitor, RoomId
+from ...digest import get_layout
+from ...pd import InbandDigest, PrefillAssembly, RoomId
+from ...pd.assembly import exchange_port
 from ..faults import content, expect, inject
 from ..faults.spec import TRANSFER_KINDS, load_fault_spec
 from .loopclock import LoopClock
 from .config import PAGE_TOKENS, RigConfig, RoomPlan
 from .pool import build_buffers, build_meta, select_device
-from .probe_io import ProbeSinks, endpoint_slot, start_exchange
+from .probe_io import LOOPBACK, ProbeSinks
 from .settings import read_settings
 from .transport import NixlEndpoint, TransportError
 from .wire import META_ENDPOINT_SLOT, META_INBAND_SLOTS, META_ROOM_SLOT, TransferInfo, notification
@@ -70,12 +71,17 @@ class PrefillSide:
         self.stopping = False
         self.stats = {"rooms_sent": 0, "writes": 0, "bytes": 0, "failed": 0, "transfer_seconds": 0.0, "write_seconds": 0.0}
         self.clock = LoopClock()
-        self.monitor = self.sinks = self.server = None
+        self.probe = self.monitor = self.sinks = None
         if self.settings.enabled:
-            self.sinks = ProbeSinks(self.settings.config, "prefill")
-            engine = DigestEngine.from_config(self.layout, self.layer_ids, self.bufs, self.settings.config, role="prefill")
-            self.monitor = PrefillMonitor(engine, self.sinks.emit, self.sinks.metrics, self.settings.config.exchange.table_size)
-            self.server = start_exchange(self.monitor.lookup, self.settings.config, self.sinks.metrics)
+            # the side SGLang's prefill builds (pd.assembly), its exchange on loopback;
+            # an exchange that cannot start fails the run
+            config = self.settings.config
+            self.sinks = ProbeSinks(config, "prefill")
+            self.probe = PrefillAssembly(
+                self.layout, self.layer_ids, self.bufs, config, self.sinks.emit, self.sinks.metrics,
+                bind=LOOPBACK, port=exchange_port(config.exchange, None), require_exchange=True,
+            )
+            self.monitor = self.probe.monitor
 
     # %% main loop
 
@@ -91,10 +97,11 @@ class PrefillSide:
         self._shutdown()
 
     def _info(self) -> dict:
+        server = self.probe.server if self.probe is not None else None
         return {
             "pool_source": self.pool_source, "device": str(self.bufs[0].device), "pages": self.n_pages,
             "probe": self.settings.enabled,
-            "exchange": list(self.server.endpoint) if self.server is not None else None,
+            "exchange": list(server.endpoint) if server is not None else None,
         }
 
     def _poll_control(self) -> bool:
@@ -174,10 +181,8 @@ class PrefillSide:
         while self.outgoing and time.monotonic() < deadline:
             self._poll_outgoing()
             time.sleep(0.005)
-        if self.monitor is not None:
-            self.monitor.engine.close()
-        if self.server is not None:
-            self.server.close()
+        if self.probe is not None:
+            self.probe.close()  # the pending digests, then the exchange
         if self.sinks is not None:
             self.sinks.close()
         self.endpoint.close()
@@ -276,7 +281,7 @@ class _RoomJob:
         row[META_ROOM_SLOT] = self.plan.room
         if inband is not None:
             row[META_INBAND_SLOTS] = np.array(inband.to_slots(), dtype=np.uint64)
-            row[META_ENDPOINT_SLOT] = endpoint_slot(self.side.server)
+            row[META_ENDPOINT_SLOT] = self.side.probe.endpoint_slot
         self.side.meta[self.out.meta_row] = torch.from_numpy(row.view(np.int64)).to(self.side.meta.device)
 
     def _apply_before_send(self, last_pages: range) -> None:

@@ -1,20 +1,19 @@
-"""The probe's sinks in a rig child: room log, metrics and the digest exchange.
+"""The probe's sinks in a rig child: room log and metrics, and the exchange's addresses.
 
-The same pieces a probed SGLang process uses (RoomLogWriter, ProbeMetrics,
-VectorServer/VectorClient), wired from the child's probe config. One seam, so
-the rig follows them when they change.
+A probed SGLang process gets its room log and metrics from the runtime; a rig
+child makes the same pieces (RoomLogWriter, ProbeMetrics) from its probe
+config here. The side itself (engine, monitor, exchange server or client) is
+built by dsv4_idxk_probe.pd.assembly, as SGLang's is; the rig's exchange
+listens on loopback.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 from prometheus_client import CollectorRegistry
 
 from ...config import ProbeConfig
-from ...digest.result import RoomDigest
-from ...exchange import VectorClient, VectorServer, pack_endpoint, unpack_endpoint
 from ...metrics.definitions import ProbeMetrics
 from ...roomlog import RoomLogWriter
 from ...safety import add_error_listener
@@ -44,49 +43,6 @@ class ProbeSinks:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def start_exchange(lookup: Callable[[str], RoomDigest | None], config: ProbeConfig, metrics) -> VectorServer | None:
-    """Prefill's vector server on loopback, or None when the config turns the exchange off."""
-    ex = config.exchange
-    if not ex.enabled:
-        return None
-    server = VectorServer(
-        lookup, bind=LOOPBACK, port=ex.port_base, max_request_bytes=ex.max_request_bytes, metrics=metrics,
-        secret_file=ex.secret_file, max_connections=ex.max_connections, idle_s=ex.idle_s,
-    )
-    server.start()
-    return server
-
-
-def endpoint_slot(server: VectorServer | None) -> int:
-    """The metadata-row value that tells decode where to ask (0: nowhere)."""
-    return pack_endpoint(*server.endpoint) if server is not None else 0
-
-
-class VectorFetcher:
-    """Decode's `fetch_vectors`: asks the endpoint each room's metadata row named."""
-
-    def __init__(self, config: ProbeConfig, metrics, override: tuple[str, int] | None = None):
-        ex = config.exchange
-        self.client = VectorClient.from_config(ex, metrics) if ex.enabled else None
-        self.retry_s = ex.retry_s
-        self.override = override
-        self.endpoints: dict[str, tuple[str, int]] = {}
-
-    def remember(self, key: str, slot_value: int) -> None:
-        endpoint = unpack_endpoint(slot_value)
-        if endpoint is not None:
-            self.endpoints[key] = (endpoint[0] or LOOPBACK, endpoint[1])
-
-    def __call__(self, key: str) -> RoomDigest | None:
-        if self.client is None:
-            return None
-        return self.client.fetch(self.override or self.endpoints.get(key), key, retry_s=self.retry_s)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
 
 
 def parse_address(text: str | None) -> tuple[str, int] | None:

@@ -85,6 +85,11 @@ def resolve(
     """
     n_pages = plan.sent_pages
     frozen_of = [layout.frozen_slots(plan.sent_tokens, p) for p in range(n_pages)]
+    impossible = _impossible(fault, layout, layer_ids)
+    if impossible:
+        return impossible
+    if n_pages <= 0:
+        return "the room transfers no page"
     if fault.layer == "all":
         layers = list(range(len(layer_ids)))
     elif fault.layer == RANDOM:
@@ -113,6 +118,31 @@ def resolve(
     if fault.kind == "partial_write":
         target.keep_bytes = _keep_bytes(fault, layout, target.frozen, rng)
     return target
+
+
+def _impossible(fault: Fault, layout: RowLayout, layer_ids: Sequence[int]) -> str | None:
+    """Why `fault` names bytes this model does not have (a layer that is not a C4 layer, a
+    segment the layout lacks, bytes past a segment or a row), or None. A driver refuses
+    such a spec before anything runs (`spec.check_against`); a process that meets one
+    anyway records the fault as not applied with this reason instead of failing."""
+    if not layer_ids:
+        return "the model has no C4 layer"
+    if isinstance(fault.layer, int) and fault.layer not in layer_ids:
+        return f"layer {fault.layer} is not a C4 layer of this model (C4 layers {list(layer_ids)})"
+    if fault.kind in BYTE_KINDS:
+        named = fault.segment if fault.segment not in (None, RANDOM) else None
+        segs = [s for s in layout.segments if named is None or s.name == named]
+        if not segs:
+            return f"{named!r} is not a segment of layout {layout.name!r} ({', '.join(s.name for s in layout.segments)})"
+        span = min(layout.slots * s.slot_bytes for s in segs)
+        label = f"segment {named!r}" if named else "the shortest segment"
+        if isinstance(fault.offset, int) and fault.offset >= span:
+            return f"offset {fault.offset} is outside {label} ({span} bytes)"
+        if fault.byte_range is not None and fault.byte_range[1] > span:
+            return f"range end {fault.byte_range[1]} is outside {label} ({span} bytes)"
+    if isinstance(fault.keep_bytes, int) and fault.keep_bytes >= layout.row_bytes:
+        return f"keep_bytes {fault.keep_bytes} is not below the row size {layout.row_bytes}"
+    return None
 
 
 def _resolve_bytes(target: Target, fault: Fault, layout: RowLayout, rng: np.random.Generator) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from ... import safeyaml
 from ...digest.layout import RowLayout
 from .plan import RoomPlan
 
@@ -35,11 +36,11 @@ _KIND_ONLY = {"bit": ("bitflip",), "value": ("byte_set",), "keep_bytes": ("parti
 
 MAX_FAULTS = 10_000
 MAX_INTEGER = 1 << 40  # rooms, steps, layers, pages and byte offsets: far past any run
+MAX_NODES = MAX_FAULTS * 32  # a fault is 5-25 nodes; the 1 MiB cap on the file bounds them too
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return safeyaml.shorten(value, 60)  # bounded work whatever the value (a huge int or list included)
 
 
 class FaultSpecError(ValueError):
@@ -119,13 +120,8 @@ def load_fault_spec(path: str | Path) -> FaultSpec:
 
 
 def parse_fault_spec(text: str, source: str = "<faults>") -> FaultSpec:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise FaultSpecError(f"{source}: not valid YAML: {exc}") from None
-    except (RecursionError, MemoryError):
-        raise FaultSpecError(f"{source}: not valid YAML: nested too deeply") from None
+    # safeyaml: no anchors or aliases (a 470-byte alias bomb), bounded nodes and depth, no duplicate keys
+    document, root = safeyaml.load(text, source, FaultSpecError, max_nodes=MAX_NODES, with_root=True)
     return _Parser(source, root).spec(document)
 
 
@@ -147,7 +143,7 @@ class _Parser:
             raise self.fail(["faults"], f"at most {MAX_FAULTS} faults, got {len(doc['faults'])}")
         self.unknown(doc, _TOP_KEYS, [])
         if doc.get("version", 1) != 1:
-            raise self.fail(["version"], f"only version 1 is understood, got {doc.get('version')!r}")
+            raise self.fail(["version"], f"only version 1 is understood, got {_short(doc.get('version'))}")
         faults = doc.get("faults")
         if not isinstance(faults, list):
             raise self.fail(["faults"], "must be a list of faults")
@@ -168,7 +164,7 @@ class _Parser:
                 raise self.fail(at + [field], "is missing")
         kind = raw["kind"]
         if kind not in KINDS:
-            raise self.fail(at + ["kind"], f"{kind!r} is not one of {', '.join(KINDS)}")
+            raise self.fail(at + ["kind"], f"{_short(kind)} is not one of {', '.join(KINDS)}")
         when, after_step = self.when(raw["when"], at + ["when"])
         self.check_timing(kind, when, at)
         room_ids, fraction = self.rooms(raw["room"], at + ["room"])
@@ -193,7 +189,8 @@ class _Parser:
             return raw, 0
         if isinstance(raw, dict) and set(raw) == {"after_step"}:
             return "after_step", self.integer(raw["after_step"], at + ["after_step"], 1)
-        raise self.fail(at, f"{raw!r} is not one of before_send, in_flight, after_recv, {{after_step: N}}, in_host_pool")
+        raise self.fail(at, f"{_short(raw)} is not one of before_send, in_flight, after_recv, {{after_step: N}}, "
+                            "in_host_pool")
 
     def check_timing(self, kind: str, when: str, at: list) -> None:
         if when == "in_host_pool" and kind not in HOST_POOL_KINDS:
@@ -285,27 +282,35 @@ class _Parser:
 # %% checks that need the run's geometry
 
 
-def check_against(spec: FaultSpec, layout: RowLayout, layer_ids: Sequence[int], plan: Sequence[RoomPlan]) -> None:
-    """Refuse references the run cannot satisfy: unknown rooms, layers, segments, offsets."""
+BUILTIN_HOST_POOL_REFUSAL = ("in_host_pool needs SGLang's HiCache host pools: only the SGLang rig with HiCache on "
+                             "prefill applies it (tests/sglang_rig/test_pd_hicache.py), not the built-in rig")
+
+
+def check_against(spec: FaultSpec, layout: RowLayout, layer_ids: Sequence[int], plan: Sequence[RoomPlan], *,
+                  host_pool_refusal: str | None = BUILTIN_HOST_POOL_REFUSAL, scope: str = "run") -> None:
+    """Refuse references the run cannot satisfy: unknown rooms, layers, segments, offsets.
+
+    `layer_ids`: the model's C4 layer ids (global); `plan`: the rooms of the run (or of
+    one phase of it: `scope` names which in the message). `host_pool_refusal`: why
+    `in_host_pool` cannot apply here (None: it can, SGLang's HiCache is on prefill).
+    """
     rooms = {p.room for p in plan}
     for f in spec.faults:
-        if f.when == "in_host_pool":
-            raise FaultSpecError(
-                f"{spec.source}: faults[{f.index}].when: in_host_pool needs SGLang's HiCache host pools: only the "
-                "SGLang rig with HiCache on prefill applies it (tests/sglang_rig/test_pd_hicache.py), not the built-in rig")
+        if f.when == "in_host_pool" and host_pool_refusal is not None:
+            raise FaultSpecError(f"{spec.source}: faults[{f.index}].when: {host_pool_refusal}")
     seg_bytes = {s.name: layout.slots * s.slot_bytes for s in layout.segments}
     for f in spec.faults:
         at = f"{spec.source}: faults[{f.index}]"
         for room in f.room_ids or ():
             if room not in rooms:
-                raise FaultSpecError(f"{at}.room: room {room} is not in this run (rooms {min(rooms)}..{max(rooms)})")
+                raise FaultSpecError(f"{at}.room: room {room} is not in this {scope} (rooms {_rooms_text(rooms)})")
         if f.with_room is not None and f.with_room not in rooms:
-            raise FaultSpecError(f"{at}.with_room: room {f.with_room} is not in this run")
+            raise FaultSpecError(f"{at}.with_room: room {f.with_room} is not in this {scope} (rooms {_rooms_text(rooms)})")
         if isinstance(f.layer, int) and f.layer not in layer_ids:
-            raise FaultSpecError(f"{at}.where.layer: {f.layer} is not a C4 layer id of this run ({list(layer_ids)})")
+            raise FaultSpecError(f"{at}.where.layer: {f.layer} is not a C4 layer id of this {scope} ({list(layer_ids)})")
         if f.segment is not None and f.segment != RANDOM and f.segment not in seg_bytes:
             raise FaultSpecError(
-                f"{at}.where.segment: {f.segment!r} is not a segment of layout {layout.name!r} ({', '.join(seg_bytes)})"
+                f"{at}.where.segment: {_short(f.segment)} is not a segment of layout {layout.name!r} ({', '.join(seg_bytes)})"
             )
         limit = seg_bytes.get(f.segment) if f.segment not in (None, RANDOM) else min(seg_bytes.values())
         if isinstance(f.offset, int) and f.offset >= limit:
@@ -314,6 +319,17 @@ def check_against(spec: FaultSpec, layout: RowLayout, layer_ids: Sequence[int], 
             raise FaultSpecError(f"{at}.where.range: end {f.byte_range[1]} is outside the segment ({limit} bytes)")
         if isinstance(f.keep_bytes, int) and f.keep_bytes >= layout.row_bytes:
             raise FaultSpecError(f"{at}.keep_bytes: must be below the row size {layout.row_bytes}, got {f.keep_bytes}")
+
+
+def _rooms_text(rooms: set[int]) -> str:
+    """`1..20` for a contiguous run of rooms, else the rooms themselves (a few, then a count)."""
+    if not rooms:
+        return "none"
+    ordered = sorted(rooms)
+    if ordered[-1] - ordered[0] + 1 == len(ordered) and len(ordered) > 2:
+        return f"{ordered[0]}..{ordered[-1]}"
+    shown = ", ".join(str(r) for r in ordered[:8])
+    return shown + (f", ... ({len(ordered)} rooms)" if len(ordered) > 8 else "")
 
 
 # %% line numbers for messages

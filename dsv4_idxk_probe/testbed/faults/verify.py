@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...cli.diff import exit_status, write_json
-from ...offline.analysis import analyse
+from ...offline.diff_output import exit_status, write_json
+from ...offline.join import analyse
 from ...roomlog.reader import expand_inputs
 
 STAGE_RANK = {"decode_recv": 0, "decode_step": 1, "decode_finish": 2}

@@ -11,6 +11,7 @@ is ever installed into a serving image.
 The stand-in writes index-K through the pool's own store
 (``set_index_k_scale_buffer``) with bytes `truth` defines, so the rig knows
 every frozen byte; `oracle` checks them inside decode at each probe digest
-point, `inject` corrupts them where docs/faults.md says, and `run` drives a
+point, `injector` corrupts them where docs/faults.md says (both fed by the
+`hooks` on SGLang's classes, from the driver's `plan`), and `run` drives a
 whole run and checks the probe's verdicts against both.
 """

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import TextIO
 
 from ..faults.summary import render, shipped_fault_spec
-from ..faults.spec import load_fault_spec
 from ..faults.verify import as_json
 from . import launch, workload
-from .run import RigSession
+from .run import RigSession, check_fault_spec
 
 
 @dataclass
@@ -44,10 +43,13 @@ def run_dir_for(log_dir: str) -> Path:
 
 def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
     faults = None if opts.no_faults else str(opts.faults or shipped_fault_spec())
-    if faults is not None:
-        load_fault_spec(faults)  # a bad spec is refused before any server starts
-    run_dir = run_dir_for(opts.log_dir)
     options = launch.ServerOptions(overlap=opts.overlap)
+    private = workload.prefill_fault_rooms(faults) if faults else ()
+    requests = workload.plan("demo", workload.WorkloadOptions(rooms=opts.rooms, seed=opts.seed,
+                                                               concurrency=opts.concurrency, private=private))
+    if faults is not None:  # a bad spec is refused before any server starts: its fields, the model, the rooms
+        check_fault_spec(faults, requests, options)
+    run_dir = run_dir_for(opts.log_dir)
     print(f"dsv4-idxk-probe demo: SGLang's own PD servers ({'overlap' if opts.overlap else 'normal'} event loops), "
           f"router and NIXL over UCX on loopback; the probe on through DSV4_IDXK_PROBE only", file=out)
     print(f"  {opts.rooms} requests, stand-in DeepSeek-V4 (C4 layers 1 and 3, fp8 index-K rows of 8448 B)", file=out)
@@ -59,9 +61,6 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
     with session:
         print(f"  up in {session.started_s:.0f}s: {session.cluster.url} (router), "
               f"{session.cluster.server_url('prefill')}, {session.cluster.server_url('decode')}", file=out, flush=True)
-        private = workload.prefill_fault_rooms(faults) if faults else ()
-        requests = workload.plan("demo", workload.WorkloadOptions(rooms=opts.rooms, seed=opts.seed,
-                                                                   concurrency=opts.concurrency, private=private))
         phase = session.phase("demo", requests, faults=faults, concurrency=opts.concurrency)
         metrics = probe_series(session.cluster.server_url("decode"))
     check = phase.verification
@@ -75,7 +74,7 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
         print(f"decode's SGLang /metrics carried {len(metrics)} dsv4_idxk_probe_* samples, e.g.", file=out)
         for line in metrics[:4]:
             print(f"  {line}", file=out)
-    for problem in phase.failed_requests[:10]:
+    for problem in (phase.failed_requests + phase.unrecorded_faults)[:10]:
         print(f"  ! {problem}", file=out)
     applied = sum(1 for r in records if r["applied"])
     render(check, applied, out)

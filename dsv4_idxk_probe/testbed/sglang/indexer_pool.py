@@ -3,7 +3,7 @@
 Why: the rig should move the very buffers SGLang allocates (same dtype,
 shape, page count and zero fill), so a difference between the rig and
 production cannot hide in the allocation. Only the layouts SGLang ships
-(fp8, fp4) can be built this way; `sim/` falls back to its own identical
+(fp8, fp4) can be built this way; the built-in rig falls back to its own identical
 allocation for the rest and when SGLang is not importable.
 """
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...vocabulary import PAGE_TOKENS
-from .plugin import ENV_RIG, ENV_ROLE
+from .env import ENV_RIG, ENV_ROLE
 
 #: A DeepSeek-V4 small enough for two CPU cores; C4 layers are 1 and 3.
 MODEL_CONFIG = {
@@ -40,6 +40,15 @@ MODEL_CONFIG = {
 }
 PAGE_SIZE = PAGE_TOKENS
 VOCAB = MODEL_CONFIG["vocab_size"]
+#: The index-K row layout the stand-in's pool holds (fp8 payload and a float32 scale per slot).
+INDEX_K_LAYOUT = "fp8"
+
+
+def c4_layer_ids() -> list[int]:
+    """The global ids of the model's C4 layers (those whose index-K the probe digests)."""
+    from ...vocabulary import C4_RATIO
+
+    return [layer for layer, ratio in enumerate(MODEL_CONFIG["compress_ratios"]) if ratio == C4_RATIO]
 
 
 class LaunchError(RuntimeError):

@@ -11,12 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("dsv4_idxk_probe.rig")
+from .env import ENV_RIG
 
-ENV_RIG = "DSV4_IDXK_RIG"  # set by the rig's launcher in its servers' environment
-ENV_ROLE = "DSV4_IDXK_RIG_ROLE"  # prefill | decode | router
-ENV_PLAN = "DSV4_IDXK_RIG_PLAN"  # the driver's plan file (rids, fault spec, seed)
-ENV_OUT = "DSV4_IDXK_RIG_OUT"  # folder for the oracle's and the injector's records
+log = logging.getLogger("dsv4_idxk_probe.rig")
 
 
 def load() -> None:
@@ -26,8 +23,8 @@ def load() -> None:
         from . import cpu_patches
 
         cpu_patches.apply()
-        from . import inserver
+        from . import hooks
 
-        inserver.apply()
+        hooks.apply()
     except Exception:
         log.exception("dsv4-idxk-probe rig: plugin failed; the server runs without the rig's parts")

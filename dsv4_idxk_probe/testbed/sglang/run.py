@@ -15,7 +15,7 @@ taken every room's ``decode_finish`` digest, then judges the phase's rooms:
 * every request's output is the stand-in's deterministic continuation (the
   probe changes nothing SGLang returns).
 
-The checks themselves are `sim.verify`'s, the same as the built-in rig's.
+The checks themselves are `testbed.faults.verify`'s, the same as the built-in rig's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from ..faults.verify import Verification, verify
 from . import launch, truth
-from .plugin import ENV_OUT, ENV_PLAN
+from .env import ENV_OUT, ENV_PLAN
 from .workload import Outcome, Request, send
 
 
@@ -42,14 +42,18 @@ class Phase:
     outcomes: list[Outcome]
     rooms: dict[str, int]  # rid -> bootstrap room (from the oracle's records)
     verification: Verification | None = None
-    faults: list[dict] = field(default_factory=list)  # what was injected, in sim.verify's form
+    faults: list[dict] = field(default_factory=list)  # what was injected, in testbed.faults.verify's form
     wrong_outputs: list[str] = field(default_factory=list)
     failed_requests: list[str] = field(default_factory=list)
+    # planned faults of answered rooms that left no record, applied or not (a fault must never
+    # vanish: the servers record each one applied, or not applied with the reason)
+    unrecorded_faults: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return bool(self.verification and self.verification.ok) and not self.wrong_outputs and not self.failed_requests
+        return (bool(self.verification and self.verification.ok) and not self.wrong_outputs
+                and not self.failed_requests and not self.unrecorded_faults)
 
 
 class RigSession:
@@ -105,44 +109,59 @@ class RigSession:
         os.replace(tmp, self.plan_path)
 
     def phase(self, name: str, requests: list[Request], *, faults: str | None = None, concurrency: int = 4,
-              settle_s: float = 60.0, check_outputs: bool = True, scribble_freed: bool = False) -> Phase:
+              settle_s: float = 60.0, check_outputs: bool = True, scribble_freed: bool = False,
+              fail_transfer: tuple[int, ...] = ()) -> Phase:
         """Send `requests` (their numbers are what `faults` names) and judge their rooms.
+
+        The fault spec is checked against the model the servers run (its C4 layers, the
+        index-K layout's segments and row) and against this phase's rooms before any
+        request is sent: a bad spec raises `FaultSpecError` here, never inside SGLang.
 
         `scribble_freed`: decode zeroes each finished room's pages right after SGLang
         frees them (what a reused page's next writer does); nothing may be reported.
+        `fail_transfer`: request numbers whose first KV transfer prefill fails on purpose at
+        its last send (as its transfer worker does on a NIXL error): SGLang aborts that
+        room; SGLang's router sends the request again, as a new room, and an answer to it
+        is judged like any other (an error answer is not a failure of the phase).
         """
         assert self.cluster is not None, "start() the session first"
+        spec = check_fault_spec(faults, requests, self.options) if faults else None
         t0 = time.monotonic()
         self.rooms.update({r.rid: r.number for r in requests})
+        failing = {r.rid for r in requests if r.number in set(fail_transfer)}
         self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
-                         scribble_freed=scribble_freed)
+                         scribble_freed=scribble_freed, fail_transfer=sorted(failing))
         outcomes = send(self.cluster.url, requests, concurrency)
         phase = Phase(name, requests, outcomes, {})
         for o in outcomes:
-            if o.request.abort_after_s is None and o.status != 200:
+            if o.request.abort_after_s is None and o.status != 200 and o.request.rid not in failing:
                 phase.failed_requests.append(f"{o.request.rid}: HTTP {o.status} {o.error}")
             elif check_outputs and o.status == 200 and o.output_ids != expected_output(o.request):
                 phase.wrong_outputs.append(o.request.rid)
         completed = {o.request.rid for o in outcomes if o.status == 200}
-        self._settle(completed, settle_s)
+        owed = planned_faults(spec, requests, self.seed, completed) if spec is not None else {}
+        self._settle(completed, settle_s, owed)
         phase.rooms = self._rooms_of({r.rid for r in requests})
         faults_seen = self._fault_records({r.rid for r in requests})
         oracle = self._oracle_records(set(phase.rooms.values()))
         planned = sorted(phase.rooms[rid] for rid in completed if rid in phase.rooms)
         missing = sorted(rid for rid in completed if rid not in phase.rooms)
         phase.failed_requests += [f"{rid}: decode never digested this room" for rid in missing]
+        phase.unrecorded_faults = unrecorded(owed, faults_seen)
         phase.faults = expectations(faults_seen, oracle)
         phase.verification = verify(self.log_dir, phase.faults, oracle, planned, only_rooms=set(phase.rooms.values()))
         phase.seconds = time.monotonic() - t0
         return phase
 
-    def _settle(self, rids: set[str], timeout_s: float) -> None:
-        """Wait until decode digested every completed room at `decode_finish` and the logs caught up."""
+    def _settle(self, rids: set[str], timeout_s: float, owed: dict | None = None) -> None:
+        """Wait until decode digested every completed room at `decode_finish`, the logs caught
+        up, and every fault `owed` to those rooms has its record (applied or not)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             rooms = self._rooms_of(rids)
             finished = {o["room"] for o in self._read("oracle") if o.get("stage") == "decode_finish"}
-            if len(rooms) == len(rids) and set(rooms.values()) <= finished and self._logged(set(rooms.values())):
+            if (len(rooms) == len(rids) and set(rooms.values()) <= finished and self._logged(set(rooms.values()))
+                    and not unrecorded(owed or {}, self._fault_records(set(rids)))):
                 return
             time.sleep(0.5)
 
@@ -201,26 +220,80 @@ def expected_output(request: Request) -> list[int]:
     return out
 
 
+def check_fault_spec(path: str | Path, requests: list[Request], options: launch.ServerOptions):
+    """The spec at `path`, checked against the model the rig's servers run and the phase's
+    rooms; `FaultSpecError` (file, field, what is wrong) otherwise. What it refuses would
+    otherwise reach the servers as a fault that injects nothing: a layer that is not a C4
+    layer, a segment or an offset the index-K row does not have, a room the phase does
+    not send, `in_host_pool` on a pair without HiCache on prefill."""
+    from ...digest import get_layout
+    from ..faults.plan import RoomPlan
+    from ..faults.spec import check_against, load_fault_spec
+
+    spec = load_fault_spec(path)
+    rooms = [RoomPlan(r.number, len(r.input_ids), 0, r.max_new_tokens) for r in requests]
+    refusal = None if options.prefill_hicache else (
+        "in_host_pool needs SGLang's HiCache on prefill: this server pair runs without it "
+        "(ServerOptions(prefill_hicache=True))")
+    check_against(spec, get_layout(launch.INDEX_K_LAYOUT), launch.c4_layer_ids(), rooms,
+                  host_pool_refusal=refusal, scope="phase")
+    return spec
+
+
+def planned_faults(spec, requests: list[Request], seed: int, rids: set[str]) -> dict[tuple[int, str], Any]:
+    """(fault index, rid) -> fault, for every fault the servers will apply to the rooms `rids`
+    (drawn as the servers draw them: from the phase's room numbers and the seed)."""
+    from ..faults.plan import RoomPlan
+
+    numbers = sorted({r.number for r in requests})
+    by_room = spec.by_room([RoomPlan(room=n, prompt_tokens=1, prefix_pages=0, steps=0) for n in numbers], seed)
+    rid_of = {r.number: r.rid for r in requests}
+    return {(f.index, rid_of[n]): f for n, faults in by_room.items() for f in faults if rid_of[n] in rids}
+
+
+def unrecorded(owed: dict[tuple[int, str], Any], records: list[dict]) -> list[str]:
+    """The faults `owed` (planned_faults) that no server record accounts for, as lines."""
+    seen = {(f["fault"], f.get("rid")) for f in records if not f.get("partner_of")}
+    return [f"{rid}: fault {fault.label} left no record (neither applied nor not applied)"
+            for (index, rid), fault in sorted(owed.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+            if (index, rid) not in seen]
+
+
+def _transfer_points(points: list[dict], n_tokens: int | None) -> list[dict]:
+    """The oracle points of the room's transfer that held `n_tokens` tokens (a retracted room
+    is sent again with its generated tokens added), in the order they were taken."""
+    if n_tokens is not None:
+        same = [o for o in points if o.get("n_tokens") == n_tokens]
+        if same:
+            return same
+    return points
+
+
 def expectations(fault_records: list[dict], oracle: list[dict]) -> list[dict]:
-    """Fault records in `sim.verify`'s form: each changed cell's first stage is the first
-    oracle point, at or after the fault, that sees the cell changed (None: no point does)."""
+    """Fault records in `testbed.faults.verify`'s form: each changed cell's first stage is the first
+    oracle point of the same transfer, at or after the fault, that sees the cell changed (None: no
+    point does). A fault applied again to a room's later transfer (a retracted room, sent again)
+    is a record of its own, expected at that transfer's points."""
     points: dict[int, list[dict]] = {}
     for o in oracle:
         points.setdefault(int(o["room"]), []).append(o)
     for ps in points.values():
-        ps.sort(key=lambda o: o.get("index", 0))
-    merged: dict[tuple[int, Any], dict] = {}
+        ps.sort(key=lambda o: (o.get("transfer", 0), o.get("index", 0)))
+    merged: dict[tuple[int, Any, Any], dict] = {}
     for f in fault_records:
         room = f.get("room")
-        key = (f["fault"], f.get("partner_of") or f.get("rid"))
+        owner = f.get("partner_of") or f.get("rid")
+        owner_tokens = f.get("partner_of_tokens") if f.get("partner_of") else f.get("n_tokens")
+        key = (f["fault"], owner, owner_tokens)
         record = merged.setdefault(key, {
             "fault": f["fault"], "name": f["name"], "kind": f["kind"], "when": f["when"],
             "after_step": f["after_step"], "side": f["side"], "room": room if not f.get("partner_of") else None,
             "rig_room": f.get("rig_room"), "applied": f["applied"], "reason": f.get("reason", ""),
-            "target": f.get("target", {}), "effects": [],
+            "target": f.get("target", {}), "transfer": f.get("transfer", 0), "effects": [],
         })
         if not f.get("partner_of"):
-            record.update(room=room, rig_room=f.get("rig_room"), applied=f["applied"], reason=f.get("reason", ""))
+            record.update(room=room, rig_room=f.get("rig_room"), applied=f["applied"], reason=f.get("reason", ""),
+                          transfer=f.get("transfer", 0))
         if f.get("roundtrip"):  # what HiCache round-trip mode must report (an in_host_pool fault)
             record["roundtrip"] = f["roundtrip"]
         # changed before prefill's digest (in the host pool, before the load): both sides digest
@@ -228,8 +301,8 @@ def expectations(fault_records: list[dict], oracle: list[dict]) -> list[dict]:
         upstream = f["when"] == "in_host_pool"
         expect = {(e[0], e[1], e[2]): e[3:] for e in f.get("expect", [])}
         for layer, page, segment in f.get("cells", []):
-            stage, step, tokens = _first_seen(points.get(int(room), []) if room is not None else [], f.get("point", 0),
-                                              (layer, page, segment))
+            room_points = _transfer_points(points.get(int(room), []), f.get("n_tokens")) if room is not None else []
+            stage, step, tokens = _first_seen(room_points, f.get("point", 0), (layer, page, segment))
             effect = {"room": room, "layers": [layer], "page": page, "segments": [segment],
                       "stage": stage, "step": step, "tokens": tokens}
             if upstream:

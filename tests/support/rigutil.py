@@ -20,17 +20,24 @@ from dsv4_idxk_probe.testbed.faults.verify import run_diff
 RUN_TIMEOUT_S = 150
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Writes a shared object out again instead of as an anchor: the probe's loaders refuse anchors."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def write_probe_config(tmp_path: Path, *, step_interval: int = 4, **sections) -> Path:
     """A probe config whose room log goes under tmp_path/logs."""
     doc = {"step_interval": step_interval, "roomlog": {"dir": str(tmp_path / "logs")}, **sections}
     path = tmp_path / "probe.yaml"
-    path.write_text(yaml.safe_dump(doc))
+    path.write_text(yaml.dump(doc, Dumper=_NoAliases))
     return path
 
 
 def write_faults(tmp_path: Path, faults: list[dict]) -> Path:
     path = tmp_path / "faults.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "faults": faults}, sort_keys=False))
+    path.write_text(yaml.dump({"version": 1, "faults": faults}, Dumper=_NoAliases, sort_keys=False))
     return path
 
 

@@ -5,11 +5,19 @@ Sections: summary; an index of the bad rooms (numeric order within each
 verdict, each a link to its block); a cross-room (layer x page bucket) heat of
 where rooms first diverged; each bad room with one (layer x page) heatmap, of
 the first stage that saw the difference, and the stages listed; verdicts over
-time; HiCache branch counts; skipped lines. Every string from the logs is escaped.
+time; HiCache branch counts; skipped lines. Every string from the logs is escaped
+(HTML, and `printable`: controls, bidi overrides, lone surrogates).
+
+Bounded on any input (docs/security.md): a heatmap draws at most MAX_HEAT_ROWS x
+MAX_COLUMNS bins (layers and pages binned beyond) in at most MAX_HEAT_RECTS
+rectangles (bins coarsened beyond), at most `max_rooms` rooms are drawn, every list
+and text from the logs is cut to a stated length, and the page stops drawing rooms
+at MAX_REPORT_BYTES: the index still lists them, and `report --rid RID` draws one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import math
 import time
@@ -19,7 +27,8 @@ from ..diagnosis.diagnose import describe_room
 from ..hicache.culprit import summarise as summarise_roundtrip
 from ..metrics.definitions import page_bucket
 from ..vocabulary import DECODE_STAGES, VERDICTS
-from .analysis import Analysis, RoomResult, StageResult
+from .printable import clip, printable
+from .results import Analysis, RoomResult, StageResult
 
 HEAT = "#b2182b"  # a diverging (layer, page) cell; used nowhere else on the page
 VERDICT_COLOURS = {
@@ -30,6 +39,13 @@ VERDICT_COLOURS = {
     "skipped": "#bcbd22",
 }
 MAX_COLUMNS = 512  # wider rooms are binned: a column then covers several pages
+MAX_HEAT_ROWS = 64  # taller rooms (more layers) are binned: a row then covers several layers
+MAX_HEAT_RECTS = 1024  # rectangles drawn per heatmap; a picture that needs more is binned coarser
+MAX_REPORT_BYTES = 16 << 20  # the page's size cap: rooms beyond it are listed, not drawn
+MAX_TEXT = 200  # characters of one text from the logs (a reason, a list of layers) on the page
+MAX_LISTED = 40  # stages, notes, table rows of one room block
+MAX_TABLE_ROWS = 500  # HiCache branch rows
+MAX_INPUTS_LISTED = 1000
 TIME_BUCKETS = 60
 TIME_TICKS = 6
 MAX_INDEX_ROWS = 1000  # the index scrolls inside a box of fixed height; beyond this, a count
@@ -50,7 +66,18 @@ tr.alarm .bar{background:#d62728}code{font-size:12px}
 
 
 def _e(value) -> str:
-    return html.escape(str(value), quote=True)
+    return html.escape(printable(value), quote=True)
+
+
+def _c(value, limit: int = MAX_TEXT) -> str:
+    """`_e`, cut to `limit` characters (with a count of the rest)."""
+    return html.escape(clip(value, limit), quote=True)
+
+
+def _more(items, limit: int) -> tuple[list, str]:
+    """The first `limit` items, and a note of how many were left out."""
+    items = list(items) if not isinstance(items, list) else items
+    return items[:limit], (f" ... and {len(items) - limit:,} more" if len(items) > limit else "")
 
 
 def _utc(ts: float) -> str:
@@ -87,7 +114,7 @@ def _summary(a: Analysis) -> str:
         f"{s['live_verdict_disagreements']:,} live verdicts disagree with the logs.</p>"
         f"<table><tr><th>stage</th>{head}</tr>{''.join(rows)}</table>"
         f"<p>First divergence: {first}.</p>"
-        + (f"<p>Diagnosis: {_e('; '.join(s['diagnosis']['lines']))}.</p>" if s["diagnosis"]["lines"] else "")
+        + (f"<p>Diagnosis: {_c('; '.join(s['diagnosis']['lines']), 2000)}.</p>" if s["diagnosis"]["lines"] else "")
         + "</section>"
     )
 
@@ -95,108 +122,161 @@ def _summary(a: Analysis) -> str:
 # %% bad rooms
 
 
+def _bin(n: int, limit: int) -> int:
+    """Items per bin, so that `n` items fit in `limit` bins."""
+    return max(1, math.ceil(n / limit))
+
+
+def _runs(sorted_values: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct integers as (first, last) runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for v in sorted_values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
 def _heatmap(room: RoomResult, stage: StageResult) -> str:
     """Rows are layers, columns logical pages; red cells may differ.
 
     The digest keeps a per-layer and a per-page fold, so the diverging cells
     are bounded by (differing layers) x (differing pages): exact for one cell,
-    candidates otherwise; the caption says which.
+    candidates otherwise; the caption says which. At most MAX_HEAT_ROWS rows and
+    MAX_COLUMNS columns (a row or column then covers several layers or pages),
+    drawn as at most MAX_HEAT_RECTS rectangles, one per block of adjacent red
+    cells (bins are widened until the picture fits), whatever the log holds.
     """
     c = stage.comparison
     layer_ids = list(room.layer_ids)
-    n_pages = max(room.n_pages, 1)
-    per_col = math.ceil(n_pages / MAX_COLUMNS)
+    n_pages = max(room.n_pages, (max(c.pages) + 1) if c.pages else 0, 1)
+    per_row = _bin(len(layer_ids), MAX_HEAT_ROWS)
+    per_col = _bin(n_pages, MAX_COLUMNS)
+    row_of = {layer: i for i, layer in enumerate(layer_ids)}
+    bad_layer_rows = sorted({row_of[layer] for layer in c.layers if layer in row_of})
+    while True:
+        bad_rows = sorted({i // per_row for i in bad_layer_rows})
+        bad_cols = sorted({p // per_col for p in c.pages})
+        row_runs, col_runs = _runs(bad_rows), _runs(bad_cols)
+        if len(row_runs) * len(col_runs) <= MAX_HEAT_RECTS:
+            break
+        if len(col_runs) >= len(row_runs):
+            per_col *= 2
+        else:
+            per_row *= 2
+    rows = max(math.ceil(len(layer_ids) / per_row), 0)
     cols = math.ceil(n_pages / per_col)
     cw = max(2, min(24, 720 // cols))
-    ch = max(4, min(16, 400 // max(len(layer_ids), 1)))
+    ch = max(4, min(16, 400 // max(rows, 1)))
     left, top = 44, 18
-    width, height = left + cols * cw + 4, top + len(layer_ids) * ch + 4
-    row_of = {layer: i for i, layer in enumerate(layer_ids)}
-    bad_rows = sorted({row_of[layer] for layer in c.layers if layer in row_of})
-    bad_cols = sorted({p // per_col for p in c.pages})
+    width, height = left + cols * cw + 4, top + rows * ch + 4
     parts = [
-        f'<svg class="heatmap" data-room="{_e(room.room)}/{room.attempt}" data-stage="{_e(stage.label)}" '
+        f'<svg class="heatmap" data-room="{_c(room.name, 300)}" data-stage="{_e(stage.label)}" '
         f'data-cells="{len(bad_rows) * len(bad_cols)}" width="{width}" height="{height}" '
         f'xmlns="http://www.w3.org/2000/svg" role="img">',
-        f'<rect x="{left}" y="{top}" width="{cols * cw}" height="{len(layer_ids) * ch}" fill="#eef1f5"/>',
+        f'<rect x="{left}" y="{top}" width="{cols * cw}" height="{rows * ch}" fill="#eef1f5"/>',
     ]
     label_every = 1 if ch >= 10 else 5
-    for i, layer in enumerate(layer_ids):
-        if i % label_every == 0 or i in bad_rows:
-            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" text-anchor="end">L{layer}</text>')
+    bad_row_set = set(bad_rows) if len(bad_rows) <= 8 else set()  # a few red rows are named; many would overlap
+    for i in range(rows):
+        if i % label_every == 0 or i in bad_row_set:
+            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" '
+                         f'text-anchor="end">L{layer_ids[i * per_row]}</text>')
     col_every = max(1, 60 // cw)
     for j in range(0, cols, col_every):
         parts.append(f'<text x="{left + j * cw}" y="{top - 5}" font-size="10">{j * per_col}</text>')
-    for i in bad_rows:
-        for j in bad_cols:
-            tip = f"layer {layer_ids[i]}, page {j * per_col}" + (f"-{j * per_col + per_col - 1}" if per_col > 1 else "")
+    for r0, r1 in row_runs:
+        first, last = layer_ids[r0 * per_row], layer_ids[min(len(layer_ids), (r1 + 1) * per_row) - 1]
+        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+        for c0, c1 in col_runs:
+            pages = f"page {c0 * per_col}" + (f"-{c1 * per_col + per_col - 1}" if per_col > 1 or c1 > c0 else "")
             parts.append(
-                f'<rect class="cell" x="{left + j * cw}" y="{top + i * ch}" width="{cw}" height="{ch}" fill="{HEAT}">'
-                f"<title>{_e(tip)}</title></rect>"
+                f'<rect class="cell" x="{left + c0 * cw}" y="{top + r0 * ch}" width="{(c1 - c0 + 1) * cw}" '
+                f'height="{(r1 - r0 + 1) * ch}" fill="{HEAT}"><title>{layers}, {pages}</title></rect>'
             )
     parts.append("</svg>")
     kind = "exactly this cell" if c.exact else f"candidate cells (at most {c.cells_bound} differ)"
-    binned = f"; each column covers {per_col} pages" if per_col > 1 else ""
+    binned = (f"; each column covers {per_col} pages" if per_col > 1 else "") + (
+        f"; each row covers {per_row} layers" if per_row > 1 else "")
     caption = (
-        f'<p class="note">{_e(stage.label)}: layers {_e(c.layers)}, pages {_e(c.pages[:50])}'
-        f"{' ...' if len(c.pages) > 50 else ''}, segments {_e(', '.join(c.segments))}: {kind}{binned}.</p>"
+        f'<p class="note">{_e(stage.label)}: layers {_e(c.layers[:50])}{" ..." if len(c.layers) > 50 else ""}, '
+        f"pages {_e(c.pages[:50])}{' ...' if len(c.pages) > 50 else ''}, "
+        f"segments {_c(', '.join(c.segments[:50]))}{' ...' if len(c.segments) > 50 else ''}: {kind}{binned}.</p>"
     )
     return caption + "".join(parts)
 
 
 def _anchor(room: RoomResult) -> str:
-    """A fragment id for the room's block: only safe characters, unique per (room, attempt)."""
-    safe = "".join(c if c.isalnum() or c in "-_" else f"_{ord(c):x}" for c in room.room)
+    """A fragment id for the room's block: only safe characters, unique per (room, attempt,
+    cluster); a long name is cut and a hash of it keeps it unique."""
+    name = f"{room.room}@{room.cluster}" if room.cluster else room.room
+    safe = "".join(c if c.isalnum() or c == "-" else f"_{ord(c):x}" for c in name)
+    if len(safe) > 64:
+        digest = hashlib.blake2s(name.encode("utf-8", "backslashreplace"), digest_size=6).hexdigest()
+        safe = f"{safe[:40]}-{digest}"
     return f"room-{safe}-{room.attempt}"
 
 
 def _room_block(room: RoomResult) -> str:
     """One room: its verdict, rids, the stages in order, and ONE heatmap, of the
     first stage that saw the difference (later stages are listed, and say when
-    they localise differently)."""
+    they localise differently). Lists are cut at MAX_LISTED, texts at MAX_TEXT."""
     first = room.first_divergence
     intact = room.last_match_before_divergence
-    line = f"<b>room {_e(room.room)} attempt {room.attempt}</b>: {_e(room.verdict)}"
+    cluster = f" cluster {_c(room.cluster)}" if room.cluster else ""
+    line = f"<b>room {_c(room.room, 300)} attempt {room.attempt}{cluster}</b>: {_e(room.verdict)}"
     if first is not None:
         line += f"; first divergence at <b>{_e(first.label)}</b>"
         line += f" (intact at {_e(intact.label)})" if intact else ""
-    rids = f' <span class="note">rid {_e(", ".join(room.rids))}</span>' if room.rids else ""
-    stages = ", ".join(f"{_e(s.label)} {_e(s.verdict)}" for s in room.ordered)
+    rids = f' <span class="note">rid {_c(", ".join(room.rids), 600)}</span>' if room.rids else ""
+    ordered = room.ordered
+    shown, more = _more(ordered, MAX_LISTED)
+    stages = ", ".join(f"{_e(s.label)} {_e(s.verdict)}" for s in shown) + more
     body = [f'<div class="room{"" if room.verdict == "mismatch" else " other"}" id="{_anchor(room)}">',
             f"<p>{line}{rids}</p>", f'<p class="note">stages: {stages}</p>']
     drawn = first if first is not None and first.comparison is not None else None
     if drawn is not None:
         body.append(_heatmap(room, drawn))
         c = drawn.comparison
-        moved = [s.label for s in room.ordered if s is not drawn and s.comparison is not None
+        moved = [s.label for s in ordered if s is not drawn and s.comparison is not None
                  and s.comparison.verdict == "mismatch"
                  and (s.comparison.layers, s.comparison.pages, s.comparison.segments) != (c.layers, c.pages, c.segments)]
         if moved:
-            body.append(f'<p class="note">localised differently at {_e(", ".join(moved))} (see `diff --json`).</p>')
+            body.append(f'<p class="note">localised differently at {_c(", ".join(moved))} (see `diff --json`).</p>')
     if first is not None and first.diagnosis:
         body.append(_diagnosis_table(first.diagnosis))
-    for stage in room.ordered:
+    notes = 0
+    for stage in ordered:
+        if notes >= MAX_LISTED:
+            body.append('<p class="note">... more stages (see `diff --json`).</p>')
+            break
         if stage.verdict not in ("match", "mismatch") and stage.reason:
-            body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason)} <code>{_e(stage.where)}</code></p>')
+            body.append(f'<p class="note">{_e(stage.label)}: {_c(stage.reason)} <code>{_c(stage.where, 300)}</code></p>')
+            notes += 1
         elif stage.verdict == "mismatch" and stage.comparison is None and stage is first:
-            body.append(f'<p class="note">{_e(stage.label)}: {_e(stage.reason or "not localised")}</p>')
+            body.append(f'<p class="note">{_e(stage.label)}: {_c(stage.reason or "not localised")}</p>')
+            notes += 1
     body.append("</div>")
     return "".join(body)
 
 
 MAX_DIAGNOSIS_ROWS = 32
+MAX_CELL_ITEMS = 8  # other rooms and page events shown per diagnosed cell
 
 
 def _diagnosis_table(cells: list[dict]) -> str:
     """What each bad cell's bytes became, and the page's events before it (docs/diagnosis.md)."""
     rows = []
     for cell in cells[:MAX_DIAGNOSIS_ROWS]:
-        rooms = ", ".join(_e(str(r.get("room"))) + (f" P{r['page']}" if r.get("page") is not None else "")
-                          for r in cell.get("rooms") or ())
-        events = " &rarr; ".join(_e(e.get("event", "?")) + (f" ({_e(str(e['room']))})" if e.get("room") else "")
+        named, more_rooms = _more(cell.get("rooms") or (), MAX_CELL_ITEMS)
+        rooms = ", ".join(_c(str(r.get("room")), 80) + (f" P{r['page']}" if r.get("page") is not None else "")
+                          for r in named) + more_rooms
+        listed, more_events = _more(cell.get("events") or (), MAX_CELL_ITEMS)
+        events = " &rarr; ".join(_c(e.get("event", "?"), 80) + (f" ({_c(str(e['room']), 80)})" if e.get("room") else "")
                                  + (f" host row {e['host_row']}" if e.get("host_row") is not None else "")
-                                 for e in cell.get("events") or ())
-        rows.append(f"<tr><td>L{cell.get('layer')} P{cell.get('page')} {_e(cell.get('segment', ''))}</td>"
+                                 for e in listed) + more_events
+        rows.append(f"<tr><td>L{cell.get('layer')} P{cell.get('page')} {_c(cell.get('segment', ''), 80)}</td>"
                     f"<td>{_e(cell.get('kind', ''))}{'' if cell.get('exact', True) else ' (in bound)'}</td>"
                     f"<td>{rooms or '-'}</td><td>{cell.get('physical_page', '-')}</td><td>{events or '-'}</td></tr>")
     more = f'<p class="note">... and {len(cells) - MAX_DIAGNOSIS_ROWS} more cells.</p>' if len(cells) > MAX_DIAGNOSIS_ROWS else ""
@@ -221,13 +301,13 @@ def _index(bad: list[RoomResult], drawn: int) -> str:
     for i, room in enumerate(bad[:MAX_INDEX_ROWS]):
         first = room.first_divergence
         c = first.comparison if first is not None else None
-        name = f"{_e(room.room)}/{room.attempt}"
+        name = _c(room.name, 100)
         link = f'<a href="#{_anchor(room)}">{name}</a>' if i < drawn else name
         rows.append(
-            f"<tr><td>{link}</td><td>{_e(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
-            f"<td>{_e(first.label) if first else '-'}</td><td>{_e(_ranges(c.layers)) if c else '-'}</td>"
-            f"<td>{_e(_ranges(c.pages)) if c else '-'}</td><td>{_e(', '.join(c.segments)) if c else '-'}</td>"
-            f"<td>{_e(describe_room(first.diagnosis or ())) if first else '-'}</td></tr>"
+            f"<tr><td>{link}</td><td>{_c(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
+            f"<td>{_e(first.label) if first else '-'}</td><td>{_c(_ranges(c.layers), 120) if c else '-'}</td>"
+            f"<td>{_c(_ranges(c.pages), 120) if c else '-'}</td><td>{_c(', '.join(c.segments[:50]), 120) if c else '-'}</td>"
+            f"<td>{_c(describe_room(first.diagnosis or ())) if first else '-'}</td></tr>"
         )
     more = f'<p class="note">... and {len(bad) - MAX_INDEX_ROWS:,} more (see `diff --json`).</p>' if len(bad) > MAX_INDEX_ROWS else ""
     return (
@@ -236,17 +316,38 @@ def _index(bad: list[RoomResult], drawn: int) -> str:
     )
 
 
-def _bad_rooms(a: Analysis, max_rooms: int) -> str:
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "replace"))
+
+
+def _bad_rooms(a: Analysis, max_rooms: int, budget: int = MAX_REPORT_BYTES) -> str:
+    """The index, the cross-room heat, and a block for each of the first `max_rooms` bad
+    rooms as long as the page stays within `budget` bytes; the note says how many are
+    not drawn, and how to draw one (`--rid`)."""
     bad = a.bad_rooms()
     if not bad:
         return '<section id="bad-rooms"><h2>Rooms that did not match</h2><p>None: every verified room matched.</p></section>'
-    shown = bad[:max_rooms]
-    note = (f"{len(bad):,} rooms, worst first, numeric within a verdict; {len(shown)} drawn below"
-            + (" (raise --max-rooms for more)" if len(bad) > len(shown) else ""))
+    wanted = bad[:max(0, max_rooms)]
+    cross = _cross_room_heat(bad)
+    budget -= _size(_index(bad, len(wanted))) + _size(cross) + 2048  # the index as it would be with every link
+    blocks: list[str] = []
+    for room in wanted:
+        block = _room_block(room)
+        budget -= _size(block)
+        if budget < 0:
+            break
+        blocks.append(block)
+    drawn = len(blocks)
+    note = f"{len(bad):,} rooms, worst first, numeric within a verdict; {drawn:,} drawn below"
+    if drawn < len(bad):
+        why = ("raise --max-rooms for more" if drawn == len(wanted)
+               else f"the page stops drawing rooms at {MAX_REPORT_BYTES >> 20} MiB")
+        note += (f" ({why}); {len(bad) - drawn:,} not drawn: `report --rid RID` draws a room's, "
+                 "`diff --json` lists them all")
     return (
-        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>{_index(bad, len(shown))}'
-        f"{_cross_room_heat(bad)}<h3>Each room</h3>"
-        + '<div class="rooms">' + "".join(_room_block(r) for r in shown) + "</div></section>"
+        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>{_index(bad, drawn)}'
+        f"{cross}<h3>Each room</h3>"
+        + '<div class="rooms">' + "".join(blocks) + "</div></section>"
     )
 
 
@@ -254,44 +355,58 @@ def _cross_room_heat(bad: list[RoomResult]) -> str:
     """Where rooms first diverged, across all of them: (layer x page bucket), each
     cell counting the rooms whose first-divergence candidates include it. Page
     buckets are the metrics' (`page_bucket`: [b, 2b)), so this reads like the
-    dashboard's heat panels, but from every room in the logs."""
-    counts: Counter = Counter()
+    dashboard's heat panels, but from every room in the logs. More than
+    MAX_HEAT_ROWS layers are binned (a row covers several)."""
+    candidates = []
+    all_layers: set = set()
     for room in bad:
         first = room.first_divergence
         c = first.comparison if first is not None else None
-        if c is None:
-            continue
-        for layer in set(c.layers):
-            for bucket in {page_bucket(p) for p in c.pages}:
-                counts[(layer, bucket)] += 1
-    if not counts:
+        if c is not None and c.layers and c.pages:
+            candidates.append(c)
+            all_layers.update(c.layers)
+    if not candidates:
         return ""
-    layers = sorted({layer for layer, _ in counts})
+    ordered_layers = sorted(all_layers)
+    per_row = _bin(len(ordered_layers), MAX_HEAT_ROWS)
+    row_of = {layer: i // per_row for i, layer in enumerate(ordered_layers)}
+    counts: Counter = Counter()
+    for c in candidates:
+        buckets = {page_bucket(p) for p in c.pages}
+        for row in {row_of[layer] for layer in c.layers}:
+            for bucket in buckets:
+                counts[(row, bucket)] += 1
+    n_rows = math.ceil(len(ordered_layers) / per_row)
+    rows = sorted({row for row, _ in counts})
     buckets = sorted({b for _, b in counts}, key=int)
     peak = max(counts.values())
-    cw, ch, left, top = 44, max(6, min(16, 480 // len(layers))), 44, 30
-    width, height = left + len(buckets) * cw + 4, top + len(layers) * ch + 4
+    cw, ch, left, top = 44, max(6, min(16, 480 // len(rows))), 44, 30
+    width, height = left + len(buckets) * cw + 4, top + len(rows) * ch + 4
     parts = [f'<svg class="crossheat" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" role="img">',
-             f'<rect x="{left}" y="{top}" width="{len(buckets) * cw}" height="{len(layers) * ch}" fill="#f4f6f9"/>']
+             f'<rect x="{left}" y="{top}" width="{len(buckets) * cw}" height="{len(rows) * ch}" fill="#f4f6f9"/>']
     for j, bucket in enumerate(buckets):
         parts.append(f'<text x="{left + j * cw + 2}" y="{top - 6}" font-size="10">p{_e(bucket)}+</text>')
     label_every = 1 if ch >= 10 else max(1, 10 // ch)
-    for i, layer in enumerate(layers):
+    for i, row in enumerate(rows):
+        first = ordered_layers[row * per_row]
+        last = ordered_layers[min(len(ordered_layers), (row + 1) * per_row) - 1]
+        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
         if i % label_every == 0:
-            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" text-anchor="end">L{layer}</text>')
+            parts.append(f'<text x="{left - 4}" y="{top + i * ch + ch - 2}" font-size="10" text-anchor="end">L{first}</text>')
         for j, bucket in enumerate(buckets):
-            n = counts.get((layer, bucket), 0)
+            n = counts.get((row, bucket), 0)
             if n:
                 parts.append(
                     f'<rect class="xcell" x="{left + j * cw}" y="{top + i * ch}" width="{cw - 1}" height="{ch - 1}" '
-                    f'fill="{CROSS_SCALE}" fill-opacity="{0.15 + 0.85 * n / peak:.2f}"><title>layer {layer}, pages '
+                    f'fill="{CROSS_SCALE}" fill-opacity="{0.15 + 0.85 * n / peak:.2f}"><title>{layers}, pages '
                     f"{_e(bucket)}..: {n} room(s)</title></rect>"
                 )
     parts.append("</svg>")
+    binned = f" Each row covers {per_row} layers ({n_rows} rows)." if per_row > 1 else ""
     return (
         '<section id="cross-room"><h3>Where rooms first diverged, all rooms</h3><p class="note">Rows are layers, columns '
         "power-of-two page buckets (pN+ holds pages N to 2N-1); darker means more rooms, "
-        f"at most {peak}. Candidate cells of each room's first divergence.</p>{''.join(parts)}</section>"
+        f"at most {peak}. Candidate cells of each room's first divergence.{binned}</p>{''.join(parts)}</section>"
     )
 
 
@@ -355,19 +470,29 @@ def _hicache_branches(a: Analysis) -> str:
         return '<section id="hicache"><h2>HiCache branches</h2><p>No HiCache branch records in the logs.</p></section>'
     peak = max(a.hicache.values()) or 1
     rows = []
-    for (pool, direction, branch), n in sorted(a.hicache.items()):
-        alarm = branch.startswith("token") and "indexer" in pool
+    items = sorted(a.hicache.items())
+    more = ""
+    if len(items) > MAX_TABLE_ROWS:  # alarms first, then the most calls; shown in the usual order
+        kept = sorted(items, key=lambda item: (not _alarm(item[0][0], item[0][2]), -item[1]))[:MAX_TABLE_ROWS]
+        more = f'<p class="note">... and {len(items) - MAX_TABLE_ROWS:,} more rows (see `diff --json`).</p>'
+        items = sorted(kept)
+    for (pool, direction, branch), n in items:
         rows.append(
-            f'<tr{" class=alarm" if alarm else ""}><td>{_e(pool)}</td><td>{_e(direction)}</td><td>{_e(branch)}</td>'
-            f'<td>{n:,}</td><td style="text-align:left"><span class="bar" style="width:{max(1, round(n / peak * 300))}px"></span></td></tr>'
+            f'<tr{" class=alarm" if _alarm(pool, branch) else ""}><td>{_c(pool, 120)}</td><td>{_c(direction, 120)}</td>'
+            f'<td>{_c(branch, 120)}</td><td>{n:,}</td>'
+            f'<td style="text-align:left"><span class="bar" style="width:{max(1, round(n / peak * 300))}px"></span></td></tr>'
         )
     return (
         '<section id="hicache"><h2>HiCache branches</h2><p class="note">Copy calls per host pool, direction and '
         "branch. A token-granular branch on an indexer pool (red) applies the C4 row geometry to rows that "
         "are not C4 rows.</p><table><tr><th>pool</th><th>direction</th><th>branch</th><th>calls</th><th></th></tr>"
         + "".join(rows)
-        + "</table></section>"
+        + f"</table>{more}</section>"
     )
+
+
+def _alarm(pool: str, branch: str) -> bool:
+    return branch.startswith("token") and "indexer" in pool
 
 
 def _hicache_roundtrip(a: Analysis) -> str:
@@ -377,9 +502,10 @@ def _hicache_roundtrip(a: Analysis) -> str:
     rows = []
     for d in a.roundtrip[:200]:
         checks = d.get("checks") or {}
-        events = " &rarr; ".join(_e(str(e.get("event"))) for e in d.get("events") or ()) or "-"
+        listed, more_events = _more(d.get("events") or (), 16)
+        events = (" &rarr; ".join(_c(str(e.get("event")), 80) for e in listed) + more_events) or "-"
         rows.append(
-            f"<tr class=alarm><td>{_e(str(d.get('pool')))}</td><td>{d.get('host_row')}</td><td>{d.get('layer')}</td>"
+            f"<tr class=alarm><td>{_c(str(d.get('pool')), 120)}</td><td>{d.get('host_row')}</td><td>{d.get('layer')}</td>"
             f"<td>{_e(str(d.get('device_page', '-')))}</td>"
             + "".join(f"<td>{_e(str(checks.get(leg, '-')))}</td>" for leg in ("d2h", "host", "h2d"))
             + f'<td style="text-align:left">{events}</td></tr>'
@@ -388,7 +514,7 @@ def _hicache_roundtrip(a: Analysis) -> str:
     more = f"<p class=note>... {a.roundtrip_n:,} in all (see diff --json).</p>" if a.roundtrip_n > len(rows) else ""
     return (
         f'<section id="hicache-roundtrip"><h2>HiCache round trip ({a.roundtrip_n:,} broken host row{"s" if a.roundtrip_n != 1 else ""})</h2>'
-        f'<p class="note">{_e(summary)}. Checks per host row: d2h (matched its device rows at backup), host '
+        f'<p class="note">{_c(summary, 2000)}. Checks per host row: d2h (matched its device rows at backup), host '
         "(unchanged while resident), h2d (copied faithfully by the load); the events are the journal's for "
         "the device page the row was loaded into, the last one the load.</p><table><tr><th>pool</th>"
         "<th>host row</th><th>layer</th><th>device page</th><th>d2h</th><th>host</th><th>h2d</th><th>page events</th></tr>"
@@ -400,17 +526,22 @@ def _hicache_roundtrip(a: Analysis) -> str:
 def _bad_lines(a: Analysis) -> str:
     if not a.n_errors:
         return ""
-    items = "".join(f"<li><code>{_e(m)}</code></li>" for m in a.errors[:200])
+    items = "".join(f"<li><code>{_c(m, 500)}</code></li>" for m in a.errors[:200])
     more = f"<p class=note>... and {a.n_errors - 200:,} more.</p>" if a.n_errors > 200 else ""
     return f'<section id="bad-lines"><h2>Skipped lines ({a.n_errors:,})</h2><ul>{items}</ul>{more}</section>'
 
 
 def render(analysis: Analysis, *, title: str = "dsv4-idxk-probe report", max_rooms: int = 50) -> str:
-    inputs = "".join(f"<li><code>{_e(f)}</code></li>" for f in analysis.files)
-    return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-        f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+    """The page, at most about MAX_REPORT_BYTES: every section but the room blocks is
+    bounded by its own caps, and room blocks are drawn while the page stays under it."""
+    files, more = _more(analysis.files, MAX_INPUTS_LISTED)
+    inputs = "".join(f"<li><code>{_c(f, 500)}</code></li>" for f in files) + (f"<li>{more}</li>" if more else "")
+    head = (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_c(title, 300)}</title>'
+        f"<style>{_CSS}</style></head><body><h1>{_c(title, 300)}</h1>"
         f'<p class="note">Generated {_e(_utc(time.time()))} from {len(analysis.files)} room logs.</p>'
-        f"{_summary(analysis)}{_bad_rooms(analysis, max_rooms)}{_timeline(analysis)}{_hicache(analysis)}"
-        f"{_bad_lines(analysis)}<details><summary>Inputs</summary><ul>{inputs}</ul></details></body></html>\n"
     )
+    summary, timeline, hicache, bad_lines = _summary(analysis), _timeline(analysis), _hicache(analysis), _bad_lines(analysis)
+    tail = f"{bad_lines}<details><summary>Inputs</summary><ul>{inputs}</ul></details></body></html>\n"
+    budget = MAX_REPORT_BYTES - sum(map(_size, (head, summary, timeline, hicache, tail)))
+    return f"{head}{summary}{_bad_rooms(analysis, max_rooms, budget)}{timeline}{hicache}{tail}"

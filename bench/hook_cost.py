@@ -1,0 +1,244 @@
+"""What one probe call costs the serving thread, timed: median and p99 per hook kind.
+
+Why: `bench/hook_ops.py` counts the Python work of a hook call (deterministic, any
+machine); this times it. Each kind is called `--calls` times (one call per room or per
+batch, as the SGLang hooks call the monitors), each call timed alone on the calling
+thread in thread CPU time and in wall time, and the table gives the median and the 99th
+percentile of each. The collector thread runs as in serving (it folds, judges and
+writes records on the other core); between calls the caller sleeps `--gap-ms` (default
+0.2 ms, enough for the collector to keep up; a serving thread comes back from a model
+step of 10-30 ms, which `--gap-ms 10` mimics), and every 64 calls it waits for the
+collector to drain, so no batch is ever dropped. `--gap-wait gpu` (CUDA) passes the gap
+as a scheduler thread passes its forward: a GPU kernel of that length, waited on an event
+(on the H200 host a call right after a sleep costs more than one after such a wait).
+
+Hook kinds, as the SGLang hooks (sglang/pd_decode.py, pd_prefill.py) call the monitors,
+with decode's diagnosis on as shipped (`--no-diagnosis`: verification alone):
+  allocate  DecodeMonitor.room_allocated (`_send_kv_metadata`: journal, allocation snapshot)
+  receive   DecodeMonitor.room_received (`_commit_transfer_to_req`: `decode_recv`)
+  step      DecodeMonitor.batch_done with `--step-rooms` rooms stepped (every `step_interval`-th batch)
+  finish    DecodeMonitor.room_finished (`release_kv_cache`: `decode_finish` of one room)
+  send      PrefillMonitor.room_sent (`send_kv_chunk(last_chunk=True)`: `prefill_send`)
+
+`--real-launch` (the default where CUDA is present): a real engine on CUDA buffers
+(DeepSeek-V4 fp8 rows), page tables as CUDA int64 tensors, the kernel really launched.
+`--fake-launch` (the only choice without CUDA): the engine's device touch points
+faked as in `bench/hook_ops.py` (the kernel launch, the stream look-up, the event
+record), page tables as host tensors the engine reads in place, as it reads device
+ones (`--page-tables host`: host lists, which travel in the staging upload).
+
+Usage:  python -m bench.hook_cost [--calls 2000] [--layers 30] [--pages 17] [--step-rooms 8] [--kinds LIST]
+                                  [--gap-ms 0.2] [--gap-wait sleep|gpu] [--no-diagnosis] [--real-launch | --fake-launch]
+                                  [--page-tables device|host] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from bench.harness import Table, percentile, write_result
+from dsv4_idxk_probe.config import DiagnosisConfig
+from dsv4_idxk_probe.diagnosis.tracker import decode_diagnosis
+from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId
+
+KINDS = ("allocate", "receive", "step", "finish", "send")
+
+
+def real_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
+    """Decode's and prefill's engines on CUDA buffers, set up as `DigestEngine.from_config`
+    sets them up for each role with the shipped config."""
+    layout = get_layout("fp8")
+    pool = 64 * pages + 1
+    buffers = [torch.randint(0, 256, (pool, layout.row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    decode = DigestEngine(layout, list(range(layers)), buffers, contents=contents, **_role_options("decode"))
+    prefill = DigestEngine(layout, list(range(layers)), buffers, contents=False, **_role_options("prefill"))
+    return decode, prefill
+
+
+def _role_options(role: str) -> dict:
+    """What `DigestEngine.from_config` chooses per role beyond the config's digest section."""
+    import inspect
+
+    if "download" not in inspect.signature(DigestEngine).parameters:  # an engine from before the option
+        return {}
+    return {"download": "collector" if role == "decode" else "submit"}
+
+
+def fake_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
+    from bench.hook_ops import cuda_path_engine
+
+    return (cuda_path_engine(layers, pages, contents=contents, **_role_options("decode")),
+            cuda_path_engine(layers, pages, contents=False, **_role_options("prefill")))
+
+
+def page_tables(n: int, pages: int, where: str, device: str) -> list:
+    """`n` rooms' page tables of `pages` pages each, over a pool of 64 rooms' pages."""
+    tables = []
+    for i in range(n):
+        ids = np.arange(pages) + (i % 64) * pages + 1
+        tables.append(ids.tolist() if where == "host" else torch.as_tensor(ids, dtype=torch.int64, device=device))
+    return tables
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000, help="timed calls of each kind")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--pages", type=int, default=17)
+    p.add_argument("--step-rooms", type=int, default=8, help="rooms stepped by each `step` call (one launch)")
+    p.add_argument("--gap-ms", type=float, default=0.2, help="time passed before each timed call")
+    p.add_argument("--gap-wait", choices=("sleep", "gpu"), default="sleep",
+                   help="how: a sleep, or (CUDA) a GPU kernel waited on, as a forward is")
+    p.add_argument("--no-diagnosis", dest="diagnosis", action="store_false", help="decode's diagnosis off")
+    launch = p.add_mutually_exclusive_group()
+    launch.add_argument("--real-launch", dest="real", action="store_true", default=None,
+                        help="a real engine on CUDA (the default where CUDA is present)")
+    launch.add_argument("--fake-launch", dest="real", action="store_false", help="device touch points faked")
+    p.add_argument("--page-tables", choices=("device", "host"), default="device")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"which kinds, in this order (of {','.join(KINDS)})")
+    p.add_argument("--warm-up", type=int, default=50, help="untimed calls of each kind first")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    real = cuda if args.real is None else args.real
+    if real and not cuda:
+        print("--real-launch needs CUDA", file=sys.stderr)
+        return 2
+    decode_engine, prefill_engine = (real_engines if real else fake_engines)(args.layers, args.pages, args.diagnosis)
+    diagnosis = None
+    if args.diagnosis:
+        diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), decode_engine.layout,
+                                     decode_engine.layer_ids)
+    decode = DecodeMonitor(decode_engine, lambda record: None, diagnosis=diagnosis,
+                           snapshot_on_allocation=args.diagnosis, step_interval=64)
+    prefill = PrefillMonitor(prefill_engine, lambda record: None)
+    device = "cuda" if real else "cpu"
+    n_rooms = args.calls + args.warm_up
+    tables = page_tables(max(64, args.step_rooms), args.pages, args.page_tables, device)
+    tokens = args.pages * 256 - 100
+    inband = None  # no prefill digest: "unverified" at every stage, the collector's lightest path
+    gap = args.gap_ms / 1e3
+    wait = time.sleep
+    if args.gap_wait == "gpu":
+        if not cuda:
+            print("--gap-wait gpu needs CUDA", file=sys.stderr)
+            return 2
+        from dsv4_idxk_probe.testbed.builtin.modeltime import GpuForward
+
+        forward = GpuForward(torch.device("cuda"))
+        done = torch.cuda.Event()
+
+        def wait(seconds):
+            forward(seconds)
+            done.record()
+            done.synchronize()
+    rooms = iter(range(10**9))
+
+    def drain() -> None:
+        for engine in (decode_engine, prefill_engine):
+            while engine.backlog():
+                time.sleep(0.0005)
+
+    def timed(kind, setups):
+        """Each setup() returns the call to time; `n_rooms` of them, the first warm-up ones untimed."""
+        cpu, wall = [], []
+        for i in range(n_rooms):
+            call = setups()
+            if i % 64 == 0:
+                drain()
+            wait(gap)
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            call()
+            w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+            if i >= args.warm_up:
+                cpu.append((c1 - c0) / 1e3)
+                wall.append((w1 - w0) / 1e3)
+        drain()
+        return {"cpu_us": {"median": percentile(cpu, 50), "p99": percentile(cpu, 99), "mean": float(np.mean(cpu))},
+                "wall_us": {"median": percentile(wall, 50), "p99": percentile(wall, 99), "mean": float(np.mean(wall))},
+                "calls": len(cpu)}
+
+    def new_room(received: bool):
+        room = RoomId(next(rooms))
+        pages = tables[room.room % len(tables)]
+        if received:
+            if diagnosis is not None:
+                decode.room_allocated(room, pages, tokens)
+            decode.room_received(room, pages, tokens, inband, {"rid": f"req-{room.room}"})
+        return room, pages
+
+    def allocate():
+        room = RoomId(next(rooms))
+        pages = tables[room.room % len(tables)]
+        return lambda: decode.room_allocated(room, pages, tokens)
+
+    def receive():
+        room = RoomId(next(rooms))
+        pages = tables[room.room % len(tables)]
+        if diagnosis is not None:
+            decode.room_allocated(room, pages, tokens)
+        extra = {"rid": f"req-{room.room}"}
+        return lambda: decode.room_received(room, pages, tokens, inband, extra)
+
+    stepped = []
+
+    def step():
+        if not stepped:  # rooms that stay received, stepped again and again
+            stepped.extend((new_room(True)[0], 64) for _ in range(args.step_rooms))
+        return lambda: decode.batch_done((), stepped)
+
+    def finish():
+        room, _ = new_room(True)
+        return lambda: decode.room_finished(room)
+
+    def send():
+        room = RoomId(next(rooms))
+        pages = tables[room.room % len(tables)]
+        extra = {"rid": f"req-{room.room}"}
+        return lambda: prefill.room_sent(room, pages, tokens, extra)
+
+    every = {"allocate": allocate, "receive": receive, "step": step, "finish": finish, "send": send}
+    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+    unknown = [kind for kind in kinds if kind not in every]
+    if unknown:
+        print(f"unknown hook kinds {unknown}; known: {', '.join(KINDS)}", file=sys.stderr)
+        return 2
+    cases = {kind: every[kind] for kind in kinds if kind != "allocate" or args.diagnosis}
+    results = {}
+    for kind, setup in cases.items():
+        results[kind] = timed(kind, setup)
+    for room, _ in stepped:
+        decode.room_finished(room)
+    drain()
+    decode_engine.close()
+    prefill_engine.close()
+    where = (f"real launches on {torch.cuda.get_device_name()}" if real else
+             "device touch points faked (bench/hook_ops.py)")
+    print(f"serving-thread cost per hook call, {args.calls} calls each ({args.layers} layers x {args.pages} pages "
+          f"per room; step: {args.step_rooms} rooms; diagnosis {'on' if args.diagnosis else 'off'}; {where}; "
+          f"page tables: {args.page_tables}; {args.gap_ms:g} ms of {args.gap_wait} before each call)")
+    table = Table(("hook", "<10"), ("CPU median us", ">14.1f"), ("CPU p99 us", ">11.1f"),
+                  ("wall median us", ">15.1f"), ("wall p99 us", ">12.1f"))
+    print(table.header())
+    for kind, r in results.items():
+        print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"]))
+    if args.out is not None:
+        report = {"device": torch.cuda.get_device_name() if real else "cpu", "real_launch": real,
+                  "torch": torch.__version__, "calls": args.calls, "layers": args.layers, "pages": args.pages,
+                  "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait,
+                  "diagnosis": args.diagnosis,
+                  "page_tables": args.page_tables, "kinds": results}
+        write_result(args.out, "hook_cost.json", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The collector of `DigestEngine`: the background thread that finishes batches.
+
+It takes each submitted batch's ticket (`launch.PendingDigest`) from the
+engine's bounded queue, waits for the batch's event (`engine.WAITS`), copies
+the outputs down where the submit left that to it (`engine.DOWNLOADS`: on a
+stream of its own, waiting on an event of its own), makes what the submit did
+not (the cell plan, the output views, the rooms' requests), folds the cells
+into room digests, gives the staging buffer and the event back to their pools
+and hands a `BatchResult` to the batch's callback. Notes (`DigestEngine.post`:
+a callable and its argument, no launch) are called in their place in the same
+queue, so what a caller posts after a submit runs after that batch's callback.
+It alone waits on the GPU: the serving thread never does. A batch whose device
+call failed is dropped, its callback told why; a failing callback is counted
+and logged; neither ends the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..background import yield_to_serving
+from ..safety import record_error
+from . import reference
+from .launch import PendingDigest, flag_block, out_of_range_counts
+from .result import RoomDigest
+from .room_table import frozen_slots_per_page
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchResult:
+    """What one submit produced, handed to its callback on the collector thread."""
+
+    digests: list[RoomDigest]
+    rows: int
+    bytes_digested: int
+    gpu_seconds: float | None = None  # kernel time, when measured on a GPU
+    room_bytes: tuple[int, ...] = ()  # frozen bytes digested per room, in submit order
+    error: str | None = None  # the batch could not be digested (no digests): why
+    # Per room, in submit order: its (layer, page) rows whose physical page id lay outside
+    # that layer's buffer, so they were not read. A room with any has a digest that
+    # compares equal to none (docs/digest.md, "Page ids out of range").
+    out_of_range: tuple[int, ...] = ()
+    # Per room, in submit order: each cell's content digest, uint64 [layers, pages,
+    # segments] (the segment digest d of docs/digest.md, "Content digests"; 0 where a
+    # row was not read), computed in the same kernel pass as the digests. A copy the
+    # callback may keep.
+    contents: tuple[np.ndarray, ...] = ()
+    # The batch's ticket (`launch.PendingDigest`): which submit this came from.
+    ticket: Any = field(default=None, repr=False, compare=False)
+
+
+class Note:
+    """A call the collector makes in its place in the queue (`DigestEngine.post`)."""
+
+    __slots__ = ("call", "arg")
+    counted = True
+
+    def __init__(self, call: Callable[[Any], Any], arg: Any):
+        self.call, self.arg = call, arg
+
+
+def poll_intervals(first: float, most: float) -> Iterator[float]:
+    """Sleeps between polls of one batch's event: doubling from `first` up to `most`.
+
+    Each poll takes the GIL and makes a driver call. An event recorded behind
+    a forward completes only when that forward does (tens of ms), and a fixed
+    0.5 ms poll would wake the collector dozens of times per batch, each time
+    taking the GIL from the serving thread; doubling keeps it to a few.
+    """
+    wait = first
+    while True:
+        yield wait
+        wait = min(most, 2 * wait)
+
+
+class PageOutOfRange(ValueError):
+    """A room's page table names a page outside a registered buffer."""
+
+
+class Collector:
+    """The collecting half of `DigestEngine` (a base class of it, not an object of its own).
+
+    It reads what the engine's constructor sets up: `layout`, `layer_ids`,
+    `signature`, `wait`, `poll_interval_s`, `max_poll_interval_s`, `stats`
+    (`EngineStats`), and `_tickets` (the queue of submitted batches), `_lock`,
+    `_thread`, `_collecting`, `_warm_up_queued`, `_staging`, `_events`,
+    `_frozen_bytes_per_slot` and `_copy_stream` / `_copied` (made here, on CUDA)."""
+
+    def _start_collector(self) -> None:
+        """Start the collector thread unless it runs (again, should it ever have died)."""
+        with self._lock:
+            if not self._collecting:
+                self._collecting = True
+                self._thread = threading.Thread(target=self._collect, name="dsv4-idxk-digest", daemon=True)
+                self._thread.start()
+
+    def _collect(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                # This thread's own work on the GPU (the copies down it makes, the page ids
+                # diagnosis copies to the host) goes to a stream of its own, never the
+                # serving thread's; it only ever follows events it has waited for.
+                try:
+                    torch.cuda.set_stream(self._copy_side())
+                except Exception:
+                    record_error("digest.collector_stream")
+            while True:
+                ticket = self._tickets.get()
+                if ticket is None:
+                    return
+                if ticket.__class__ is Note:
+                    try:
+                        ticket.call(ticket.arg)
+                    except Exception:
+                        self.stats.callback_errors += 1
+                        log.exception("digest note failed")
+                    continue
+                if not ticket.counted and self._warm_up_queued > 0:
+                    self._warm_up_queued -= 1
+                if self._await(ticket):
+                    self._deliver(ticket, self._finish)
+                if self._tickets.items:
+                    yield_to_serving()  # between batches too, when several are waiting
+        finally:
+            self._collecting = False
+
+    def _copy_side(self):
+        """The collector's stream and the event it waits on for its own copies (made once)."""
+        if self._copy_stream is None:
+            with self._lock:  # `digest_now` may ask from another thread
+                if self._copy_stream is None:
+                    self._copied = torch.cuda.Event(blocking=self.wait == "block")
+                    self._copy_stream = torch.cuda.Stream(device=self.device)
+        return self._copy_stream
+
+    def _fetch_outputs(self, ticket: PendingDigest) -> None:
+        """The outputs' copy down that the submit left to this thread (`download`): the
+        kernel is done (its event has completed), so a copy on this thread's own stream
+        reads what it stored; then wait for that copy alone."""
+        start, end = ticket.download
+        staging = ticket.staging
+        if self.device.type == "cuda":
+            stream = self._copy_side()
+            with torch.cuda.stream(stream):
+                staging.host[start:end].copy_(staging.device[start:end], non_blocking=True)
+            self._copied.record(stream)
+            self._copied.synchronize()
+        else:
+            staging.download(start, end)
+        ticket.download = None
+
+    def _await(self, ticket: PendingDigest) -> bool:
+        """Wait until the batch's kernel is done. False when a device call failed (the
+        event's record at submit, or the wait): the batch is dropped, counted, its
+        callback gets a result with `error` set and no digests, and its staging buffer
+        is never reused (the GPU may still write it); the collector goes on."""
+        if ticket.error is not None:  # counted where it happened
+            return self._drop(ticket, ticket.error)
+        try:
+            done = ticket.done
+            if done is not None:
+                if self.wait == "block":
+                    done.synchronize()  # this thread only; the serving thread never waits here
+                else:
+                    waits = poll_intervals(self.poll_interval_s, self.max_poll_interval_s)
+                    while not done.query():
+                        time.sleep(next(waits))
+            if ticket.download is not None:
+                self._fetch_outputs(ticket)
+            return True
+        except Exception as exc:
+            record_error("digest.await")
+            return self._drop(ticket, f"{type(exc).__name__}: {exc}")
+
+    def _drop(self, ticket: PendingDigest, error: str) -> bool:
+        """A batch that cannot be digested: counted, and its callback told why, so the
+        caller stops waiting for its rooms."""
+        self.stats.dropped_batches += 1
+        ticket.error = error  # a caller waiting for its digests stops waiting
+        self._deliver(ticket, lambda _: BatchResult([], 0, 0, error=error, ticket=ticket))
+        return False
+
+    def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
+        """Hand the batch's result to its callback; a failing callback (or fold) is
+        counted and logged, never allowed to end the collector."""
+        try:
+            ticket.callback(result(ticket))
+        except Exception:
+            self.stats.callback_errors += 1
+            log.exception("digest callback failed")
+
+    def _release(self, ticket: PendingDigest) -> None:
+        """Give a completed batch's staging buffer and event back to their pools."""
+        if ticket.staging is not None:
+            self._staging.give(ticket.staging)
+            ticket.staging = None
+        if ticket.done is not None and ticket.started is None:
+            self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
+            ticket.done = None
+        ticket.keepalive = ()
+
+    def _finish(self, ticket: PendingDigest) -> BatchResult:
+        """Fold each room's cells (the event has completed), then recycle the buffers."""
+        if ticket.cells is None or ticket.rooms is None:
+            self._views(ticket)  # what a lean submit left to this thread
+        if ticket.contents_only:
+            return self._finish_contents(ticket)
+        plan, digests, room_bytes = ticket.plan, [], []
+        out_of_range = out_of_range_counts(plan, ticket.flags)
+        page_counts = plan.page_counts
+        for slot, room in enumerate(ticket.rooms):
+            layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
+            digests.append(
+                RoomDigest(
+                    key=room.key,
+                    # Rows not read make the digest worthless: a signature no other digest
+                    # has, so every comparison says not_comparable, never match.
+                    signature=self.signature if not out_of_range[slot] else secrets.randbits(64),
+                    n_tokens=room.n_tokens,
+                    layer_ids=self.layer_ids,
+                    segments=self.layout.segment_names,
+                    layer_segment=layer_segment,
+                    pages=pages,
+                )
+            )
+            n_pages = page_counts[slot]
+            frozen = min(max(room.n_tokens, 0) // self.layout.tokens_per_slot, n_pages * self.layout.slots)
+            unread = 0
+            if out_of_range[slot]:  # rows not read are not digested bytes
+                per_page = frozen_slots_per_page(self.layout, n_pages, room.n_tokens)
+                unread = int(flag_block(plan, ticket.flags, slot).sum(axis=0, dtype=np.int64) @ per_page)
+            room_bytes.append((frozen * len(self.layer_ids) - unread) * self._frozen_bytes_per_slot)
+        gpu_seconds = None
+        if ticket.started is not None and ticket.done is not None:
+            gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
+        ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) if not n else secrets.randbits(64)
+                                       for d, n in zip(digests, out_of_range)], dtype=np.uint64)
+        room_contents = self._hand_back(ticket, out_of_range)
+        return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
+                           out_of_range=tuple(out_of_range), contents=room_contents, ticket=ticket)
+
+    def _finish_contents(self, ticket: PendingDigest) -> BatchResult:
+        """A contents-only batch: its contents and out-of-range rows, no fold."""
+        out_of_range = out_of_range_counts(ticket.plan, ticket.flags)
+        ticket.final_rooms = np.zeros(0, dtype=np.uint64)  # never folded: no room digests to read
+        room_contents = self._hand_back(ticket, out_of_range)
+        return BatchResult([], ticket.plan.n_cells, 0, out_of_range=tuple(out_of_range), contents=room_contents,
+                           ticket=ticket)
+
+    def _hand_back(self, ticket: PendingDigest, out_of_range: list[int]) -> tuple:
+        """What every finished batch does last: count its rooms and out-of-range rows, copy
+        its contents out of the staging buffer once, and recycle the buffers. Each room's
+        contents, a view of that copy."""
+        if ticket.counted:
+            self.stats.completed_rooms += len(ticket.rooms)
+            if any(out_of_range):
+                self._count_out_of_range(ticket.rooms, out_of_range)
+        contents = ticket.contents.copy() if ticket.contents is not None else None
+        ticket.contents = contents
+        self._release(ticket)
+        plan = ticket.plan
+        return () if contents is None else tuple(plan.block(contents, slot) for slot in range(len(ticket.rooms)))
+
+    def _count_out_of_range(self, rooms: list, out_of_range: list[int]) -> None:
+        """A page id outside a registered buffer is a probe failure (a wrong page table):
+        counted in the engine's stats and as a probe error, logged, never read."""
+        self.stats.out_of_range_rooms += sum(1 for n in out_of_range if n)
+        self.stats.out_of_range_rows += sum(out_of_range)
+        keys = [room.key for room, n in zip(rooms, out_of_range) if n]
+        try:
+            raise PageOutOfRange(f"{sum(out_of_range)} (layer, page) rows of rooms {keys[:8]} have a page id "
+                                 f"outside their layer's buffer; not read, not comparable")
+        except PageOutOfRange:
+            record_error("digest.page_out_of_range")

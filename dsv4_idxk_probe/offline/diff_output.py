@@ -1,0 +1,95 @@
+"""What `diff` hands back besides its table: the exit status and the JSON document.
+
+Library code, so the fault rig's verification (`testbed/faults/verify.py`)
+judges a run by the very same JSON and status the command gives, without
+importing the CLI. Format: docs/roomlog.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, BinaryIO
+
+from .printable import json_safe
+from .results import Analysis
+
+
+def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
+    """0 every verified room matches; 1 a mismatch or a broken HiCache round trip (strict:
+    also a not-comparable or unverified room); 2 no room records, or skipped lines."""
+    verdicts = analysis.room_verdicts()
+    if verdicts["mismatch"] or analysis.roundtrip_n:  # a HiCache row broken upstream of the digests too
+        return 1
+    if not analysis.rooms and not analysis.prefill_only:
+        return 2
+    if analysis.n_errors:
+        return 2
+    if strict and (verdicts["not_comparable"] or verdicts["unverified"]):
+        return 1
+    return 0
+
+
+def _stdlib_json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()  # ASCII: escapes even lone surrogates
+
+
+try:  # present wherever SGLang is, and much faster on a million rooms
+    from orjson import dumps as _orjson_dumps
+except ImportError:
+    _orjson_dumps = None
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """Compact JSON; DEL, C1 and bidi controls in its strings written as escapes (`json_safe`),
+    so ``--json -`` on a terminal never runs a control sequence from a log."""
+    if _orjson_dumps is not None:
+        try:
+            return json_safe(_orjson_dumps(obj))
+        except TypeError:  # a file name with undecodable bytes (a lone surrogate)
+            pass
+    return _stdlib_json_bytes(obj)
+
+
+def write_json(analysis: Analysis, path: str, status: int) -> None:
+    """Summary first, then one room per line inside the array, streamed (a million rooms fit),
+    then the rooms only prefill logged: unverified, since no decode record names them."""
+    head: dict[str, Any] = {
+        "tool": "dsv4-idxk-probe diff",
+        "format": 1,
+        "exit_status": status,
+        "inputs": analysis.files,
+        "summary": analysis.summary(),
+        "errors": analysis.errors,
+    }
+    if path == "-":
+        sys.stdout.flush()
+        _write_json_to(sys.stdout.buffer, analysis, head)
+        sys.stdout.buffer.flush()
+        return
+    with open(path, "wb") as f:
+        _write_json_to(f, analysis, head)
+
+
+def _write_json_to(f: BinaryIO, analysis: Analysis, head: dict[str, Any]) -> None:
+    f.write(_json_bytes(head)[:-1])
+    f.write(b',"rooms":[\n')
+    separator = b""
+    for room in analysis.rooms.values():
+        f.write(separator)
+        f.write(_json_bytes(room.to_json()))
+        separator = b",\n"
+    f.write(b'\n],"prefill_only":[\n')
+    separator = b""
+    for key in analysis.prefill_only_keys:
+        f.write(separator)
+        entry = {"room": key[0], "attempt": key[1], "verdict": "unverified",
+                 "reason": "prefill sent it; no decode record in these logs"}
+        if len(key) > 2:  # (room, attempt, cluster)
+            entry["cluster"] = key[2]
+        rid = analysis.prefill_only_rids.get(key)
+        if rid is not None:
+            entry["rid"] = {"prefill": rid, "decode": None}
+        f.write(_json_bytes(entry))
+        separator = b",\n"
+    f.write(b"\n]}\n")

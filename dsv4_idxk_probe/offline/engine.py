@@ -1,0 +1,186 @@
+"""Which join `diff` and `report` run: the reference (`join.analyse`, one Python process)
+or the fleet engine on DuckDB (`fleet.analyse_fleet`), and the options they share.
+
+`--engine auto` (the default) takes DuckDB when it is installed and the inputs hold at
+least `AUTO_BYTES` (a fleet's day), or when an option only the fleet engine has is
+given (`--since`, `--until`, `--instance`, `--per-instance`); small inputs stay on the
+reference join, which starts faster. Without DuckDB the reference join runs and the
+tool says so once on stderr; the fleet-only options then exit 2 (docs/fleet.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import shutil
+import tempfile
+
+from ..roomlog.reader import InputError, expand_inputs
+from . import fleet, remote
+from .diff_output import write_json
+from .join import analyse
+from .printable import printable
+from .results import Analysis
+
+AUTO_BYTES = 1 << 30
+INSTALL = "pip install 'dsv4-idxk-probe[fleet]'"
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds, or an ISO 8601 time (UTC when it names no zone)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, per_instance: bool = True) -> None:
+    group = parser.add_argument_group("fleet (many pods; DuckDB, the `fleet` extra: docs/fleet.md)")
+    group.add_argument("--engine", choices=("auto", "duckdb", "reference"), default="auto",
+                       help="the join: DuckDB (all cores, bounded memory) or the reference Python join; "
+                            "auto: DuckDB for inputs over 1 GiB or the options below (default)")
+    group.add_argument("--since", type=parse_time, metavar="TIME",
+                       help="only rooms with a decode record at or after TIME (Unix seconds or ISO 8601, UTC)")
+    group.add_argument("--until", type=parse_time, metavar="TIME", help="only rooms with a decode record before TIME")
+    group.add_argument("--instance", action="append", metavar="GLOB",
+                       help="only rooms with a record written by a matching instance (host:pid, glob); repeatable")
+    if per_instance:
+        group.add_argument("--per-instance", action="store_true",
+                           help="a summary per writer instance (table, and `instances` in --json)")
+    group.add_argument("--memory-limit", default=fleet.DEFAULT_MEMORY_LIMIT, metavar="SIZE",
+                       help=f"DuckDB's memory limit; it spills to --temp-dir beyond it ({fleet.DEFAULT_MEMORY_LIMIT})")
+    group.add_argument("--threads", type=int, metavar="N", help="DuckDB threads (default: all cores)")
+    group.add_argument("--temp-dir", metavar="DIR", help="where DuckDB's database and spill files go (default: $TMPDIR)")
+
+
+def _fleet_only(args: argparse.Namespace) -> list[str]:
+    used = []
+    if args.since is not None:
+        used.append("--since")
+    if args.until is not None:
+        used.append("--until")
+    if args.instance:
+        used.append("--instance")
+    if getattr(args, "per_instance", False):
+        used.append("--per-instance")
+    return used
+
+
+def expand(args: list[str]) -> list:
+    """The inputs: local files (`expand_inputs`: files, directories, globs) as Paths, and
+    URLs (`s3://...`, fetched by the fleet engine through DuckDB's httpfs) kept as text."""
+    local = [a for a in args if not remote.is_url(a)]
+    urls = [a for a in args if remote.is_url(a)]
+    return (expand_inputs(local) if local else []) + urls
+
+
+def _size(paths: list[Path]) -> int:
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_size
+        except OSError:
+            pass
+    return total
+
+
+def run(paths: list[Path], args: argparse.Namespace, prefix: str, reference=None) -> Analysis | None:
+    """The analysis by the engine `args` ask for; None (after a message) when it cannot run.
+    `reference` is the reference join to call (default `join.analyse`)."""
+    fleet_only = _fleet_only(args)
+    if any(isinstance(p, str) for p in paths):
+        fleet_only.append("URLs")
+    engine = args.engine
+    if engine == "auto":
+        engine = "duckdb" if fleet_only or _size(paths) >= AUTO_BYTES else "reference"
+    if engine == "duckdb" and not fleet.available():
+        if fleet_only:
+            print(f"{prefix} {', '.join(fleet_only)} need DuckDB, which is not installed ({INSTALL})", file=sys.stderr)
+            return None
+        print(f"{prefix} note: DuckDB is not installed ({INSTALL}); using the reference join "
+              "(one process, memory grows with the rooms)", file=sys.stderr)
+        engine = "reference"
+    if engine == "reference":
+        if fleet_only:
+            print(f"{prefix} {', '.join(fleet_only)} need the DuckDB engine (--engine duckdb or auto)", file=sys.stderr)
+            return None
+        return (reference or analyse)(paths)
+
+    def progress(message: str) -> None:
+        print(f"{prefix} {message}", file=sys.stderr, flush=True)
+
+    urls = [p for p in paths if isinstance(p, str)]
+    names: dict[str, str] = {}
+    fetched = None
+    if urls:
+        fetched = tempfile.mkdtemp(prefix="dsv4-fleet-remote-", dir=args.temp_dir)
+        try:
+            pairs = remote.fetch(remote.expand_urls(urls), Path(fetched))
+        except InputError as exc:
+            shutil.rmtree(fetched, ignore_errors=True)
+            print(f"{prefix} {printable(exc)}", file=sys.stderr)
+            return None
+        except BaseException:
+            shutil.rmtree(fetched, ignore_errors=True)
+            raise
+        names = {str(local): url for local, url in pairs}
+        paths = [p for p in paths if not isinstance(p, str)] + [local for local, _ in pairs]
+    try:
+        analysis = _fleet(paths, args, progress, names)
+    except BaseException:
+        if fetched:
+            shutil.rmtree(fetched, ignore_errors=True)
+        raise
+    analysis.fetched_dir = fetched
+    return analysis
+
+
+def _fleet(paths: list, args: argparse.Namespace, progress, names: dict) -> Analysis:
+    return fleet.analyse_fleet(
+        names=names,
+        paths=paths,
+        filters=fleet.Filters(args.since, args.until, tuple(args.instance or ())),
+        memory_limit=args.memory_limit,
+        threads=args.threads,
+        temp_dir=args.temp_dir,
+        progress=progress,
+        per_instance=getattr(args, "per_instance", False),
+    )
+
+
+def write_any_json(analysis: Analysis, path: str, status: int) -> None:
+    """`diff --json` by whichever engine made `analysis`."""
+    if isinstance(analysis, fleet.FleetAnalysis):
+        fleet.write_fleet_json(analysis, path, status)
+    else:
+        write_json(analysis, path, status)
+
+
+def close(analysis: Any) -> None:
+    if isinstance(analysis, fleet.FleetAnalysis):
+        analysis.close()
+        if getattr(analysis, "fetched_dir", None):
+            shutil.rmtree(analysis.fetched_dir, ignore_errors=True)
+
+
+def print_per_instance(analysis: Analysis, out, show=printable) -> None:
+    rows = getattr(analysis, "per_instance", None)
+    if not rows:
+        return
+    print("\nper instance (role, records, rooms, room verdicts):", file=out)
+    for row in rows:
+        verdicts = ", ".join(f"{v} {n:,}" for v, n in row["room_verdicts"].items()) or "-"
+        print(f"  {show(row['instance'])}  {row['role']}  {row['records']:,} records  {row['rooms']:,} rooms  "
+              f"{verdicts}", file=out)

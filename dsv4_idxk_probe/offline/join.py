@@ -1,0 +1,258 @@
+"""The join: prefill and decode records by (room, attempt), each decode stage judged.
+
+`analyse` is the entry point of `diff` and `report`. Verdicts are recomputed
+from the digests in the logs (the decode side's live verdict is kept only to
+count disagreements): each decode stage's digest is compared with the prefill
+record of the same (room, attempt) through `digest.result.compare`, which also
+localises a mismatch. A decode record with no prefill record is `unverified`.
+Bad lines are collected with their file:line and skipped.
+
+Speed: a million rooms must diff in under a minute on one core, so digests stay
+packed (`packed.py`); identical digests (the common case) are a match without
+unpacking, anything else goes through `compare`. Every record costs the same
+whatever its room already holds: a room's stages are indexed by (stage, step,
+transfer) once it has more than a few, so a room of 100,000 records joins in
+linear time (it was quadratic).
+
+Records of one room id from two clusters are two rooms when their records carry
+a `cluster` (config ``roomlog.cluster``): the key is then (room, attempt, cluster).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from contextlib import closing
+from pathlib import Path
+from typing import Iterable
+
+from ..digest.result import Comparison, compare
+from ..roomlog.reader import read_file
+from .packed import Packed
+from .printable import clip
+from .results import Analysis, Key, RoomResult, StageResult
+from .validation import (
+    MAX_DIAGNOSED_CELLS,
+    RecordError,
+    hicache_branch,
+    record_kind,
+    room_fields,
+    roundtrip_diagnosis,
+)
+
+DECISIVE = ("match", "mismatch", "not_comparable")
+MAX_CLUSTER_CHARS = 128  # a cluster label (config roomlog.cluster) is a short name
+MAX_KIND_CHARS = 64  # record kinds are counted under at most this many characters...
+MAX_KINDS = 64  # ...and at most this many distinct ones; the rest as OTHER_KINDS
+OTHER_KINDS = "(other kinds)"
+_READER_LOG = logging.getLogger("dsv4_idxk_probe.roomlog")
+_SCAN = 16  # a room's stages are scanned for a duplicate up to this many, then indexed
+
+
+def cluster_of(rec: dict) -> str:
+    """The record's `cluster` label ("" when it has none), checked."""
+    cluster = rec.get("cluster")
+    if cluster is None or cluster == "":
+        return ""
+    if type(cluster) is not str or len(cluster) > MAX_CLUSTER_CHARS:
+        raise RecordError(f"cluster must be a string of at most {MAX_CLUSTER_CHARS} characters")
+    return clip(cluster, MAX_CLUSTER_CHARS)
+
+
+def complete_diagnosis(suspects: list[dict], comparison: Comparison, page_events: dict) -> list[dict]:
+    """Decode's diagnosis of a mismatch it could not localise, made per cell of the logs'
+    localisation: a suspect decode named keeps its diagnosis; any other cell of the bound
+    is `unknown`, with its page's journal events; suspects outside the bound are dropped."""
+    named = {(c.get("layer"), c.get("page"), c.get("segment")): c for c in suspects}
+    out = []
+    for layer, segment in comparison.layer_segments:
+        for page in comparison.pages:
+            cell = named.get((layer, page, segment))
+            if cell is None:
+                cell = {"layer": layer, "page": page, "segment": segment, "kind": "unknown"}
+                events = page_events.get(str(page))
+                if events:
+                    cell["events"] = events
+            cell = dict(cell)
+            cell.pop("exact", None)
+            if not comparison.exact:
+                cell["exact"] = False
+            out.append(cell)
+            if len(out) >= MAX_DIAGNOSED_CELLS:
+                return out
+    return out
+
+
+class _Joiner:
+    """Joins records as they stream by; decode records that arrive before their prefill wait."""
+
+    def __init__(self, analysis: Analysis):
+        self.a = analysis
+        self.prefill: dict[Key, dict[int | None, Packed | None]] = {}  # (room, attempt) -> tokens -> digest
+        self.prefill_skipped: set[Key] = set()
+        self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
+        self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
+        self.stage_index: dict[Key, set] = {}  # rooms of more than _SCAN stages: their (stage, step, transfer)
+
+    def add_record(self, rec: dict, file: str, line: int) -> None:
+        """Validate and route one record; RecordError names the offending field."""
+        kind = record_kind(rec)
+        kinds = self.a.record_kinds
+        kinds[kind if kind in kinds else self._new_kind(kind)] += 1
+        if kind == "room":
+            self._room(rec, file, line)
+        elif kind == "hicache":
+            self._hicache(rec)
+
+    def _new_kind(self, kind: str) -> str:
+        """The name a kind not counted yet is counted under: printable and short, and
+        OTHER_KINDS once MAX_KINDS are counted (a log of a million made-up kinds)."""
+        name = clip(kind, MAX_KIND_CHARS)
+        if name not in self.a.record_kinds and len(self.a.record_kinds) >= MAX_KINDS:
+            return OTHER_KINDS
+        return name
+
+    def _hicache(self, rec: dict) -> None:
+        if rec.get("event") == "roundtrip_diagnosis":
+            self.a.add_roundtrip(roundtrip_diagnosis(rec))
+            return
+        if "branch" not in rec and type(rec.get("event")) is str:
+            return  # a pool, guard or check event: the room log keeps it, the diff counts only branches
+        pool, direction, branch, count = hicache_branch(rec)
+        self.a.hicache[(pool, direction, branch)] += count
+
+    def _room(self, rec: dict, file: str, line: int) -> None:
+        room, attempt, stage, step, verdict, rid, packed, tokens, ts, diagnosis, page_events = room_fields(rec)
+        cluster = cluster_of(rec) if "cluster" in rec else ""
+        key = (room, attempt, cluster) if cluster else (room, attempt)
+        if stage == "prefill_send":
+            self._add_prefill(key, tokens, packed, verdict)
+            if rid is not None and key not in self.prefill_rids:
+                self.prefill_rids[key] = rid
+            return
+        result = StageResult(stage, step, "", "", verdict, ts, file, line, tokens=tokens,
+                             diagnosis=diagnosis, page_events=page_events)
+        found = self.a.rooms.get(key)
+        if found is None:
+            found = self.a.rooms[key] = RoomResult(room, attempt, [], cluster=cluster)
+        if rid is not None and found.decode_rid is None:
+            found.decode_rid = rid
+        transfer = result.transfer = found.transfer_of(tokens)
+        stages = found.stages
+        if len(stages) < _SCAN:
+            for s in stages:
+                if s.stage == stage and s.step == step and s.transfer == transfer:
+                    self.a.duplicates += 1
+                    return
+        else:
+            seen = self.stage_index.get(key)
+            if seen is None:
+                seen = self.stage_index[key] = {(s.stage, s.step, s.transfer) for s in stages}
+            if (stage, step, transfer) in seen:
+                self.a.duplicates += 1
+                return
+            seen.add((stage, step, transfer))
+        stages.append(result)
+        if key in self.prefill:
+            self._judge(key, found, result, packed)
+        else:
+            self.deferred.append((key, result, packed))
+
+    def _add_prefill(self, key: Key, tokens: int | None, packed: Packed | None, verdict: str | None) -> None:
+        """One prefill record per transfer: a rebootstrapped room is sent again, with more tokens."""
+        sent = self.prefill.setdefault(key, {})
+        if tokens in sent:
+            if sent[tokens] == packed:
+                self.a.duplicates += 1
+            else:
+                self.a.conflicts += 1  # keep the first; the summary says how many disagreed
+            return
+        sent[tokens] = packed
+        if verdict == "skipped":
+            self.prefill_skipped.add(key)
+
+    def _judge(self, key: Key, room: RoomResult, result: StageResult, observed: Packed | None) -> None:
+        sent = self.prefill.get(key, {})
+        # the transfer of the same length; else the latest one (a length that differs is not comparable)
+        expected = sent.get(result.tokens) if result.tokens in sent else (next(reversed(sent.values())) if sent else None)
+        room.has_prefill = key in self.prefill
+        if room.prefill_rid is None:
+            room.prefill_rid = self.prefill_rids.get(key)
+        if expected is not None and not room.layer_ids:
+            room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8
+        if observed is not None and observed == expected:
+            result.verdict = "match"  # identical digests: what compare() says, without unpacking
+        elif result.live_verdict == "skipped" or (expected is None and key in self.prefill_skipped):
+            result.verdict, result.reason = "skipped", "skipped on the serving side"
+        elif not room.has_prefill:
+            result.verdict, result.reason = "unverified", "no prefill record for this room and attempt"
+        elif expected is None:
+            result.verdict, result.reason = "unverified", "prefill record has no digest"
+        elif observed is None:
+            result.verdict, result.reason = "unverified", "decode record has no digest"
+        else:
+            name = f"{key[0]}/{key[1]}"
+            comparison = compare(expected.unpack(name), observed.unpack(name))
+            result.verdict, result.reason, result.comparison = comparison.verdict, comparison.reason, comparison
+            if result.page_events is not None and comparison.verdict == "mismatch":
+                result.diagnosis = complete_diagnosis(result.diagnosis or [], comparison, result.page_events)
+        live = result.live_verdict
+        if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
+            self.a.live_disagreements += 1
+
+    def finish(self) -> None:
+        for key, result, packed in self.deferred:
+            self._judge(key, self.a.rooms[key], result, packed)
+        self.deferred.clear()
+        self.stage_index.clear()
+        self.a.prefill_only_keys = [key for key in self.prefill if key not in self.a.rooms]
+        self.a.prefill_only = len(self.a.prefill_only_keys)
+        self.a.prefill_only_rids = {k: self.prefill_rids[k] for k in self.a.prefill_only_keys if k in self.prefill_rids}
+
+
+class _Silent(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def _first_role(path: Path) -> int:
+    """0 for files that start with a prefill record, so they are read first (fewer deferrals).
+    What the reader logs of the lines peeked at here (a rid cut) it logs again when they are read."""
+    silent = _Silent()
+    _READER_LOG.addFilter(silent)
+    try:
+        with closing(read_file(path)) as entries:
+            for entry in entries:
+                if entry.record is not None:
+                    return 0 if entry.record.get("stage") == "prefill_send" else 1
+                if entry.line > 100:
+                    break
+    finally:
+        _READER_LOG.removeFilter(silent)
+    return 1
+
+
+def analyse(paths: Iterable[Path]) -> Analysis:
+    """Read every file, join by (room, attempt), judge each decode stage."""
+    paths = list(paths)
+    analysis = Analysis(files=[str(p) for p in paths])
+    joiner = _Joiner(analysis)
+    # Millions of long-lived, acyclic objects: the cyclic collector would rescan
+    # them again and again for nothing.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for path in sorted(paths, key=_first_role):
+            for file, line, record, error in read_file(path):
+                if record is None:
+                    analysis.error(f"{file}:{line}", error or "unreadable line")
+                    continue
+                try:
+                    joiner.add_record(record, file, line)
+                except RecordError as exc:
+                    analysis.error(f"{file}:{line}", str(exc))
+        joiner.finish()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return analysis

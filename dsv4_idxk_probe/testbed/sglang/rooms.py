@@ -1,0 +1,73 @@
+"""Inside the rig's servers: the rooms and the index-K pool, as the rig sees them.
+
+What the hooks learn from SGLang's own objects (each room's pages, prefix,
+token count and tokens; the indexer pool's buffers), shared by the injector
+that changes those bytes and the oracle that checks them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...vocabulary import C4_RATIO as C4
+
+
+def rid_of(req: Any) -> str:
+    """SGLang's request id of `req`, as the plan names rooms."""
+    return str(getattr(req, "rid", ""))
+
+
+@dataclass
+class Track:
+    """One room on decode, as the rig sees it (from SGLang's own objects)."""
+
+    rid: str
+    rig_room: int | None
+    room: int
+    start: int  # decode prefix (page aligned)
+    n_tokens: int  # transferred tokens
+    pages: list[int]  # physical page of each logical page
+    tokens: np.ndarray | None = None  # token ids by absolute position, known at commit
+    before: dict[int, list[np.ndarray]] = field(default_factory=dict)  # logical page -> rows before the WRITE
+    points: int = 0  # oracle points so far
+    forwards: int = 0  # decode forwards run
+    req_pool_idx: int | None = None
+    released: bool = False  # SGLang freed its pages (a swap partner must still hold them)
+    faults_done: set = field(default_factory=set)  # indices of its faults applied or refused here
+    changed: set = field(default_factory=set)  # logical pages its faults changed
+    waiting: set = field(default_factory=set)  # swap faults due, waiting for a partner room
+    transfer: int = 0  # which transfer of the room this is (a retracted room is sent again)
+
+
+class Rooms:
+    """The rooms this server tracks and the index-K buffers their pages live in."""
+
+    def __init__(self):
+        from ...digest import get_layout
+
+        from .launch import INDEX_K_LAYOUT
+
+        self.layout = get_layout(INDEX_K_LAYOUT)
+        self.tracks: dict[int, Track] = {}  # bootstrap room -> Track (decode)
+        self.by_pool_idx: dict[int, Track] = {}
+        self.buffers: list[torch.Tensor] = []
+        self.layer_ids: list[int] = []
+        self.lock = threading.Lock()
+
+    def bind_pool(self, pool: Any) -> None:
+        if self.buffers:
+            return
+        pool = pool.get_kvcache() if hasattr(pool, "get_kvcache") else pool
+        indexer = pool.index_pools[C4] if getattr(pool, "index_pools", None) else pool.c4_indexer_kv_pool
+        self.buffers = list(indexer.index_k_with_scale_buffer)
+        ratios = list(pool.compression_ratios)
+        self.layer_ids = [layer for layer, ratio in enumerate(ratios) if ratio == C4]
+
+    def rows(self, page: int, layers: list[int] | None = None) -> list[np.ndarray]:
+        idx = range(len(self.buffers)) if layers is None else layers
+        return [self.buffers[i][page].numpy().copy() for i in idx]

@@ -1,0 +1,165 @@
+"""The fleet options: time and instance filters, the per-instance summary, the fallback
+without DuckDB, and the schema doc's example query (docs/fleet.md), run as written."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.support.logdata import Fault, RoomPlan, room_records
+
+from dsv4_idxk_probe.cli.main import run
+from dsv4_idxk_probe.roomlog import encode_line
+
+ROOT = Path(__file__).resolve().parents[2]
+duckdb = pytest.importorskip("duckdb")
+
+
+def fleet_logs(root: Path, n: int = 10, *, bad: int | None = None) -> tuple[Path, Path]:
+    """Rooms 1..n: prefill on pod p-<i%2>, decode on pod d-<i%3>; room i's records at
+    ts 1000 + 10 i (prefill) and 1000 + 10 i + 1.. (decode). Room `bad` mismatches at decode_finish."""
+    pre, dec = [], []
+    for i in range(1, n + 1):
+        p, d = room_records(RoomPlan(i, fault=Fault(1, 1, 5, "decode_finish") if i == bad else None))
+        for r in p:
+            r["ts"], r["instance"] = 1000.0 + 10 * i, f"p-{i % 2}:1"
+        for k, r in enumerate(d, 1):
+            r["ts"], r["instance"] = 1000.0 + 10 * i + k, f"d-{i % 3}:7"
+        pre += p
+        dec += d
+    (root / "p").mkdir(parents=True)
+    (root / "d").mkdir(parents=True)
+    (root / "p" / "prefill-a-1.000001.jsonl").write_bytes(b"".join(encode_line(r) for r in pre))
+    (root / "d" / "decode-b-2.000001.jsonl").write_bytes(b"".join(encode_line(r) for r in dec))
+    return root / "p", root / "d"
+
+
+def diff_json(tmp_path, *args) -> tuple[int, dict]:
+    out = tmp_path / "out.json"
+    status = run(["diff", *map(str, args), "--json", str(out)])
+    return status, json.loads(out.read_text())
+
+
+def test_since_and_until_select_rooms_by_their_decode_time(tmp_path, capsys):
+    p, d = fleet_logs(tmp_path / "logs", bad=3)
+    # the boundary falls between room 4 (decode at 1041..1043) and room 5 (1051..1053);
+    # room 5's prefill record (ts 1050) is on the same side, room 4's prefill (1040) too
+    status, report = diff_json(tmp_path, p, d, "--since", "1045")
+    assert [r["room"] for r in report["rooms"]] == ["5", "6", "7", "8", "9", "10"]
+    assert report["summary"]["room_verdicts"] == {"match": 6} and status == 0
+    status, report = diff_json(tmp_path, p, d, "--until", "1045")
+    assert [r["room"] for r in report["rooms"]] == ["1", "2", "3", "4"]
+    assert report["summary"]["room_verdicts"] == {"match": 3, "mismatch": 1} and status == 1
+    # a decode record after the boundary keeps its prefill record from before it: still a match
+    status, report = diff_json(tmp_path, p, d, "--since", "1052", "--until", "1071.5")
+    assert [r["room"] for r in report["rooms"]] == ["5", "6", "7"]
+    assert report["summary"]["prefill_only_rooms"] == 0
+    # ISO 8601 (UTC) is the same instant
+    status, report = diff_json(tmp_path, p, d, "--since", "1970-01-01T00:17:25")
+    assert [r["room"] for r in report["rooms"]] == ["5", "6", "7", "8", "9", "10"]
+
+
+def test_instance_filter_and_per_instance_summary(tmp_path, capsys):
+    p, d = fleet_logs(tmp_path / "logs", bad=3)
+    status, report = diff_json(tmp_path, p, d, "--instance", "d-0:*", "--per-instance")
+    assert [r["room"] for r in report["rooms"]] == ["3", "6", "9"] and status == 1
+    rows = {(r["instance"], r["role"]): r for r in report["instances"]}
+    assert rows[("d-0:7", "decode")]["rooms"] == 3
+    assert rows[("d-0:7", "decode")]["room_verdicts"] == {"match": 2, "mismatch": 1}
+    assert rows[("d-0:7", "decode")]["records"] == 9
+    assert rows[("p-1:1", "prefill")]["room_verdicts"] == {"match": 1, "mismatch": 1}  # rooms 3 and 9
+    out = capsys.readouterr().out
+    assert "per instance" in out and "d-0:7" in out
+    status, report = diff_json(tmp_path, p, d, "--per-instance")
+    totals = {}
+    for r in report["instances"]:
+        totals[r["role"]] = totals.get(r["role"], 0) + r["rooms"]
+    assert totals == {"prefill": 10, "decode": 10}
+
+
+def test_fleet_options_need_duckdb_and_the_reference_runs_without_it(tmp_path):
+    p, d = fleet_logs(tmp_path / "logs")
+    hide = "import sys; sys.modules['duckdb'] = None; from dsv4_idxk_probe.cli.main import run; sys.exit(run(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", hide, "diff", str(p), str(d), "--engine", "duckdb"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0
+    assert "DuckDB is not installed" in proc.stderr and "using the reference join" in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", hide, "diff", str(p), str(d), "--since", "1045"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "--since need DuckDB" in proc.stderr
+
+
+def test_report_runs_on_the_fleet_engine(tmp_path, capsys):
+    p, d = fleet_logs(tmp_path / "logs", bad=3)
+    out = tmp_path / "r.html"
+    assert run(["report", str(p), str(d), "-o", str(out), "--engine", "duckdb"]) == 0
+    page = out.read_text()
+    assert "room 3 attempt 0" in page and "Verdicts over time" in page
+    assert "(10 rooms, 1 not matching)" in capsys.readouterr().out
+
+
+# %% the schema doc's example query
+
+
+def doc_query() -> str:
+    text = (ROOT / "docs" / "fleet.md").read_text()
+    match = re.search(r"```sql duckdb\n(.*?)```", text, re.S)
+    assert match, "docs/fleet.md has the DuckDB version of the example query"
+    return match.group(1)
+
+
+def test_the_documented_example_query_finds_the_changed_room(tmp_path):
+    p, d = fleet_logs(tmp_path / "logs", bad=7)
+    con = duckdb.connect()
+    sql = doc_query().replace("'logs/**/*.jsonl*'", f"'{tmp_path / 'logs'}/**/*.jsonl*'")
+    rows = con.execute(sql).fetchall()
+    cols = [c[0] for c in con.description]
+    found = [dict(zip(cols, r)) for r in rows]
+    assert [(r["room"], r["attempt"], r["stage"]) for r in found] == [("7", 0, "decode_finish")]
+    assert found[0]["prefill_instance"] == "p-1:1" and found[0]["decode_instance"] == "d-1:7"
+    # and it sees nothing in logs where every digest matches
+    clean = tmp_path / "clean"
+    fleet_logs(clean)
+    assert con.execute(doc_query().replace("'logs/**/*.jsonl*'", f"'{clean}/**/*.jsonl*'")).fetchall() == []
+
+
+def test_a_url_without_httpfs_is_bad_input_naming_the_extension(tmp_path, capsys):
+    # no network here: DuckDB is told never to download the extension, so this fails at once
+    assert run(["diff", "s3://probe-logs/2026-12-03/*.jsonl.gz", "--engine", "duckdb"]) == 2
+    err = capsys.readouterr().err
+    assert "httpfs" in err and "Traceback" not in err
+    p, d = fleet_logs(tmp_path / "logs")
+    assert run(["diff", str(p), "s3://probe-logs/x.jsonl", "--engine", "reference"]) == 2
+    assert "URLs need the DuckDB engine" in capsys.readouterr().err
+
+
+def test_fetched_urls_are_named_by_their_url_everywhere(tmp_path, capsys, monkeypatch):
+    """The URL route without a network: `remote`'s listing and copying stand in; the
+    analysis must name the URLs, never the local copies."""
+    from dsv4_idxk_probe.offline import remote
+
+    p, d = fleet_logs(tmp_path / "logs", bad=4)
+    files = {"s3://b/day/prefill-a-1.000001.jsonl": next(p.iterdir()), "s3://b/day/decode-b-2.000001.jsonl": next(d.iterdir())}
+    monkeypatch.setattr(remote, "expand_urls", lambda args: sorted(files))
+
+    def fetch(urls, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        out = []
+        for i, url in enumerate(urls):
+            local = folder / f"{i}.jsonl"
+            local.write_bytes(files[url].read_bytes())
+            out.append((local, url))
+        return out
+
+    monkeypatch.setattr(remote, "fetch", fetch)
+    out = tmp_path / "o.json"
+    assert run(["diff", "s3://b/day/*.jsonl", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["inputs"] == sorted(files)
+    wheres = {s["where"].rsplit(":", 1)[0] for r in report["rooms"] for s in r["stages"]}
+    assert wheres == {"s3://b/day/decode-b-2.000001.jsonl"}
+    assert [r["room"] for r in report["rooms"] if r["verdict"] == "mismatch"] == ["4"]
