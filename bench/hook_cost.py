@@ -136,10 +136,12 @@ def main(argv=None) -> int:
         forward = GpuForward(torch.device("cuda"))
         done = torch.cuda.Event()
 
-        def wait(seconds):
+        def forward_and_wait(seconds):
             forward(seconds)
             done.record()
             done.synchronize()
+
+        wait = forward_and_wait
     rooms = iter(range(10**9))
 
     def drain() -> None:

@@ -157,7 +157,8 @@ def allocation_study(engine: DigestEngine, args) -> dict:
               for i in range(args.gap_calls)]
     tokens = args.pages * 256 - 100
     ops = {
-        "room_allocated (snapshot; page ids copied by the collector)": lambda i: monitor.room_allocated(RoomId(i), tables[i], tokens),
+        "room_allocated (snapshot; page ids copied by the collector)":
+            lambda i: monitor.room_allocated(RoomId(i), tables[i], tokens),
         "room_allocated, no snapshot (copy, own event)": lambda i: monitor.room_allocated(RoomId(10**6 + i), tables[i], tokens,
                                                                                           snapshot=False),
         "page ids copy down with its own event (capture)": lambda i: capture(tables[i]),

@@ -630,7 +630,8 @@ class Launcher:
         """The torch stream of a raw handle, to record events on: made once per stream
         (a serving thread launches on the same few), not once per batch; looking up
         the current torch stream costs more than the record itself."""
-        stream = self._streams[raw_stream] = torch.cuda.current_stream(self._device_index)  # the one `raw_stream` was read from
+        # the torch stream `raw_stream` was read from
+        stream = self._streams[raw_stream] = torch.cuda.current_stream(self._device_index)
         return stream
 
     def _views(self, ticket: PendingDigest) -> None:

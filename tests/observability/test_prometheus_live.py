@@ -405,7 +405,10 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
         # cluster and namespace: values where the scrape adds them, and "All" still matches the rest.
         assert value("Rooms digested on prefill", cluster="c1") >= len(PLANS)
         assert value("Rooms digested on prefill", cluster="elsewhere") == 0
-        assert value("Verified rooms", namespace="serving") == verified and value("Verified rooms", namespace="other") == 0
+        # (a second evaluation a moment later: increase() may extrapolate to another whole number)
+        in_serving = value("Verified rooms", namespace="serving")
+        assert in_serving == int(in_serving) and len(PLANS) - 2 <= in_serving <= 1.5 * (len(PLANS) - 2)
+        assert value("Verified rooms", namespace="other") == 0
 
         rules = prom.get("/api/v1/rules")["data"]["groups"][0]["rules"]
         assert sorted(r["name"] for r in rules) == sorted(r["alert"] for r in alert_rules())

@@ -20,7 +20,8 @@ def hook_ops():
 
 @pytest.mark.parametrize("diagnosis", [False, True])
 def test_the_bench_counts_every_call_kind(hook_ops, tmp_path, diagnosis):
-    argv = ["--calls", "5", "--layers", "2", "--pages", "3", "--out", str(tmp_path)] + (["--diagnosis"] if diagnosis else [])
+    argv = ["--calls", "5", "--layers", "2", "--pages", "3", "--out", str(tmp_path)]
+    argv += ["--diagnosis"] if diagnosis else []
     assert hook_ops.main(argv) == 0
     report = json.loads((tmp_path / "hook_ops.json").read_text())
     assert len(report) == 5 + diagnosis  # receipt, step batch, finishing batch, finish, send (+ allocation)
