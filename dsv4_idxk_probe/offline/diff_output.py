@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from .printable import json_safe
 from .results import Analysis
@@ -51,10 +51,9 @@ def _json_bytes(obj: Any) -> bytes:
     return _stdlib_json_bytes(obj)
 
 
-def write_json(analysis: Analysis, path: str, status: int) -> None:
-    """Summary first, then one room per line inside the array, streamed (a million rooms fit),
-    then the rooms only prefill logged: unverified, since no decode record names them."""
-    head: dict[str, Any] = {
+def json_head(analysis: Analysis, status: int) -> dict[str, Any]:
+    """What the diff's JSON document says before its rooms (both join engines write it)."""
+    return {
         "tool": "dsv4-idxk-probe diff",
         "format": 1,
         "exit_status": status,
@@ -62,13 +61,25 @@ def write_json(analysis: Analysis, path: str, status: int) -> None:
         "summary": analysis.summary(),
         "errors": analysis.errors,
     }
+
+
+def write_document(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Hand `write` the binary file at `path`, or standard output for "-" (flushed around it,
+    so the document does not interleave with text printed before)."""
     if path == "-":
         sys.stdout.flush()
-        _write_json_to(sys.stdout.buffer, analysis, head)
+        write(sys.stdout.buffer)
         sys.stdout.buffer.flush()
         return
     with open(path, "wb") as f:
-        _write_json_to(f, analysis, head)
+        write(f)
+
+
+def write_json(analysis: Analysis, path: str, status: int) -> None:
+    """Summary first, then one room per line inside the array, streamed (a million rooms fit),
+    then the rooms only prefill logged: unverified, since no decode record names them."""
+    head = json_head(analysis, status)
+    write_document(path, lambda f: _write_json_to(f, analysis, head))
 
 
 def _write_json_to(f: BinaryIO, analysis: Analysis, head: dict[str, Any]) -> None:

@@ -60,7 +60,7 @@ import xxhash
 from ..roomlog.lineformat import LineError, decode_line
 from ..roomlog.reader import MAX_FILE_BYTES, MAX_LINE_BYTES, TORN, _torn_tail, read_file
 from ..vocabulary import DECODE_STAGES, STAGES, VERDICTS
-from .diff_output import _json_bytes
+from .diff_output import _json_bytes, json_head, write_document
 from .join import _first_role, _Joiner, cluster_of
 from .printable import json_safe
 from .results import Analysis, RoomResult, StageResult
@@ -1171,25 +1171,10 @@ def _clean_po_json_sql() -> str:
 
 def write_fleet_json(analysis: FleetAnalysis, path: str, status: int) -> None:
     """`diff --json` for a fleet analysis: the reference's document, rooms streamed from DuckDB."""
-    import sys
-
-    head: dict[str, Any] = {
-        "tool": "dsv4-idxk-probe diff",
-        "format": 1,
-        "exit_status": status,
-        "inputs": analysis.files,
-        "summary": analysis.summary(),
-        "errors": analysis.errors,
-    }
+    head = json_head(analysis, status)
     if analysis.per_instance is not None:
         head["instances"] = analysis.per_instance
-    if path == "-":
-        sys.stdout.flush()
-        _write_to(sys.stdout.buffer, analysis, head)
-        sys.stdout.buffer.flush()
-        return
-    with open(path, "wb") as f:
-        _write_to(f, analysis, head)
+    write_document(path, lambda f: _write_to(f, analysis, head))
 
 
 def _merged(sql_rows: Iterator[tuple[int, bytes]], py_rows: list[tuple[int, bytes]]) -> Iterator[bytes]:

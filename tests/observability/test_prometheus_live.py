@@ -30,9 +30,7 @@ empty for the idle server, and the alerts must fire. Every wait has a deadline.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -50,8 +48,8 @@ from dsv4_idxk_probe.roomlog import RoomLogWriter
 from dsv4_idxk_probe.vocabulary import HICACHE_BRANCHES
 
 from tests.support.logdata import Fault, RoomPlan, room_records
-from tests.support.prometheus_server import LOOPBACK, Prometheus, free_port, wait_for
-from tests.support.promql import (ALERTS, alert_rules, doc_queries, is_external, load_dashboard, panel_queries, strip_fallback,
+from tests.support.prometheus_server import LOOPBACK, Prometheus, wait_for
+from tests.support.promql import (alert_rules, doc_queries, is_external, load_dashboard, panel_queries, strip_fallback,
                                   substitute, variable_queries)
 
 POOLS = ("deepseek_v4_c4_indexer", "deepseek_v4_c4")
@@ -260,29 +258,6 @@ def drive_dcgm(children) -> None:
     children[("DCGM_FI_DEV_XID_ERRORS", "other-node", "0")].set(48)
 
 
-class LabelledPrometheus(Prometheus):
-    """Prometheus with the shipped rules, scraping static target groups (each with its own
-    labels, as a PodMonitor's relabeling adds them) every second."""
-
-    def __init__(self, binary, tmp_path, jobs: dict[str, list[dict]]):
-        self.port = free_port()
-        self.url = f"http://{LOOPBACK}:{self.port}"
-        rules = tmp_path / "alerts.yml"
-        shutil.copy(ALERTS, rules)
-        config = tmp_path / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": job, "static_configs": groups} for job, groups in jobs.items()],
-        }))
-        self.log = open(tmp_path / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address={LOOPBACK}:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
-
-
 @pytest.fixture
 def prometheus_binary():
     path = shutil.which("prometheus")
@@ -304,7 +279,7 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
     servers = [(server, thread) for _, server, thread in probes.values()] + [tuple(dcgm_server)]
     at = {name: address(server) for name, (_, server, _) in probes.items()}
     site = {"cluster": "c1", "namespace": "serving"}
-    prom = LabelledPrometheus(prometheus_binary, tmp_path, {
+    prom = Prometheus(prometheus_binary, tmp_path, jobs={
         "dsv4-idxk-probe": [{"targets": [at["prefill"]], "labels": site},
                             {"targets": [at["decode"]], "labels": {**site, "node": DECODE_NODE}},
                             {"targets": [at["broken"], at["sglang"], at["idle"]]}],

@@ -38,9 +38,12 @@ def wait_for(what: str, check, timeout: float = DEADLINE_S, every: float = 0.25)
 
 
 class Prometheus:
-    """A Prometheus process scraping `targets` every second, with the shipped alert rules."""
+    """A Prometheus process scraping `targets` every second, with the shipped alert rules;
+    `jobs` (job name -> static target groups, each with its own labels) replaces the one job."""
 
-    def __init__(self, binary, tmp_path, targets):
+    def __init__(self, binary, tmp_path, targets=(), *, jobs: dict[str, list[dict]] | None = None):
+        if jobs is None:
+            jobs = {"dsv4-idxk-probe": [{"targets": list(targets)}]}
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         rules = tmp_path / "alerts.yml"
@@ -49,7 +52,7 @@ class Prometheus:
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": "dsv4-idxk-probe", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": job, "static_configs": groups} for job, groups in jobs.items()],
         }))
         self.log = open(tmp_path / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
