@@ -47,6 +47,19 @@ HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_m
 #: Copy directions: device to host (backup) and host to device (load).
 HICACHE_DIRECTIONS = ("d2h", "h2d")
 
+# --- coverage: every index-K byte that moves, verified or counted as not ----
+
+#: Where index-K bytes move (docs/coverage.md): prefill to decode; device to
+#: host pool (backup); host pool to device (load); storage tier to host (l3).
+COVERAGE_PATHS = ("pd", "hicache_backup", "hicache_load", "l3")
+#: What became of those bytes' verification.
+COVERAGE_OUTCOMES = ("verified", "unverified", "not_comparable", "skipped")
+#: Why bytes were not verified (low cardinality; "none" when they were).
+COVERAGE_REASONS = (
+    "none", "layout_unknown", "no_exchange", "pp_stage", "truncated_by_transfer", "host_dest",
+    "metadata_on_device", "digest_lost", "probe_error", "queue_full", "disabled", "other",
+)
+
 # --- DeepSeek-V4 index-K geometry ------------------------------------------
 
 #: Tokens per compressed (C4) index-K slot: the indexer keeps one key per 4 tokens.

@@ -20,7 +20,9 @@ from typing import Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from ..version import __version__
-from ..vocabulary import DECODE_STAGES, DIAGNOSIS_KINDS, PATCH_STATUSES, VERDICTS
+from ..vocabulary import (
+    COVERAGE_OUTCOMES, COVERAGE_PATHS, COVERAGE_REASONS, DECODE_STAGES, DIAGNOSIS_KINDS, PATCH_STATUSES, VERDICTS,
+)
 from .serving import live_gauges_only
 
 NAMESPACE = "dsv4_idxk_probe"
@@ -202,6 +204,10 @@ class ProbeMetrics:
         self.verify_latency_seconds = histogram(
             "verify_latency_seconds", "From enqueue of a decode-side digest to its verdict", ("stage",)
         )
+        self.coverage_bytes = counter(
+            "coverage_bytes", "Index-K bytes moved, by path and what became of their verification "
+            "(reason says why when not verified; docs/coverage.md)", ("path", "outcome", "reason"),
+        )
         self.exchange_errors = counter("exchange_errors", "Failed side-channel requests for digest vectors", ("kind",))
         self.records_dropped = counter("records_dropped", "Records dropped because a bounded queue was full", ("sink",))
         self.errors = counter(
@@ -250,6 +256,16 @@ class ProbeMetrics:
             self.mismatch_layer_hits.labels(stage=stage, layer=str(int(layer))).inc()
         for bucket, n in Tally(page_bucket(p) for p in pages).items():
             self.mismatch_page_bucket_hits.labels(stage=stage, page_bucket=bucket).inc(n)
+
+    def count_coverage(self, path: str, outcome: str, reason: str, nbytes: int) -> None:
+        """Count `nbytes` of index-K moved on `path` with `outcome` (and why, when not verified).
+
+        Unknown words become "other" rather than raising: the serving thread may call this.
+        """
+        path = path if path in COVERAGE_PATHS else "other"
+        outcome = outcome if outcome in COVERAGE_OUTCOMES else "unverified"
+        reason = reason if reason in COVERAGE_REASONS else "other"
+        self.coverage_bytes.labels(path=path, outcome=outcome, reason=reason).inc(max(0, int(nbytes)))
 
     def count_error(self, site: str) -> None:
         """One caught exception at `site` ("decode.on_result"): counted by component."""
