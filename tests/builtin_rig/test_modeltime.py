@@ -113,3 +113,33 @@ def test_time_parts_times_the_submit_and_the_collector():
     for label in ("collector: wait for the event (CPU)", "collector: fold the cells (CPU)",
                   "collector: verdicts, records, metrics (CPU, _on_results)"):
         assert parts[label]["calls"] == 3, label
+
+
+def test_time_parts_leaves_a_one_room_submit_its_own_path():
+    """The part timers measure the serving thread's real path: a timed `submit` must not
+    divert `submit_room` into the batch path (`_launch`), and the one-room launch, the
+    event record and direct launchers learnt later are timed too."""
+    from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+
+    layout = get_layout("fp8")
+    buffer = torch.randint(0, 256, (4, layout.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    engine = DigestEngine(layout, [0], [buffer], backend="triton")
+    clock = LoopClock()
+    clock.time_parts(engine, None)
+    for i in range(2):
+        engine.submit_room(f"room-{i}", [1, 2], 300, lambda result: None)
+    engine.submit([RoomRequest("r", [1], 256), RoomRequest("s", [1], 256)], lambda result: None)
+    engine.close()
+    parts = clock.stats()["parts"]
+    assert parts["submit (all)"]["calls"] == 3
+    assert parts["digest or device calls (one room)"]["calls"] == 2
+    assert parts["digest or device calls (batch)"]["calls"] == 1  # submit_room not diverted to the batch path
+
+    class Direct:  # a learnt launcher arriving after the timers were set
+        def fn(self, *args):
+            return len(args)
+
+    learnt = Direct()
+    engine._direct[1] = learnt
+    assert learnt.fn(1, 2) == 2
+    assert clock.stats()["parts"]["kernel launch (direct)"]["calls"] == 1

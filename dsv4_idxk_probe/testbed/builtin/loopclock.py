@@ -59,18 +59,24 @@ class LoopClock:
     def time_parts(self, engine, monitor=None) -> None:
         """Also time the parts of every digest submit in this process: a benchmark's
         question (where does a submit's time go inside a serving process?), not a
-        serving feature. Wraps the engine's own objects, and the record of every
-        event in the process. The collector's parts are timed in thread CPU: what
-        it holds the GIL for, per batch."""
-        import torch
-
-        parts = [(engine, "submit", "submit (all)"), (engine, "_launch", "digest or device calls"),
+        serving feature. Wraps the engine's own objects where the serving thread's
+        path calls them: `submit_room` and `submit` (marked, so a one-room submit keeps
+        its one-room path), the one-room and batch launches, the compiled kernel's
+        direct C launcher (learnt at warm-up, maybe after this call), Triton's own
+        launch, the event record the engine calls, the staging take and the hand-off.
+        The collector's parts are timed in thread CPU: what it holds the GIL for, per batch."""
+        parts = [(engine, "submit", "submit (all)"), (engine, "submit_room", "submit (all)"),
+                 (engine, "_launch", "digest or device calls (batch)"),
+                 (engine, "_launch_one", "digest or device calls (one room)"),
                  (engine._tickets, "put", "hand-off to the collector")]
         if engine.backend == "triton":
-            parts += [(engine._kernel, "launch", "kernel launch"),
-                      (torch.cuda.Event, "record", "event record (any thread)"), (engine._staging, "take", "staging take")]
+            parts += [(engine._kernel, "launch", "kernel launch (Triton's path)"),
+                      (engine, "_record", "event record"), (engine._staging, "take", "staging take")]
         for owner, name, label in parts:
-            self._wrap(owner, name, label)
+            if hasattr(owner, name):
+                self._wrap(owner, name, label)
+        if engine.backend == "triton":
+            self._time_direct_launches(engine)
         collector = [(engine, "_await", "collector: wait for the event (CPU)"),
                      (engine, "_finish", "collector: fold the cells (CPU)")]
         for name in ("_on_results", "_on_result"):  # decode's per batch, prefill's
@@ -79,6 +85,21 @@ class LoopClock:
                 break
         for owner, name, label in collector:
             self._wrap(owner, name, label, time.thread_time)
+
+    def _time_direct_launches(self, engine) -> None:
+        """Time the direct C launchers (`launch.DirectLaunch.fn`) learnt now or later."""
+        clock = self
+
+        class _TimedSlots(list):
+            def __setitem__(self, index, direct):
+                if direct is not None:
+                    clock._wrap(direct, "fn", "kernel launch (direct)")
+                super().__setitem__(index, direct)
+
+        slots = _TimedSlots(engine._direct)
+        for index, direct in enumerate(engine._direct):
+            slots[index] = direct
+        engine._direct = slots
 
     def _wrap(self, owner, name: str, label: str, clock=time.perf_counter) -> None:
         original, durations = getattr(owner, name), self.parts.setdefault(label, [])
@@ -90,6 +111,7 @@ class LoopClock:
             finally:
                 durations.append(clock() - started)
 
+        timed.times_only = True  # DigestEngine.submit_room: a timer, not a replacement
         setattr(owner, name, timed)
 
     def batch_done(self, rooms: int) -> None:
