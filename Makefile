@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := requirements/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-sglang install-sglang-releases install-test clean
+.PHONY: demo test install install-demo install-sglang install-sglang-releases install-test clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -20,6 +20,12 @@ $(PY):
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	touch $@
+
+# What only the test beds need (extra `[demo]`: NIXL, rich), kept out of the plain install
+# a serving image gets.
+$(VENV)/.installed-demo: $(VENV)/.installed
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
 	touch $@
 
 # The real SGLang, without its CUDA-only dependency tree, plus the modules
@@ -48,11 +54,13 @@ $(RELEASES_DIR)/%/.installed: $(RELEASES_FILE) | $(VENV)/.installed
 
 # Then the test extras and the services the tests talk to.
 $(VENV)/.installed-test: $(VENV)/.installed-sglang .ci/install-test-services.sh
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,demo,mooncake]'
 	bash .ci/install-test-services.sh
 	touch $@
 
 install: $(VENV)/.installed
+
+install-demo: $(VENV)/.installed-demo
 
 install-sglang: $(VENV)/.installed-sglang
 
@@ -60,7 +68,7 @@ install-test: $(VENV)/.installed-test
 
 install-sglang-releases: $(RELEASE_STAMPS)
 
-demo: $(VENV)/.installed-sglang
+demo: $(VENV)/.installed-sglang $(VENV)/.installed-demo
 	$(PY) -m dsv4_idxk_probe demo
 
 test: $(VENV)/.installed-test $(RELEASE_STAMPS)

@@ -12,6 +12,9 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)  # the two-host topology test's namespaces
+# Mooncake's transfer engine loads libibverbs even for its TCP transport (docs/rig.md, "Topologies").
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   sudo_cmd=""

@@ -130,6 +130,7 @@ def check_format(root: Path) -> None:
 def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "dsv4_idxk_probe", "diff", str(root / "prefill"), str(root / "decode"),
            "--engine", engine, "--json", str(out), *extra]
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     stderr = proc.stderr.read().decode(errors="replace")
@@ -145,6 +146,7 @@ def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "max_rss_mib": usage.ru_maxrss / 1024,
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # the machine is shared
         "summary": json.loads(head)["summary"],
         "stderr_tail": stderr[-1500:],
     }
@@ -192,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                          "unverified": s["room_verdicts"].get("unverified", 0)}
                 r.update(set=name, records=expected["records"], files=expected["files"], bytes=expected["bytes"],
                          generate_s=gen_s, cpu_us_per_record=1e6 * r["cpu_s"] / expected["records"],
-                         correct=found == {k: expected[k] for k in found} and r["exit_status"] == 1)
+                         correct=found == {k: expected[k] for k in found}
+                         and r["exit_status"] == (1 if expected["mismatch"] else 0))
                 runs.append(r)
                 print(f"  {engine}: wall {r['wall_s']:.1f} s, cpu {r['cpu_s']:.1f} s "
                       f"({r['cpu_us_per_record']:.2f} us/record), peak RSS {r['max_rss_mib']:.0f} MiB, "
-                      f"exit {r['exit_status']}, {'correct' if r['correct'] else 'WRONG'}", flush=True)
+                      f"exit {r['exit_status']}, {'correct' if r['correct'] else 'WRONG'}, "
+                      f"load average {r['load_average'][0]}-{r['load_average'][1]}", flush=True)
                 if not r["correct"]:
                     print(r["stderr_tail"], file=sys.stderr)
             same = [r for r in runs if r["set"] == name]

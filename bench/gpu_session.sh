@@ -21,7 +21,7 @@
 # servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,auditdiag,inject,costs,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
+steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -51,6 +51,12 @@ step audit 45 python3 -m bench.sync_audit --out "$res/sync_audit"
 step auditdiag 45 python3 -m bench.sync_audit --diagnosis --out "$res/sync_audit_diagnosis"
 step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
+# Serving-thread CPU per hook call (real launches, a 10 ms GPU kernel before each call).
+step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --out "$res/hook_cost"
+# HiCache host-pool copies with restore verification (the default), without it, and round
+# trip: cycles/s against the bare pool; then the wrappers' CPU per call under sync-debug "error".
+step hostpool 300 python3 -m bench.overhead --device cuda --skip-rig --reps 7 --out "$res/overhead_hostpool"
+step hicachesync 180 python3 -m bench.hicache_overhead --device cuda --standalone
 # The submit's parts with the engine's two output places (digest.outputs), one after the other.
 step profile 150 bash -c "python3 -m bench.submit_profile --calls 200 --out $res/profile && \
     python3 -m bench.submit_profile --calls 200 --outputs pinned --out $res/profile_pinned"

@@ -69,7 +69,7 @@ from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS
 RIG_VARIANTS = {"off": None, "observe": {}, "observe-poll": {"digest": {"collector_wait": "poll"}},
                 "observe-diag": {"diagnosis": {"enabled": True}}, "observe-nodiag": {"diagnosis": {"enabled": False}},
                 "observe-pinned": {"digest": {"outputs": "pinned"}}}
-HP_VARIANTS = ("bare", "observe", "observe+roundtrip")
+HP_VARIANTS = ("bare", "observe-norestore", "observe", "observe+roundtrip")  # observe: restore verification on (the default)
 HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
 HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale
 
@@ -332,7 +332,8 @@ class WrappedFor:
         from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
 
         config_file = work / f"hostpool-{variant}.yaml"
-        config_file.write_text(yaml.safe_dump({"hicache": {"roundtrip": variant == "observe+roundtrip"}}))
+        config_file.write_text(yaml.safe_dump({"hicache": {"roundtrip": variant == "observe+roundtrip",
+                                                           "restore_verify": variant != "observe-norestore"}}))
         env = {ev.DSV4_IDXK_PROBE: "1", ev.DSV4_IDXK_PROBE_CONFIG: str(config_file)}
         self.registry = CollectorRegistry()
         self.records: list[dict] = []
@@ -364,6 +365,16 @@ class WrappedFor:
                 setattr(HostPoolShape, name, HostPoolShape.__dict__[name].__wrapped__)
         self.handles.clear()
         forget(self.runtime)  # stops the flusher after its last flush; the next block starts afresh
+
+    def restore_counts(self) -> dict[str, int]:
+        """Verdicts of restore verification at hicache_load (a clean leg: matches only)."""
+        out = {}
+        for metric in self.registry.collect():
+            if metric.name == "dsv4_idxk_probe_rooms_verified":
+                for s in metric.samples:
+                    if s.name.endswith("_total") and s.labels.get("stage") == "hicache_load" and s.value:
+                        out[s.labels["verdict"]] = out.get(s.labels["verdict"], 0) + int(s.value)
+        return out
 
     def roundtrip_counts(self) -> dict[str, int]:
         out = {}
@@ -412,6 +423,7 @@ def run_hostpool_leg(args, work: Path) -> dict:
             ms = [1e3 * t for t in times]
             runs[variant].append({"cycles_per_s": len(times) / sum(times), "latency_ms": percentiles(ms)})
         print(f"  rep {rep} " + "  ".join(f"{v} {runs[v][-1]['cycles_per_s']:.1f}/s" for v in HP_VARIANTS), flush=True)
+    restore = wrapped["observe"].restore_counts()
     counts = wrapped["observe+roundtrip"].roundtrip_counts()
     legs_matched = all(counts.get(f"{leg}:match", 0) > 0 for leg in ("d2h", "host", "h2d"))
     mismatches = sum(n for k, n in counts.items() if k.endswith(":mismatch"))
@@ -425,7 +437,8 @@ def run_hostpool_leg(args, work: Path) -> dict:
         "latency_p50_ratio": paired_ratios({v: [{"x": r["latency_ms"]["p50"]} for r in rs] for v, rs in runs.items()}, "x",
                                            "bare"),
         "roundtrip_counts": counts,
-        "valid": legs_matched and mismatches == 0,
+        "restore_counts": restore,
+        "valid": legs_matched and mismatches == 0 and restore.get("match", 0) > 0 and not restore.get("mismatch"),
     }
 
 
@@ -537,7 +550,7 @@ def main(argv=None) -> int:
             print(f"PD rig leg ({' / '.join(args.rig_variants)}, interleaved):", flush=True)
             report["rig"] = run_rig_leg(args, work)
         if not args.skip_hostpool:
-            print("host-pool leg (bare / observe / observe+roundtrip, interleaved):", flush=True)
+            print(f"host-pool leg ({' / '.join(HP_VARIANTS)}, interleaved):", flush=True)
             report["hostpool"] = run_hostpool_leg(args, work)
         if args.profile_runs:
             report["profiled_run"] = profile_observe_run(args, work, report.get("rig", {}).get("rooms_per_run") or args.rooms or 80)

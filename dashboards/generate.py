@@ -96,6 +96,19 @@ def dcgm(expr: str) -> str:
     return f"{expr} * on (Hostname) group_left () {probe_hosts()}"
 
 
+def probe_gpus() -> str:
+    """One series per (GPU, probe process) of the selected probes, labelled ``UUID`` as DCGM's
+    exporter labels its GPUs (dsv4_idxk_probe_gpu_info's gpu_uuid: metrics/gpu_identity.py)."""
+    info = f'label_replace({P}gpu_info{sel()}, "UUID", "$1", "gpu_uuid", "(.+)")'
+    return f"max by (UUID, instance, engine_type, tp_rank, hostname) ({info})"
+
+
+def per_probed_gpu(dcgm_expr: str) -> str:
+    """A DCGM series per GPU UUID, beside the probe processes on that very GPU: the probe's side
+    is the "many" one (two processes may share a GPU), DCGM's one series per UUID the "one"."""
+    return f"{probe_gpus()} * on (UUID) group_left (Hostname, gpu) ({dcgm_expr})"
+
+
 def target(expr: str, legend: str, ref: str = "A", **kw) -> dict:
     return {"datasource": {"type": "prometheus", "uid": "${datasource}"}, "expr": expr, "legendFormat": legend, "refId": ref, **kw}
 
@@ -244,6 +257,28 @@ def panels() -> list[dict]:
     panel("timeseries", "Verify latency p99", "From a decode digest's enqueue to its verdict.",
           [target(quantile(0.99, "verify_latency_seconds"), "p99 {{stage}}")], 12, **series("s", no_value="no decode digests in range"))
 
+    row("Coverage (every index-K byte moved: verified, or why not)")
+    moved = increase("coverage_bytes_total", "path", window="$__range")
+    verified_bytes = increase("coverage_bytes_total", "path", 'outcome="verified"', window="$__range")
+    panel("bargauge", "Coverage: verified share of index-K bytes by path",
+          "Index-K bytes verified / bytes moved, per path, over the range (dsv4_idxk_probe_coverage_bytes_total; "
+          "docs/coverage.md). pd is counted by decode, once per room (a mismatch is verified bytes found bad); the "
+          "HiCache paths by the side that restores. Below 99% the Dsv4IdxkProbeCoverageLow alert fires; the next "
+          "panel says why.",
+          [target(f"{verified_bytes} / ({moved} > 0)",
+                  "{{path}}", instant=True)], 8,
+          options={"orientation": "horizontal", "displayMode": "basic", "reduceOptions": {"calcs": ["lastNotNull"]}},
+          fieldConfig={"defaults": {"unit": "percentunit", "min": 0, "max": 1, "noValue": "no index-K moved in range",
+                                    "color": {"mode": "thresholds"},
+                                    "thresholds": thresholds((RED, None), (ORANGE, 0.9), (GREEN, 0.99))}, "overrides": []})
+    panel("timeseries", "Unverified index-K bytes by reason",
+          "Bytes per second moved without a verification, by path, outcome (unverified, not_comparable, skipped) and "
+          "reason (no_exchange, pp_stage, truncated_by_transfer, host_dest, layout_unknown, ...; docs/coverage.md "
+          "says what each means and what to do).",
+          [target(rate("coverage_bytes_total", "path, outcome, reason", 'outcome!="verified"'),
+                  "{{path}} {{outcome}} {{reason}}")], 16,
+          **series("Bps", [colour_override(by_regexp("/.* not_comparable .*/"), ORANGE)], stack=True))
+
     row("SGLang PD (SGLang's own metrics, beside the probe's)")
     panel("timeseries", "Decode requests and verified rooms",
           "Requests SGLang's decode servers finished (sglang:num_requests_total, engine_type decode) next to the rooms "
@@ -331,6 +366,28 @@ def panels() -> list[dict]:
            target(dcgm(f'max by (Hostname, gpu) (DCGM_FI_DEV_ROW_REMAP_FAILURE{{cluster=~"$cluster"}})'),
                   "{{Hostname}} GPU {{gpu}} remap failure", "B")], 6,
           **series("short", [colour_override(by_regexp("/.*failure/"), RED)], no_value=NO_DCGM))
+    panel("table", "XID and ECC per probed GPU",
+          "Each probe process's GPU (dsv4_idxk_probe_gpu_info: its CUDA device's UUID, set once at start) beside "
+          "DCGM's counters of that very GPU, joined on DCGM's UUID label: the last XID error, and the new "
+          "double-bit (uncorrectable) and single-bit ECC errors over the dashboard's range. A corrupt room's "
+          "instance and tp_rank lead here: a non-zero XID or ECC count on its GPU says look at the hardware first "
+          "(docs/diagnosis.md, 'What to check next').",
+          [target(per_probed_gpu(f'max by (UUID, Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS{{cluster=~"$cluster"}})'), "",
+                  instant=True, format="table"),
+           target(per_probed_gpu(f'sum by (UUID, Hostname, gpu) (increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{cluster=~"$cluster"}}[$__range]))'),
+                  "", "B", instant=True, format="table"),
+           target(per_probed_gpu(f'sum by (UUID, Hostname, gpu) (increase(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{cluster=~"$cluster"}}[$__range]))'),
+                  "", "C", instant=True, format="table")], 24,
+          transformations=[{"id": "merge", "options": {}},
+                           {"id": "organize", "options": {"excludeByName": {"Time": True},
+                                                          "renameByName": {"Value #A": "last XID", "Value #B": "ECC double-bit",
+                                                                           "Value #C": "ECC single-bit"}}}],
+          fieldConfig={"defaults": {"noValue": "no GPU identity from the selected probes (CPU, or a probe before "
+                                                "gpu_info) or no DCGM series for their GPUs (see docs/observability.md)"},
+                       "overrides": [{"matcher": by_regexp("/last XID|ECC double-bit/"), "properties": [
+                           {"id": "custom.cellOptions", "value": {"type": "color-background"}},
+                           {"id": "thresholds", "value": {"mode": "absolute", "steps": [{"color": GREEN, "value": None},
+                                                                                         {"color": RED, "value": 1}]}}]}]})
 
     row("Probe health")
     panel("timeseries", "Digest GPU time", "GPU time of one digest launch, p50 and p99.",

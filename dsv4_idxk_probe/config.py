@@ -4,105 +4,135 @@ validated once.
 `load_config()` is what activation calls: it reads ``DSV4_IDXK_PROBE`` (the
 mode), ``DSV4_IDXK_PROBE_CONFIG`` (an optional YAML file) and
 ``DSV4_IDXK_PROBE_TARGETS``, and returns a frozen `ProbeConfig` or raises
-`ConfigError` whose message names the file and the field
-(``probe.yaml: exchange.timeout_ms must be an integer >= 1, got 'fast'``).
-The keys are documented in docs/configuration.md; an unknown key is an error,
-so a typo never silently falls back to a default.
+`ConfigError` whose message names the file, the line and the field
+(``probe.yaml:2: exchange.timeout_ms must be an integer >= 1, got 'fast'``).
+
+The schema is the msgspec Structs below, one per section (`ConfigFile` is the
+file's top level, the ``hicache`` section is `hicache.settings.HiCacheSettings`):
+unknown keys are refused (``forbid_unknown_fields``), so a typo never silently
+falls back to a default; every number has its bounds in ``msgspec.Meta``; choices
+are ``Literal``. `dsv4_idxk_probe.schema` runs ``msgspec.convert`` on what the safe
+YAML loader built and words its refusals. The keys are documented in
+docs/configuration.md.
 """
 
-from __future__ import annotations
-
-import math
 import os
-from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args
+
+import msgspec
+from msgspec import Meta, Struct, field
+from msgspec.structs import force_setattr, replace
 
 from . import environment_variables as ev
 from .boundedfile import read_bounded_text
+from .hicache.settings import HiCacheSettings
 from .safeyaml import load as load_yaml
-from .safeyaml import shorten
+from .schema import NO_NUL, Invalid, convert, integer, seconds, text
 
-MODES = ("observe", "enforce")
+Mode = Literal["observe", "enforce"]
+MODES = get_args(Mode)
 DEFAULT_TARGETS = ("sglang",)  # the installed release's entries of configs/targets/sglang.yaml
 MAX_CONFIG_BYTES = 1 << 20  # a probe config is a few hundred bytes; a bigger file is a mistake
 #: Path of the exchange's shared secret; overrides ``exchange.secret_file`` (docs/security.md).
 EXCHANGE_SECRET_FILE_ENV = "DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE"
 
+Port = integer(0, 65535, kind="port")
+CLUSTER_MEANS = "a printable name of at most 128 characters"
+TargetName = Annotated[str, Meta(min_length=1, max_length=4096, pattern=NO_NUL)]
+Targets = Annotated[Union[TargetName, Annotated[tuple[TargetName, ...], Meta(min_length=1, max_length=64)]],
+                    Meta(extra={"means": "a non-empty list of file names or paths"})]
+
 
 class ConfigError(ValueError):
-    """A config value that cannot be used; the message names the file and field."""
+    """A config value that cannot be used; the message names the file, the line (when known) and the field."""
 
 
-@dataclass(frozen=True)
-class ExchangeConfig:
+class ExchangeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill serves per-room digest vectors; decode asks for them."""
 
     enabled: bool = True
-    bind: str = "auto"  # "auto": the address SGLang's KV manager reports to decode
-    port_base: int = 0  # 0: a port the OS picks; else port_base + the scheduler's GPU id
-    timeout_ms: int = 200
+    bind: text() = "auto"  # "auto": the address SGLang's KV manager reports to decode
+    port_base: Optional[Port] = 0  # 0 (or null): a port the OS picks; else port_base + the scheduler's GPU id
+    # 0: off; else the exchange listens on SGLang's KV manager port (the rank_port decode's bootstrap
+    # reports) + port_offset, so decode can rebuild any prefill rank's endpoint (docs/pd.md, "Endpoint")
+    port_offset: integer(-65535, 65535) = 0
+    timeout_ms: integer(1, 60_000) = 200
     fetch_always: bool = False
-    table_size: int = 4096
-    max_request_bytes: int = 4096
-    backoff_s: float = 5.0  # the longest a peer that keeps failing is skipped
-    backoff_initial_s: float = 0.25  # after its first failure; doubled with each further one in a row
-    retry_s: float = 1.0  # decode's collector asks again, after the backoff, for this long (0: never)
-    secret_file: str | None = None  # shared by prefill and decode; none: the server stays on loopback
-    max_connections: int = 64  # sessions per prefill server (+ 16 unauthenticated, 8 per address; docs/security.md)
-    idle_s: float = 60.0  # an authenticated peer silent this long is dropped (it reconnects when it asks)
+    table_size: integer(1, 1_000_000) = 4096
+    max_request_bytes: integer(64, 1 << 20) = 4096
+    backoff_s: seconds(3600) = 5.0  # the longest a peer that keeps failing is skipped
+    backoff_initial_s: seconds(3600) = 0.25  # after its first failure; doubled with each further one in a row
+    retry_s: seconds(60, low=0) = 1.0  # decode's collector asks again, after the backoff, for this long (0: never)
+    secret_file: Optional[text()] = None  # shared by prefill and decode; none: the server stays on loopback
+    max_connections: integer(1, 4096) = 64  # sessions per prefill server (+ 16 unauthenticated, 8 per address; docs/security.md)
+    idle_s: seconds(86_400) = 60.0  # an authenticated peer silent this long is dropped (it reconnects when it asks)
+
+    def __post_init__(self):
+        if self.port_base is None:
+            force_setattr(self, "port_base", 0)
 
 
-@dataclass(frozen=True)
-class RoomLogConfig:
-    dir: str = "probe-logs"
-    max_bytes: int = 64 << 20
-    max_files: int = 8
+class RoomLogConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    dir: text() = "probe-logs"
+    max_bytes: integer(1024, 1 << 36) = 64 << 20
+    max_files: integer(1, 10_000) = 8
     gzip: bool = True
-    queue_size: int = 10_000
-    cluster: str = ""  # written in every room record and joined on by `diff` (docs/roomlog.md); "": none
+    queue_size: integer(1, 1_000_000) = 10_000
+    # written in every room record and joined on by `diff` (docs/roomlog.md); "": none
+    cluster: Annotated[str, Meta(max_length=128, extra={"means": CLUSTER_MEANS})] = ""
+
+    def __post_init__(self):
+        if not self.cluster.isprintable():  # the diff joins on it and prints it
+            raise Invalid("cluster", CLUSTER_MEANS)
 
 
-@dataclass(frozen=True)
-class DigestConfig:
-    """How the background collector learns that a batch's digest kernel is done."""
+class DigestConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """How the background collector learns that a batch's digest kernel is done.
+    The choices are digest.engine.WAITS, OUTPUTS and DEPENDENT_LAUNCHES (a test keeps them equal)."""
 
-    collector_wait: str = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
-    outputs: str = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies; engine.OUTPUTS)
-    dependent_launch: str = "auto"  # "auto": programmatic dependent launches where the GPU has them; "off"
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    port: int | None = None  # our own exporter, only outside SGLang (it serves /metrics itself)
-    addr: str = "127.0.0.1"  # where that exporter listens; a wildcard or routable address is logged at WARNING
+    collector_wait: Literal["block", "poll"] = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
+    outputs: Literal["device", "pinned"] = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies)
+    dependent_launch: Literal["auto", "off"] = "auto"  # "auto": programmatic dependent launches where the GPU has them; "off"
 
 
-@dataclass(frozen=True)
-class DiagnosisConfig:
+class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    port: Optional[Port] = None  # our own exporter, only outside SGLang (it serves /metrics itself)
+    addr: text() = "127.0.0.1"  # where that exporter listens; a wildcard or routable address is logged at WARNING
+
+
+class DiagnosisConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """What a mismatch's bad cells became, and the page events behind them (docs/diagnosis.md)."""
 
     enabled: bool = True  # serving cost measured within 1% on both serving legs (docs/diagnosis.md)
-    journal_events: int = 16384  # page events kept per process (the oldest go first)
-    journal_per_page: int = 8  # events shown per bad cell
-    index_cells: int = 4_000_000  # content digests kept on decode (8 bytes each)
-    max_cells_per_room: int = 64  # bad cells diagnosed per room record
+    journal_events: integer(1, 10_000_000) = 16384  # page events kept per process (the oldest go first)
+    journal_per_page: integer(1, 64) = 8  # events shown per bad cell
+    index_cells: integer(1, 1_000_000_000) = 4_000_000  # content digests kept on decode (8 bytes each)
+    max_cells_per_room: integer(1, 100_000) = 64  # bad cells diagnosed per room record
     snapshot_on_allocation: bool = True  # digest a room's pages when decode allocates them (one launch)
 
 
-@dataclass(frozen=True)
-class ProbeConfig:
-    mode: str = "observe"
-    layout: str = "auto"
-    layouts: str | None = None  # extra layouts file (resolved path)
-    step_interval: int = 64
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+class ConfigFile(Struct, frozen=True, forbid_unknown_fields=True):
+    """The file's top level: its keys, and nothing else (`ProbeConfig` adds where it came from)."""
+
+    mode: Mode = "observe"
+    layout: text() = "auto"
+    layouts: Optional[text()] = None  # extra layouts file (resolved path)
+    step_interval: integer(0, 1_000_000) = 64
+    targets: Targets = DEFAULT_TARGETS
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
     roomlog: RoomLogConfig = field(default_factory=RoomLogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     digest: DigestConfig = field(default_factory=DigestConfig)
     diagnosis: DiagnosisConfig = field(default_factory=DiagnosisConfig)
-    hicache: Mapping[str, Any] = field(default_factory=dict)  # owned by dsv4_idxk_probe.hicache
+    hicache: HiCacheSettings = field(default_factory=HiCacheSettings)
+
+
+class ProbeConfig(ConfigFile, frozen=True):
+    """The config a process runs with: the file's values, paths resolved, and their source."""
+
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    hicache: Mapping[str, Any] = field(default_factory=dict)  # as written; dsv4_idxk_probe.hicache reads it
     source: str = "<defaults>"
 
     @property
@@ -110,138 +140,10 @@ class ProbeConfig:
         return self.mode == "enforce"
 
 
-# %% field checks
-
-
-def _int(source, where, value, minimum, maximum):
-    """An integer in [minimum, maximum]; compared, never converted, so a huge one costs nothing."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{source}: {where} must be an integer >= {minimum}, got {shorten(value)}")
-    if value > maximum:
-        shown = f"{value:_}" if value.bit_length() <= 256 else shorten(value)
-        raise ConfigError(f"{source}: {where} must be an integer <= {maximum:_}, got {shown}")
-    return value
-
-
-def _bounded(minimum, maximum):
-    return lambda source, where, value: _int(source, where, value, minimum, maximum)
-
-
-def _port(source, where, value):
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 65535:
-        raise ConfigError(f"{source}: {where} must be a port number (0-65535), got {shorten(value)}")
-    return _int(source, where, value, 0, 65535)
-
-
-def _bool(source, where, value):
-    if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {where} must be true or false, got {shorten(value)}")
-    return value
-
-
-def _str(source, where, value):
-    if not isinstance(value, str):
-        raise ConfigError(f"{source}: {where} must be a string, got {shorten(value)}")
-    if len(value) > 4096 or "\x00" in value:
-        raise ConfigError(f"{source}: {where} must be a string of at most 4096 characters without NUL")
-    return value
-
-
-def _cluster(source, where, value):
-    """A cluster label: a short printable name (the diff joins on it and prints it)."""
-    if len(value) > 128 or not value.isprintable():
-        raise ConfigError(f"{source}: {where} must be a printable name of at most 128 characters, got {shorten(value)}")
-    return value
-
-
-def _optional_str(source, where, value):
-    return None if value is None else _str(source, where, value)
-
-
-def _choice(*allowed):
-    def check(source, where, value):
-        if value not in allowed:
-            raise ConfigError(f"{source}: {where} must be one of {list(allowed)}, got {shorten(value)}")
-        return value
-
-    return check
-
-
-def _seconds(maximum, zero_ok=False):
-    """A finite number of seconds in (0, maximum] ([0, maximum] with `zero_ok`); an integer is
-    compared before it is converted, so ``10**400`` is refused, not an OverflowError."""
-    def check(source, where, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
-            raise ConfigError(f"{source}: {where} must be a number {'>=' if zero_ok else '>'} 0, got {shorten(value)}")
-        if value > maximum or (isinstance(value, float) and not math.isfinite(value)):
-            raise ConfigError(f"{source}: {where} must be a number of seconds <= {maximum}, got {shorten(value)}")
-        return float(value)
-
-    return check
-
-
-_CHECKS = {
-    "exchange": {
-        "enabled": _bool,
-        "bind": _str,
-        "port_base": lambda s, w, v: _port(s, w, v) or 0,
-        "timeout_ms": _bounded(1, 60_000),
-        "fetch_always": _bool,
-        "table_size": _bounded(1, 1_000_000),
-        "max_request_bytes": _bounded(64, 1 << 20),
-        "backoff_s": _seconds(3600),
-        "backoff_initial_s": _seconds(3600),
-        "retry_s": _seconds(60, zero_ok=True),
-        "secret_file": _optional_str,
-        "max_connections": _bounded(1, 4096),
-        "idle_s": _seconds(86_400),
-    },
-    "roomlog": {
-        "dir": _str,
-        "max_bytes": _bounded(1024, 1 << 36),
-        "max_files": _bounded(1, 10_000),
-        "gzip": _bool,
-        "queue_size": _bounded(1, 1_000_000),
-        "cluster": lambda s, w, v: _cluster(s, w, _str(s, w, v)),
-    },
-    "metrics": {"port": _port, "addr": _str},
-    # digest.engine.WAITS, OUTPUTS and DEPENDENT_LAUNCHES (a test keeps them equal)
-    "digest": {"collector_wait": _choice("block", "poll"), "outputs": _choice("device", "pinned"),
-               "dependent_launch": _choice("auto", "off")},
-    "diagnosis": {
-        "enabled": _bool,
-        "journal_events": _bounded(1, 10_000_000),
-        "journal_per_page": _bounded(1, 64),
-        "index_cells": _bounded(1, 1_000_000_000),
-        "max_cells_per_room": _bounded(1, 100_000),
-        "snapshot_on_allocation": _bool,
-    },
-}
+SECTIONS = ("exchange", "roomlog", "metrics", "digest", "diagnosis", "hicache")
 _SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics": MetricsConfig, "digest": DigestConfig,
                   "diagnosis": DiagnosisConfig}
-_TOP_KEYS = {"mode", "layout", "layouts", "step_interval", "targets", "hicache", *_SECTION_TYPES}
-
-
-def _section(source: str, name: str, value: Any):
-    cls = _SECTION_TYPES[name]
-    if value is None:
-        return cls()
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: {name} must be a mapping, got {type(value).__name__}")
-    checks = _CHECKS[name]
-    _string_keys(source, name, value)
-    unknown = sorted(set(value) - set(checks))
-    if unknown:
-        raise ConfigError(f"{source}: {name} has unknown key(s) {shorten(unknown, 200)}; known: {sorted(checks)}")
-    return cls(**{key: checks[key](source, f"{name}.{key}", v) for key, v in value.items()})
-
-
-def _string_keys(source: str, where: str, mapping: Mapping) -> None:
-    odd = [k for k in mapping if not isinstance(k, str)]
-    if odd:
-        raise ConfigError(f"{source}: {where} keys must be strings, got {shorten(odd[0])}")
+_TOP_KEYS = set(ConfigFile.__struct_fields__)
 
 
 def _resolve_path(base: Path | None, value: str) -> str:
@@ -251,68 +153,31 @@ def _resolve_path(base: Path | None, value: str) -> str:
     return str(path)
 
 
-def _hicache(source: str, value: Any) -> dict:
-    """Pass the section through, validated by its owner when it is installed."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: hicache must be a mapping, got {type(value).__name__}")
-    _string_keys(source, "hicache", value)
-    try:
-        from .hicache.settings import HiCacheConfigError, parse_settings
-    except ImportError:  # the HiCache checks are not part of this build
-        return dict(value)
-    try:
-        parse_settings(value)
-    except HiCacheConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    return dict(value)
-
-
-def parse_config(document: Any, source: str = "<config>", base_dir: Path | None = None) -> ProbeConfig:
+def parse_config(document: Any, source: str = "<config>", base_dir: Path | None = None, *,
+                 node: Any = None) -> ProbeConfig:
     """Build a `ProbeConfig` from a parsed YAML document (None: all defaults).
 
-    Relative paths (``layouts``, ``roomlog.dir``) are resolved against
-    `base_dir`, the config file's folder.
+    Relative paths (``layouts``, ``roomlog.dir``, ``exchange.secret_file``, targets given
+    as paths) are resolved against `base_dir`, the config file's folder. `node`, the
+    document's YAML root node, puts the line of a refused value in the message.
     """
     if document is None:
         document = {}
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(document).__name__}")
-    _string_keys(source, "the top level", document)
-    unknown = sorted(set(document) - _TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {shorten(unknown, 200)}; known: {sorted(_TOP_KEYS)}")
-    values: dict[str, Any] = {"source": source}
-    if "mode" in document:
-        values["mode"] = _choice(*MODES)(source, "mode", document["mode"])
-    if "layout" in document:
-        values["layout"] = _str(source, "layout", document["layout"])
-    if document.get("layouts") is not None:
-        values["layouts"] = _resolve_path(base_dir, _str(source, "layouts", document["layouts"]))
-    if "step_interval" in document:
-        values["step_interval"] = _int(source, "step_interval", document["step_interval"], 0, 1_000_000)
-    if "targets" in document:
-        targets = document["targets"]
-        if isinstance(targets, str):
-            targets = [targets]
-        if (not isinstance(targets, list) or not targets or len(targets) > 64
-                or not all(isinstance(t, str) and t and len(t) <= 4096 and "\x00" not in t for t in targets)):
-            raise ConfigError(f"{source}: targets must be a non-empty list of file names or paths, "
-                              f"got {shorten(targets)}")
-        values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t) for t in targets)
-    for name in _SECTION_TYPES:
-        if name in document:
-            values[name] = _section(source, name, document[name])
-    if "roomlog" in values and base_dir is not None:
-        values["roomlog"] = replace(values["roomlog"], dir=_resolve_path(base_dir, values["roomlog"].dir))
-    if "exchange" in values and values["exchange"].secret_file:
-        values["exchange"] = replace(
-            values["exchange"], secret_file=_resolve_path(base_dir, values["exchange"].secret_file)
-        )
-    if "hicache" in document:
-        values["hicache"] = _hicache(source, document["hicache"])
-    config = ProbeConfig(**values)
+    if isinstance(document, Mapping):  # an empty section (`exchange:` alone) means its defaults
+        document = {key: value for key, value in document.items() if not (key in SECTIONS and value is None)}
+    parsed = convert(document, ConfigFile, ConfigError, source=source, node=node)
+    values = {name: getattr(parsed, name) for name in ConfigFile.__struct_fields__}
+    values["hicache"] = dict(document.get("hicache") or {})
+    targets = (parsed.targets,) if isinstance(parsed.targets, str) else parsed.targets
+    values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t)
+                              for t in targets)
+    if parsed.layouts is not None:
+        values["layouts"] = _resolve_path(base_dir, parsed.layouts)
+    if "roomlog" in document and base_dir is not None:
+        values["roomlog"] = replace(parsed.roomlog, dir=_resolve_path(base_dir, parsed.roomlog.dir))
+    if parsed.exchange.secret_file:
+        values["exchange"] = replace(parsed.exchange, secret_file=_resolve_path(base_dir, parsed.exchange.secret_file))
+    config = ProbeConfig(**values, source=source)
     if config.layouts is not None:
         _check_layouts(config)
     return config
@@ -337,8 +202,9 @@ def load_file(path: str | os.PathLike) -> ProbeConfig:
     """Read and validate one YAML config file."""
     path = Path(path)
     text = read_small_text(path, "config file")
-    document = load_yaml(text, str(path), ConfigError)  # no aliases, bounded nodes and depth, no duplicate keys
-    return parse_config(document, str(path), path.parent)
+    # no aliases, bounded nodes and depth, no duplicate keys; the root node gives lines to messages
+    document, root = load_yaml(text, str(path), ConfigError, with_root=True)
+    return parse_config(document, str(path), path.parent, node=root)
 
 
 def _check_secret(config: ProbeConfig) -> None:
@@ -384,13 +250,13 @@ def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
 def as_dict(config: ProbeConfig) -> dict[str, Any]:
     """Plain form for logs and `check` (sections as mappings)."""
     out: dict[str, Any] = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if f.name in _SECTION_TYPES:
-            value = {g.name: getattr(value, g.name) for g in fields(value)}
+    for name in config.__struct_fields__:
+        value = getattr(config, name)
+        if isinstance(value, Struct):
+            value = msgspec.structs.asdict(value)
         elif isinstance(value, tuple):
             value = list(value)
         elif isinstance(value, Mapping):
             value = dict(value)
-        out[f.name] = value
+        out[name] = value
     return out

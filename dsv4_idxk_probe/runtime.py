@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from .config import ProbeConfig
-from .safety import add_error_listener, record_error, remove_error_listener
+from .safety import add_error_listener, record_error, remove_error_listener, safe_invoke
 
 log = logging.getLogger("dsv4_idxk_probe")
 
@@ -39,10 +39,19 @@ def shared_metrics(registry: Any, identity: Mapping[str, str], mode: str = "obse
         if metrics is None:
             metrics = ProbeMetrics(registry, labels=identity, mode=mode)
             metrics.zero_pd_series()
+            safe_invoke("metrics.gpu_info", _publish_gpu, metrics)  # once: which GPU (DCGM's UUID) this rank runs on
             _metrics_by_registry[id(registry)] = (registry, metrics)  # the registry stays alive: ids are not reused
         else:
             metrics.info.set("on", "running", mode)
         return metrics
+
+
+def _publish_gpu(metrics) -> None:
+    """`dsv4_idxk_probe_gpu_info` from the current CUDA device (metrics/gpu_identity.py: a
+    host-side property read, no host sync); nothing on CPU."""
+    from .metrics.gpu_identity import gpu_identity
+
+    metrics.publish_gpu(gpu_identity())
 
 
 # How long a probe that failed to start waits for SGLang to publish the labels

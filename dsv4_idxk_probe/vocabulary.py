@@ -46,6 +46,11 @@ PATCH_STATUSES = ("patched", "pending", "missing", "signature_changed", "hook_er
 HICACHE_BRANCHES = ("page", "token_dsv4_mla", "token_rejected", "empty", "size_mismatch", "unsupported")
 #: Copy directions: device to host (backup) and host to device (load).
 HICACHE_DIRECTIONS = ("d2h", "h2d")
+#: Where prefill compares HiCache restores (docs/hicache.md, "Restore verification"):
+#: the device pages a load wrote against what their backup read. Kept apart from
+#: `STAGES` (a room's PD stages, whose users compare them with `prefill_send`); its
+#: verdicts and cells go to the same metrics under this stage.
+HICACHE_STAGES = ("hicache_load",)
 
 # --- coverage: every index-K byte that moves, verified or counted as not ----
 
@@ -58,6 +63,10 @@ COVERAGE_OUTCOMES = ("verified", "unverified", "not_comparable", "skipped")
 COVERAGE_REASONS = (
     "none", "layout_unknown", "no_exchange", "pp_stage", "truncated_by_transfer", "host_dest",
     "metadata_on_device", "digest_lost", "probe_error", "queue_full", "disabled", "other",
+    # PD rooms (docs/coverage.md): layouts or lengths that differ for no known cause; rooms
+    # SGLang retracted, aborted or whose transfer failed before any verdict; rooms pushed
+    # out of decode's tracking table before any verdict.
+    "layout_differs", "length_differs", "retracted", "aborted", "transfer_failed", "evicted",
 )
 
 # --- DeepSeek-V4 index-K geometry ------------------------------------------

@@ -24,13 +24,11 @@ written, or the runbook URL is not an http(s) URL.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
+from .atomic import write_atomically
 
-HELP = ("write the Grafana dashboard and provisioning, the Prometheus rules (with tests), the Prometheus Operator "
-        "PodMonitor and PrometheusRule and the .pth hook into a directory")
+HELP = "write the Grafana dashboard, Prometheus rules and PodMonitor for your monitoring stack into a folder"
 
 # (path inside the package, path under --out)
 ASSETS = (
@@ -69,16 +67,7 @@ def _fail(message: str) -> int:
 
 def _write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, data)
 
 
 def with_runbook_base(data: bytes, base: str | None) -> bytes:

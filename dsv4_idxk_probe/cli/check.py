@@ -4,21 +4,23 @@ targets the installed SGLang has.
 First loads the probe config exactly as a pod with this environment would
 (``DSV4_IDXK_PROBE``, ``DSV4_IDXK_PROBE_CONFIG``, ``DSV4_IDXK_PROBE_TARGETS``)
 and fails (exit 2, naming the file and field) when it is invalid, since the
-probe would then stay off. Then resolves every target of the table(s) against
-the installed SGLang (importing
-the target modules, patching nothing) and prints the SGLang release it
-detected, the table it chose for it (``sglang@0.5.21``), one line per target
-(status, kind, role, required, where, why a target is missing or changed,
-and for an optional target what its absence costs), the targets other
-releases have and this one does not, with what that costs, and the index-K
-row layouts the probe knows, by row bytes. Exit 0
-when every required target resolves, 1 when one does not (or SGLANG_PLUGINS leaves the
-probe out), 2 when the config or a target file is invalid (the message names file, line and
-field, including a table whose ``hook`` names anything but the probe's own
-wrapper factories), 3 on an internal error (`dsv4-idxk-probe --help` has the
-table for every command). An exchange secret file other users may read is
-named on a ``warning:`` line (the probe logs the same at start; one every user
-may write is refused, exit 2).
+probe would then stay off, or when the room-log directory cannot be written
+(`logdir`). Then imports the SGLang modules the target table names, with
+progress on stderr (15-25 s in a serving image); when SGLang itself cannot be
+imported it says once to run this in the serving image (exit 4) instead of
+listing every target as missing. Then resolves every target (patching
+nothing) and prints the SGLang release it detected, the table it chose for it
+(``sglang@0.5.21``), one entry per target (status, kind, role, required,
+where, why a target is missing or changed, and for an optional target what
+its absence costs), the targets other releases have and this one does not,
+and the index-K row layouts the probe knows, by row bytes; every line within
+100 columns. Exit 0 when every required target resolves, 1 when one does not
+(or SGLANG_PLUGINS leaves the probe out), 2 on an invalid config, log
+directory or target file, 3 on an internal error, 4 when SGLang is not
+importable (`dsv4-idxk-probe --help` has the table). Warnings (``warning:``
+lines, exit status unchanged): an exchange secret file other users may read,
+an exchange that would stay on loopback while SGLang reports a routable
+address to its peers, a relative room-log directory.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ import json
 import os
 import sys
 
-HELP = "Validate the probe config a pod would load (exit 2 if invalid) and list the patch targets the installed SGLang has (exit 1 if a required one is missing)"
+from .logdir import examine
+from .progress import Progress
+from .width import COLUMNS, wrap
+
+HELP = "check, inside the serving image, that the probe would start and find what it patches in SGLang"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +82,25 @@ def _config_warnings(config) -> list[str]:
     return [f"exchange.secret_file: {warning}"] if warning else []
 
 
+def _exchange_warning(config) -> str | None:
+    """An exchange that would stay on loopback (no secret) while SGLang's KV manager reports a
+    routable address: decode on another host could then never fetch a digest vector, and every
+    mismatch would stay unlocalised."""
+    ex = config.exchange
+    if not ex.enabled or ex.secret_file:
+        return None
+    from ..exchange.address import scope
+    from ..sglang.host_address import kv_manager_address
+
+    address, _ = kv_manager_address()
+    if address is None or scope(address) == "loopback":
+        return None
+    return (f"exchange: no exchange.secret_file, so prefill's exchange stays on loopback while SGLang "
+            f"reports {address} to its peers: decode on another host cannot fetch digest vectors and "
+            f"no mismatch is localised; give prefill and decode the same secret file (README, "
+            f"docs/security.md)")
+
+
 def _layouts_line() -> str:
     """The row layouts `layout: auto` matches an index-K buffer against, by row bytes."""
     try:
@@ -90,16 +115,32 @@ def _layouts_line() -> str:
             f"one row per page): {known}")
 
 
+def _say(text: str, first: str = "", rest: str | None = None, stream=None) -> None:
+    for line in wrap(text, COLUMNS, first, rest):
+        print(line, file=stream or sys.stdout)
+
+
+def _error(text: str) -> None:
+    _say(text, "dsv4-idxk-probe check: ", "  ", sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     from ..sglang.package import _instruments
     from ..sglang.targets import TargetFileError, resolve, select_table
+    from .main import BAD_INPUT, FINDING, NOT_IN_SERVING_IMAGE, OK
+    from ..sglang.importable import import_target_modules
 
     config, config_error = _pod_config()
     if config_error is not None:
         # What the pod would log before staying off; a probe that is off by
         # mistake must not pass `check`.
-        print(f"dsv4-idxk-probe check: invalid probe config, the probe would stay off: {config_error}", file=sys.stderr)
-        return 2
+        _error(f"invalid probe config, the probe would stay off: {config_error}")
+        return BAD_INPUT
+    logdir = examine(config)
+    if logdir.problem is not None:
+        _error(f"{config.source}: roomlog.dir: {logdir.problem}; room logs would be lost (each failed write "
+               f"only counted in errors_total)")
+        return BAD_INPUT
     names = args.targets or list(config.targets)
     try:
         selections = [select_table(name) for name in names]
@@ -110,11 +151,17 @@ def main(args: argparse.Namespace) -> int:
                 raise TargetFileError(f"{t.where}: target name {t.name!r} also defined at {seen[t.name]}")
             seen[t.name] = t.where
     except TargetFileError as exc:
-        print(f"dsv4-idxk-probe check: {exc}", file=sys.stderr)
-        return 2
+        _error(str(exc))
+        return BAD_INPUT
     except (OSError, UnicodeDecodeError) as exc:  # a table the loader could not even read: still bad input
-        print(f"dsv4-idxk-probe check: cannot read target table ({', '.join(names)}): {exc}", file=sys.stderr)
-        return 2
+        _error(f"cannot read target table ({', '.join(names)}): {exc}")
+        return BAD_INPUT
+    with Progress("check") as progress:
+        with progress.step("importing SGLang (15-25 s in a serving image)"):
+            unimportable = import_target_modules(t.module for t in targets)
+    if unimportable is not None:
+        _error(f"run this inside the serving image: sglang is not importable: {unimportable}")
+        return NOT_IN_SERVING_IMAGE
     rows = []
     for target in targets:
         resolution = resolve(target)
@@ -134,35 +181,39 @@ def main(args: argparse.Namespace) -> int:
               for sel in selections]
     failed = [r for r in rows if r["required"] and r["status"] != "ok"]
     release = _installed_sglang()
+    warnings = _config_warnings(config) + [w for w in (_exchange_warning(config), logdir.warning) if w]
     if args.json:
         print(json.dumps({"sglang": release, "tested": list(_instruments), "config": config.source,
-                          "mode": config.mode, "warnings": _config_warnings(config), "tables": tables,
-                          "targets": rows, "absent": absent}, indent=2))
+                          "mode": config.mode, "roomlog_dir": str(logdir.path), "warnings": warnings,
+                          "tables": tables, "targets": rows, "absent": absent}, indent=2))
     else:
-        print(_config_line(config))
-        for warning in _config_warnings(config):
-            print(f"warning: {warning}")
-        print(f"SGLang {release} detected (tables tested with {', '.join(_instruments)})")
+        _say(_config_line(config))
+        _say(f"room logs: {logdir.path}" + (f" ({logdir.origin})" if logdir.origin else ""))
+        for warning in warnings:
+            _say(warning, "warning: ")
+        _say(f"SGLang {release} detected (tables tested with {', '.join(_instruments)})")
         for sel in selections:
             note = "" if sel.tested else (
                 f"; SGLang {sel.release} is not among the releases this table was tested with" if sel.release else "")
-            print(f"table {sel.label} chosen ({sel.source}){note}")
-        width = max((len(r["name"]) for r in rows), default=4)
+            _say(f"table {sel.label} chosen ({sel.source}){note}")
+        width = max((len(r["name"]) for r in rows + absent), default=4)
         for r in rows:
             need = "required" if r["required"] else "optional"
-            print(f"{r['status']:<17} {r['name']:<{width}}  {r['kind']:<6} {r['role']:<7} {need:<8} {r['target']}")
+            print(f"{r['status']:<17} {r['name']:<{width}}  {r['kind']:<6} {r['role']:<7} {need}")
+            _say(r["target"], "    ")
             if r["detail"]:
-                print(f"{'':<17} {'':<{width}}  {r['detail']}")
+                _say(r["detail"], "    ")
             if not r["required"]:
-                print(f"{'':<17} {'':<{width}}  if missing: {r['cost'] or 'not stated in the table'}")
+                _say(r["cost"] or "not stated in the table", "    if missing: ", "    ")
         for a in absent:
-            print(f"{'not in release':<17} {a['name']:<{width}}  (only SGLang {a['releases']}): {a['cost']}")
+            print(f"{'not in release':<17} {a['name']:<{width}}  only SGLang {a['releases']}")
+            _say(a["cost"], "    costs here: ", "    ")
         ok = sum(r["status"] == "ok" for r in rows)
         print(f"{ok}/{len(rows)} targets resolve; {len(failed)} required target(s) missing or changed")
-        print(_layouts_line())
+        _say(_layouts_line())
     from ..activation import allowlist_problem
 
     dropped = allowlist_problem(os.environ)
     if dropped:
-        print(f"dsv4-idxk-probe check: {dropped}", file=sys.stderr)
-    return 1 if failed or dropped else 0
+        _error(dropped)
+    return FINDING if failed or dropped else OK

@@ -9,10 +9,10 @@ internal error (`dsv4-idxk-probe --help` has the table for every command).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
-HELP = ("run SGLang's own PD servers (stand-in model, real NIXL, injected faults) with the probe and show "
-        "what it found; --rig builtin runs the two-process rig instead")
+HELP = "run SGLang's PD servers here with injected faults and show what the probe finds (make demo)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plain", action="store_true", help="plain progress lines instead of a live bar")
 
 
+def missing_extra() -> str | None:
+    """Why the demo cannot run in this install: NIXL is the `[demo]` extra's, not a dependency."""
+    if importlib.util.find_spec("nixl") is None:
+        return ("the demo moves the KV over real NIXL, which is not installed: "
+                "pip install 'dsv4-idxk-probe[demo]' (make demo installs it)")
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    missing = missing_extra()
+    if missing:
+        print(f"dsv4-idxk-probe demo: {missing}", file=sys.stderr)
+        return 2
     if args.rig == "sglang":
         return _sglang(args)
     return _builtin(args)
@@ -62,8 +74,11 @@ def _sglang(args: argparse.Namespace) -> int:
         rooms=args.rooms or 48, seed=args.seed, faults=args.faults, no_faults=args.no_faults, log_dir=args.log_dir,
         step_interval=args.step_interval or 4, concurrency=args.concurrency, overlap=args.overlap,
     )
+    from .progress import Progress
+
     try:
-        return run_sglang_demo(opts, sys.stdout)
+        with Progress("demo") as progress:
+            return run_sglang_demo(opts, sys.stdout, progress)
     except FaultSpecError as exc:
         print(f"dsv4-idxk-probe demo: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,6 @@
 """`dsv4-idxk-probe diff`: compare prefill and decode room logs room by room.
 
-Exit status (`dsv4-idxk-probe --help` has the table for every command): 0
-every verified room matches; 1 a mismatch (with --strict, also a
-not-comparable or unverified room); 2 bad input (a missing file, no room
-records, or lines that had to be skipped), unless a mismatch was found.
+Exit status: `EXIT_STATUS` below, printed by ``diff --help`` (docs/roomlog.md).
 ``--json -`` writes the JSON to stdout (the table then goes to stderr).
 This module parses the arguments and prints the table; the join, the status and
 the JSON are library code in `offline/`.
@@ -13,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import TextIO
 
 from ..diagnosis.diagnose import describe_room
 from ..hicache.culprit import describe as describe_culprit
 from ..offline import engine
-from ..offline.diff_output import exit_status
+from ..offline import coverage
+from ..offline.diff_output import exit_status, sides
 from ..offline.join import analyse
 from ..offline.printable import printable, printable_logs
 from ..offline.results import Analysis, RoomResult
@@ -27,8 +26,17 @@ from ..vocabulary import DECODE_STAGES, SEVERITY, VERDICTS
 
 HELP = "join prefill and decode room logs by (room, attempt) and report where index-K diverged"
 
+EXIT_STATUS = """exit status of diff:
+  0  every room the logs could judge matched, both sides' logs present
+  1  a mismatch, a HiCache round-trip diagnosis, or a room decode found mismatching live
+     that these logs cannot judge (one side's logs missing); with --strict also a
+     not-comparable or unverified room
+  2  bad input: a path that names nothing, no room records, skipped lines, or one side's
+     logs missing (prefill's or decode's: add them); a mismatch still exits 1"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS + ("\n\n" + parser.epilog if parser.epilog else "")
     parser.add_argument(
         "logs",
         nargs="+",
@@ -50,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 PREFIX = "dsv4-idxk-probe diff:"
+WIDTH = 100  # the warning about one side's logs is wrapped to this many columns
 #: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
 LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
@@ -78,8 +87,11 @@ def _report(analysis, args: argparse.Namespace) -> int:
             print(f"dsv4-idxk-probe diff: no room in these logs has rid {printable(', '.join(args.rid))}", file=sys.stderr)
             return 2
     print_errors(analysis, args.max_errors, sys.stderr)
-    print_summary(analysis, args.max_rooms, sys.stderr if to_stdout else sys.stdout, selected=bool(args.rid))
-    engine.print_per_instance(analysis, sys.stderr if to_stdout else sys.stdout, printable)
+    out = sys.stderr if to_stdout else sys.stdout
+    print_summary(analysis, args.max_rooms, out, selected=bool(args.rid))
+    engine.print_per_instance(analysis, out, printable)
+    print_coverage(analysis, out)
+    print_sides(analysis, out, sys.stderr)
     status = exit_status(analysis, strict=args.strict)
     if args.json:
         try:
@@ -100,6 +112,43 @@ def print_errors(analysis: Analysis, limit: int, out: TextIO) -> None:
         print(f"... and {hidden} more bad lines (see --json)", file=out)
     if not analysis.rooms and not analysis.prefill_only:
         print(f"{PREFIX} no room records found in the inputs", file=out)
+
+
+def print_coverage(analysis: Analysis, out: TextIO) -> None:
+    text = coverage.lines(coverage.per_instance(analysis) or (), printable)
+    if text:
+        print("", file=out)
+        for line in text:
+            print(line, file=out)
+
+
+def side_warning(analysis: Analysis) -> str | None:
+    """The loud line for logs of one side only, or live mismatches the logs cannot judge."""
+    seen = sides(analysis)
+    live = seen["live_mismatch"]
+    parts = []
+    if seen["missing"] == "prefill":
+        parts.append(f"no prefill records in these logs: {seen['decode_rooms']:,} rooms decode logged "
+                     "cannot be verified (add the prefill pods' room logs)")
+    elif seen["missing"] == "decode":
+        parts.append(f"no decode records in these logs: {seen['prefill_rooms']:,} rooms prefill sent "
+                     "cannot be verified (add the decode pods' room logs)")
+    if live["rooms"]:
+        parts.append(f"decode's live verdict was MISMATCH for {live['rooms']:,} rooms ({live['records']:,} records) "
+                     "that these logs cannot judge: treat them as corrupt until both sides' logs say otherwise")
+    if not parts:
+        return None
+    return "WARNING: " + "; ".join(parts)
+
+
+def print_sides(analysis: Analysis, out: TextIO, err: TextIO) -> None:
+    """On the table's stream and, when that is not a terminal's stderr already, on stderr too."""
+    line = side_warning(analysis)
+    if line is None:
+        return
+    print("\n" + textwrap.fill(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False), file=out)
+    if err is not out:
+        print(textwrap.fill(f"{PREFIX} {line}", WIDTH, subsequent_indent="  ", break_on_hyphens=False), file=err)
 
 
 def _ranges(values: list[int]) -> str:
@@ -146,6 +195,12 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
             print(f"  {printable(describe_culprit(diag))}", file=out)
         if analysis.roundtrip_n > min(len(analysis.roundtrip), max(0, max_rooms)):
             print(f"  ... {analysis.roundtrip_n:,} in all (see --json)", file=out)
+    if analysis.restore_n:
+        print(f"hicache restore: {analysis.restore_n:,} load(s) wrote pages that differ from their backup", file=out)
+        for load in analysis.restore[: max(0, max_rooms)]:
+            print(f"  {printable(describe_restore(load))}", file=out)
+        if analysis.restore_n > min(len(analysis.restore), max(0, max_rooms)):
+            print(f"  ... {analysis.restore_n:,} in all (see --json)", file=out)
     print(
         f"prefill-only rooms {s['prefill_only_rooms']:,}; rooms without decode_finish "
         f"{s['rooms_without_decode_finish']:,}; live verdict disagreements "
@@ -183,5 +238,25 @@ def _room_row(room: RoomResult) -> list[str]:
         _ranges(c.pages) if c else "-",
         ",".join(c.segments) if c else "-",
         describe_room(first.diagnosis or ()) if first else "-",
-        worst.reason or "-",
+        (worst.reason or "-") + (LIVE_MISMATCH if _live_mismatch(room) else ""),
     ]
+
+
+LIVE_MISMATCH = "; decode said MISMATCH live"
+
+
+def _live_mismatch(room: RoomResult) -> bool:
+    """Decode's live verdict was mismatch where the logs cannot judge (no prefill record)."""
+    return any(s.live_verdict == "mismatch" and s.verdict == "unverified" for s in room.stages)
+
+
+def describe_restore(load: dict) -> str:
+    """One restore mismatch in a line: pool, host rows, and the first cells (docs/hicache.md)."""
+    rows = load.get("mismatch_rows", [])
+    cells = load.get("cells", [])
+    shown = ", ".join(f"layer {c.get('layer')} host row {c.get('host_row')} device page {c.get('device_page')} "
+                      f"{c.get('segment')}" for c in cells[:3])
+    more = f" (+{load.get('cells_total', len(cells)) - 3:,} cells)" if load.get("cells_total", len(cells)) > 3 else ""
+    where = f" on {load['instance']}" if load.get("instance") else ""
+    return (f"pool {load.get('pool')}{where}: {load.get('mismatch_rows_total', len(rows)):,} host row(s) "
+            f"{rows[:8]}; {shown}{more}")

@@ -16,13 +16,12 @@ or not writable.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
+from .atomic import write_atomically
 
-HELP = "copy the env-gated .pth hook into site-packages (for SGLang builds without the plugin loader); --uninstall removes it"
+HELP = "install the .pth hook that loads the probe into SGLang builds without the plugin loader"
 PTH_NAME = "dsv4_idxk_probe.pth"
 
 
@@ -69,16 +68,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{target}: already installed")
         return 0
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".dsv4_idxk_probe-", suffix=".tmp", dir=site)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomically(target, text)
     except OSError as exc:
         return _fail(f"cannot write {target}: {exc.strerror or exc}")
     print(f"installed {target}; it loads the probe only in processes where DSV4_IDXK_PROBE is set "

@@ -25,6 +25,7 @@ COMMANDS = {
 }
 
 OK, FINDING, BAD_INPUT, INTERNAL = 0, 1, 2, 3
+NOT_IN_SERVING_IMAGE = 4  # check: SGLang cannot be imported here
 BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE (`... | head`)
 INTERRUPTED = 130
 
@@ -35,7 +36,19 @@ EXIT_CODES = """exit status (every command):
   2    bad input: a missing or unreadable file, an invalid config, fault spec or target table,
        no records, skipped lines, a rig that could not run; the message names file, line, field
   3    internal error: a bug; one line on stderr, the traceback with --debug
+  4    check only: SGLang is not importable here; run check inside the serving image
   130  interrupted; 141 the output pipe closed (e.g. `| head`), quietly"""
+
+
+#: What `dsv4-idxk-probe --help` opens with: what the tool is for, in an operator's words.
+DESCRIPTION = "verify DeepSeek-V4 index-K through SGLang's PD transfers and HiCache copies, and read its logs"
+
+
+def describe(text: str) -> str:
+    """A command's description as --help shows it: the operator's line, wrapped to 100 columns."""
+    from .width import wrap
+
+    return "\n".join(wrap(text))
 
 
 def prefix(command: str) -> str:
@@ -47,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..version import __version__
 
     parser = argparse.ArgumentParser(
-        prog="dsv4-idxk-probe", description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+        prog="dsv4-idxk-probe", description=describe(DESCRIPTION), epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dsv4-idxk-probe {__version__}")
@@ -60,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # not built into this version
-        command = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES,
+        command = sub.add_parser(name, help=module.HELP, description=describe(module.HELP), epilog=EXIT_CODES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="print the traceback of an internal error")

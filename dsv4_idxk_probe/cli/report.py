@@ -9,17 +9,16 @@ pass/fail answer. ``-o -`` writes the page to stdout.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
 from ..offline import engine
 from ..offline.join import analyse
 from ..offline.printable import printable, printable_logs
 from ..offline.report_html import render
 from ..roomlog.reader import InputError
+from .atomic import write_atomically
 
-HELP = "write an HTML report: summary, a (layer x page) heatmap per bad room, verdicts over time, HiCache branches"
+HELP = "write an HTML report: each bad room (when, which pod, both rids, cells, what next) and timelines"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 PREFIX = "dsv4-idxk-probe report:"
+PAGE_MODE = 0o644  # the written page: readable by all, as a web server or a colleague needs
 #: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
 LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
@@ -77,23 +77,9 @@ def _render(analysis, args: argparse.Namespace) -> int:
         sys.stdout.write(page)
         return 0
     try:
-        write_atomically(args.output, page)
+        write_atomically(args.output, page, mode=PAGE_MODE)
     except OSError as exc:
         print(f"{PREFIX} cannot write {printable(args.output)}: {printable(exc.strerror or exc)}", file=sys.stderr)
         return 2
     print(f"wrote {printable(args.output)} ({rooms:,} rooms, {len(analysis.bad_rooms()):,} not matching)")
     return 0
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Temp file in the same directory, then rename: a reader never sees half a page."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -61,6 +61,10 @@ def _nbytes(values: Any) -> int:
     return 8 * len(values) + 56
 
 
+#: Resolving an event drops its references: readers on two threads must not both do it.
+_RESOLVE_LOCK = threading.Lock()
+
+
 class _Event:
     __slots__ = ("t_ns", "kind", "room", "pages", "host_rows", "layer", "detail", "_resolved")
 
@@ -70,9 +74,11 @@ class _Event:
 
     def resolved(self) -> tuple[np.ndarray, np.ndarray | None]:
         if self._resolved is None:  # once per event; the references are dropped then
-            host = host_ints(self.host_rows) if self.host_rows is not None else None
-            self._resolved = (host_ints(self.pages), host)
-            self.pages = self.host_rows = None
+            with _RESOLVE_LOCK:  # two readers (a collector, the serving thread) resolve it once
+                if self._resolved is None:
+                    host = host_ints(self.host_rows) if self.host_rows is not None else None
+                    self._resolved = (host_ints(self.pages), host)
+                    self.pages = self.host_rows = None
         return self._resolved
 
     def describe(self, page: int) -> dict:

@@ -30,6 +30,7 @@ from typing import Any
 from ..digest.result import RoomDigest
 from . import auth
 from .protocol import ExchangeError, decode_response, encode_request
+from .stages import StageEndpoints, combine_stage_digests
 
 log = logging.getLogger("dsv4_idxk_probe.exchange")
 
@@ -109,6 +110,8 @@ class VectorClient:
         peer has not failed `WAITED_STRIKES` times in a row (a dead peer is waited for
         once, not per room); after "no such room", ask once more `backoff_initial_s`
         later (prefill may not have published it yet)."""
+        if isinstance(endpoint, StageEndpoints):  # prefill PP: every stage serves its own layers
+            return self._fetch_stages(endpoint, key, retry_s)
         give_up = time.monotonic() + max(0.0, float(retry_s))
         asked_again_for_room = False
         while True:
@@ -131,6 +134,16 @@ class VectorClient:
             if time.monotonic() + wait > give_up:
                 return None
             time.sleep(wait)
+
+    def _fetch_stages(self, stages: StageEndpoints, key: str, retry_s: float) -> RoomDigest | None:
+        """Every PP stage's digest of room `key`, combined (exchange/stages.py); None when a stage has none."""
+        digests = []
+        for stage in stages:
+            digest = self.fetch(stage, key, retry_s=retry_s)
+            if digest is None:
+                return None
+            digests.append(digest)
+        return combine_stage_digests(key, digests, stages.layout)
 
     def _strikes_of(self, endpoint: Endpoint | None) -> int:
         if endpoint is None:

@@ -30,10 +30,15 @@ from .indexcheck import CHECK_LABELS, CheckSlot, Flusher, IndexChecker
 from ..diagnosis.journal import PageGroups
 from .culprit import describe as describe_culprit, merge as merge_checks, record as culprit_record
 from .roundtrip import LEG_NAMES, LEGS, VERDICTS, RoundTrip, RowViews
+from .restore import STAGE as RESTORE_STAGE, RestoreVerifier, is_index_k_pool
+from .restore_compare import LoadComparison
+from ..vocabulary import VERDICTS as ROOM_VERDICTS
 from .settings import HiCacheSettings, settings_from_config
 from ..safety import safe_invoke
 
 _log = logging.getLogger("dsv4_idxk_probe.hicache")
+#: Cells (and diagnosed device pages) one `restore_mismatch` record lists; the rest are counted.
+MAX_RESTORE_CELLS = 256
 
 
 class GuardRefused(RuntimeError):
@@ -117,6 +122,17 @@ class HiCacheProbe:
             if settings.roundtrip
             else None
         )
+        # restore verification (docs/hicache.md): on by default, never waits for the device
+        self.restore = (
+            RestoreVerifier(settings.restore_max_pages, settings.restore_queue_max, self._on_restore,
+                            self._count_on_copy_path, self._on_restore_evict)
+            if settings.restore_verify
+            else None
+        )
+        # coverage counted on the copy path (bytes the collector never saw), published by the flusher
+        self._coverage: dict[tuple[str, str, str], int] = {}
+        self._coverage_published: dict[tuple[str, str, str], int] = {}
+        self._coverage_lock = threading.Lock()  # the copy threads and the collectors add, the flusher reads
 
     # -- pools --------------------------------------------------------------------
 
@@ -137,6 +153,8 @@ class HiCacheProbe:
             pass  # not weak-referenceable: kept for the process lifetime
         self._create_series(state)
         self._check_invariants(state)
+        if self.restore is not None and is_index_k_pool(geom.name):
+            safe_invoke("hicache.restore", self._restore_series, state)
         if self.checker is not None:
             limits = (geom.host_pages * geom.page_size, geom.device_rows * geom.page_size)
             for direction in DIRECTIONS:
@@ -158,6 +176,8 @@ class HiCacheProbe:
             state = self._pools.pop(key, None)
             if state is not None:
                 self._retired.append(state)
+        if self.restore is not None:
+            self.restore.store.forget_pool(key)  # its rows' digests go with it (its engine stays idle)
 
     def _create_series(self, state: PoolState) -> None:
         m, geom, pool = self.metrics, state.geom, state.geom.name
@@ -185,6 +205,24 @@ class HiCacheProbe:
         for invariant in INVARIANTS:
             m.hicache_invariant_violations.labels(pool=pool, invariant=invariant)
 
+    def _restore_series(self, state: PoolState) -> None:
+        """An index-K pool: its restore engine (built now, at start-up, not on the first copy)
+        and its series at zero: load verdicts, cells per segment, coverage, evictions."""
+        m = self.metrics
+        pool = self.restore.pool(state)
+        for verdict in ROOM_VERDICTS:
+            m.rooms_verified.labels(stage=RESTORE_STAGE, verdict=verdict)
+        if pool is not None:
+            for segment in pool.layout.segment_names:
+                m.mismatch_cells.labels(stage=RESTORE_STAGE, segment=segment)
+        for path in ("hicache_backup", "hicache_load"):
+            m.coverage_bytes.labels(path=path, outcome="verified", reason="none")
+        m.records_dropped.labels(sink="hicache_restore")
+        if pool is None:
+            self.log.warning("dsv4-idxk-probe hicache pool %s: restores not verified (rows cannot be digested: %s); "
+                             "its copies are counted unverified", state.geom.name,
+                             ", ".join(state.invariants_failed) or "no device layer views")
+
     def _check_invariants(self, state: PoolState) -> None:
         state.invariants_failed = invariant_failures(state.geom)
         for invariant, detail in state.invariants_failed.items():
@@ -210,6 +248,15 @@ class HiCacheProbe:
 
     def publish(self) -> None:
         """Add what the copy path counted since the last publish to the metrics."""
+        deltas = []
+        with self._coverage_lock:  # two publishers (the flusher, a caller) never count a delta twice
+            for key, n in self._coverage.items():
+                delta = n - self._coverage_published.get(key, 0)
+                if delta:
+                    deltas.append((key, delta))
+                    self._coverage_published[key] = n
+        for key, delta in deltas:
+            self.metrics.count_coverage(*key, delta)
         with self._lock:
             states = list(self._pools.values()) + self._retired
             self._retired = []
@@ -236,6 +283,9 @@ class HiCacheProbe:
             flusher.stop()
         else:
             self.flush()
+        if self.restore is not None:
+            self.restore.close()
+            self.publish()
 
     # -- per call -----------------------------------------------------------------
 
@@ -273,6 +323,8 @@ class HiCacheProbe:
             safe_invoke("hicache.journal", self._journal_event, call)
         if ok and call.checks:
             safe_invoke("hicache.roundtrip", self._diagnose_load, call)
+        if ok and self.restore is not None and branch in MOVING:
+            safe_invoke("hicache.restore", self._restore_after, call)
 
     def layer_id(self, state: PoolState, layer: int | None) -> int | None:
         """The global layer id of the pool's layer `layer` (what the PD records and `diff` call
@@ -407,6 +459,79 @@ class HiCacheProbe:
         """A host page was written from elsewhere (storage tier): forget its digests."""
         if self.roundtrip is not None:
             self.roundtrip.invalidate(state, host_rows)
+        if self.restore is not None:
+            self.restore.forget_rows(state, host_rows)
+
+    def storage_wrote(self, state: PoolState, host_rows: list[int]) -> None:
+        """The storage tier (L3) filled these host pages: their bytes carry no digest here, so
+        they are counted unverified (`digest_lost`) on path l3, and their loads likewise."""
+        self.invalidate_rows(state, host_rows)
+        if self.restore is not None and is_index_k_pool(state.geom.name):
+            self._count_on_copy_path("l3", "unverified", "digest_lost",
+                                     len(host_rows) * state.geom.layers * state.geom.item_bytes)
+
+    # -- restore verification ----------------------------------------------------------
+
+    def _count_on_copy_path(self, path: str, outcome: str, reason: str, nbytes: int) -> None:
+        """Coverage, counted in a dict (no metric lock on a copy thread), published by the flusher."""
+        key = (path, outcome, reason)
+        with self._coverage_lock:
+            self._coverage[key] = self._coverage.get(key, 0) + int(nbytes)
+
+    def _restore_after(self, call: Call) -> None:
+        state = call.state
+        if call.branch != "page":  # token-granular copies on an index-K pool: rows are not whole pages
+            if is_index_k_pool(state.geom.name):
+                path = "hicache_backup" if call.direction == "d2h" else "hicache_load"
+                layers = state.geom.layers if call.layer is None else 1
+                self._count_on_copy_path(path, "unverified", "other", call.numel * layers * state.geom.item_bytes
+                                         // max(1, state.geom.page_size))
+            return
+        if call.direction == "d2h":
+            self.restore.after_backup(state, call.host, call.device)
+        elif call.layer is not None:
+            self.restore.after_load(state, call.host, call.device, call.layer, {})
+
+    def _on_restore_evict(self, n: int) -> None:
+        self.metrics.records_dropped.labels(sink="hicache_restore").inc(n)
+
+    def _on_restore(self, state: PoolState, comparison: LoadComparison, context: dict) -> None:
+        """A load's comparison, on the collector thread: the verdict counted like a room's at
+        stage hicache_load; a mismatch counted by cells, logged, recorded with the journal."""
+        m = self.metrics
+        verdict = comparison.verdict
+        m.rooms_verified.labels(stage=RESTORE_STAGE, verdict=verdict).inc()
+        if verdict != "mismatch":
+            return
+        name = state.geom.name
+        cells = [dict(layer=self.layer_id(state, c.pool_layer), pool_layer=c.pool_layer, host_row=c.host_row,
+                      device_page=c.device_page, segment=c.segment) for c in comparison.cells]
+        per_segment: dict[str, int] = {}
+        for c in cells:
+            per_segment[c["segment"]] = per_segment.get(c["segment"], 0) + 1
+        for segment, n in per_segment.items():
+            m.mismatch_cells.labels(stage=RESTORE_STAGE, segment=segment).inc(n)
+        layers = sorted({c["layer"] for c in cells})
+        m.observe_localisation(RESTORE_STAGE, layers, [])
+        pages = sorted({c["device_page"] for c in cells})
+        diagnosis = []
+        for page in pages:
+            events = self.journal.events_for(page) if self.journal is not None else []
+            # page ids are shared by the DeepSeek-V4 sub-pools: this pool's copies and the PD events
+            diagnosis.append({"device_page": page, "host_rows": sorted({c["host_row"] for c in cells
+                                                                        if c["device_page"] == page}),
+                              "events": [e for e in events if e.get("pool") in (None, name)]})
+        self.log.error(
+            "dsv4-idxk-probe hicache restore mismatch: pool %s: %d of %d loaded host rows differ from their backup "
+            "(%d cells; host rows %s, device pages %s, layers %s, segments %s)",
+            name, len(comparison.mismatch_rows), comparison.rows, len(cells), comparison.mismatch_rows[:16],
+            pages[:16], layers, sorted(per_segment),
+        )  # fmt: skip
+        self.emit({"event": "restore_mismatch", "stage": RESTORE_STAGE, "pool": name,
+                   "layout": context.get("layout"), "verdict": verdict, "rows": comparison.rows,
+                   "mismatch_rows": comparison.mismatch_rows, "unverified_rows": comparison.unverified_rows,
+                   "layers": layers, "segments": sorted(per_segment), "cells": cells[:MAX_RESTORE_CELLS],
+                   "cells_total": len(cells), "diagnosis": diagnosis[:MAX_RESTORE_CELLS]})  # fmt: skip
 
 
 def _global_layer_ids(state: PoolState, source: Callable[[], dict[int, int]]) -> tuple[int, ...] | None:

@@ -48,11 +48,22 @@ EXCHANGE_ERROR_KINDS = ("fetch",)
 # site ("decode.on_result" -> decode). The full site is in the log line.
 ERROR_COMPONENTS = ("prefill", "decode", "digest", "hicache", "hook", "patch", "other")
 _COMPONENT_OF_PREFIX = {"factory": "patch"}
+# What decode can count for a PD room's bytes (pd/coverage.py; docs/coverage.md): zeroed at start
+# on decode, so the coverage panel and alert read 0 rather than nothing. Prefill counts no PD bytes.
+PD_COVERAGE = {
+    "verified": ("none",),
+    "not_comparable": ("pp_stage", "layout_differs", "truncated_by_transfer", "length_differs", "probe_error", "other"),
+    "unverified": ("no_exchange", "layout_unknown", "metadata_on_device", "pp_stage", "probe_error"),
+    "skipped": ("retracted", "aborted", "transfer_failed", "evicted", "host_dest", "queue_full", "probe_error", "other"),
+}
 # The probe's own state (dsv4_idxk_probe_info): state -> the reasons it can have.
 STATES = {
     "on": ("running",),
     "off": ("uninstalled",),
     "broken": ("config_error", "target_table_error", "start_error"),
+    # installed, but a side verifies nothing: its pool cannot be read (layout_unknown: HIP fp4,
+    # aiter orders, NPU pages, a layout no entry describes), is not DeepSeek-V4, or failed to build
+    "inactive": ("layout_unknown", "not_dsv4", "build_failed"),
 }
 
 
@@ -96,7 +107,8 @@ _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _OWN_LABELS = frozenset({
     "stage", "verdict", "segment", "layer", "page_bucket", "kind", "sink", "component", "target", "status",
     "pool", "direction", "io_backend", "layout", "branch", "check", "action", "leg", "invariant",
-    "page_aligned_only", "token_path_eligible", "state", "reason", "mode", "version", "le",
+    "page_aligned_only", "token_path_eligible", "state", "reason", "mode", "version", "le", "path", "outcome",
+    "gpu_uuid", "hostname", "cuda_device",
 })
 
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -208,6 +220,10 @@ class ProbeMetrics:
             "coverage_bytes", "Index-K bytes moved, by path and what became of their verification "
             "(reason says why when not verified; docs/coverage.md)", ("path", "outcome", "reason"),
         )
+        self.mismatch_unlocalised = counter(
+            "mismatch_unlocalised", "Mismatch verdicts decode could not localise: prefill's digest vectors could not "
+            "be fetched (docs/coverage.md)", ("stage",),
+        )
         self.exchange_errors = counter("exchange_errors", "Failed side-channel requests for digest vectors", ("kind",))
         self.records_dropped = counter("records_dropped", "Records dropped because a bounded queue was full", ("sink",))
         self.errors = counter(
@@ -241,6 +257,19 @@ class ProbeMetrics:
         self.hicache_invariant_violations = counter(
             "hicache_invariant_violations", "Host-pool construction invariants that failed", ("pool", "invariant")
         )
+        # Which GPU this rank runs on (metrics/gpu_identity.py), to set a corrupt room beside
+        # that GPU's DCGM XID/ECC counters (DCGM's UUID label equals gpu_uuid).
+        self.gpu_info = gauge(
+            "gpu_info", "1 per process on a GPU: its CUDA device's UUID (as DCGM's UUID label), host name "
+            "and device index in the process", ("gpu_uuid", "hostname", "cuda_device"),
+        )
+
+    def publish_gpu(self, gpu: Mapping[str, str] | None) -> None:
+        """Set `dsv4_idxk_probe_gpu_info` once (`gpu_identity.gpu_identity()`); None (no CUDA
+        device: CPU) publishes nothing."""
+        if gpu:
+            self.gpu_info.labels(gpu_uuid=str(gpu["gpu_uuid"]), hostname=str(gpu["hostname"]),
+                                 cuda_device=str(gpu["cuda_device"])).set(1)
 
     def set_patch_target(self, target: str, status: str, required: bool) -> None:
         """Publish one target's status: 1 on its current status, 0 on the others."""
@@ -292,6 +321,10 @@ class ProbeMetrics:
                     self.diagnoses.labels(stage=stage, kind=kind)
                 for verdict in VERDICTS:
                     self.rooms_verified.labels(stage=stage, verdict=verdict)
+                self.mismatch_unlocalised.labels(stage=stage)
+            for outcome, reasons in PD_COVERAGE.items():
+                for reason in reasons:
+                    self.coverage_bytes.labels(path="pd", outcome=outcome, reason=reason)
         self.zero_health_series()
 
     def zero_health_series(self) -> None:

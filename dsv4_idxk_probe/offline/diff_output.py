@@ -11,19 +11,56 @@ import json
 import sys
 from typing import Any, BinaryIO, Callable
 
+from . import coverage
 from .printable import json_safe
 from .results import Analysis
 
 
+def sides(analysis: Analysis) -> dict[str, Any]:
+    """Whether both sides' logs are here, and what decode said live where the logs cannot judge.
+
+    `missing` is "prefill" when decode logged rooms and no key has a prefill record, "decode"
+    when prefill logged rooms and decode none, else None. `live_mismatch` counts the rooms
+    (and decode records) whose live verdict was `mismatch` while the logs leave them
+    `unverified` (no prefill record to compare with): decode found corruption the logs
+    cannot confirm, which `diff` must not pass as an all-clear (the on-call often has only
+    the alerting pod's logs). Read from the judged rooms both engines hand over: the rooms
+    the fleet engine judged in SQL all had both sides and matched."""
+    clean = getattr(analysis, "clean_rooms", 0)
+    with_prefill = clean + analysis.prefill_only
+    live_rooms = live_records = 0
+    for room in analysis.rooms.values():
+        with_prefill += room.has_prefill
+        n = 0
+        for s in room.stages:
+            if s.live_verdict == "mismatch" and s.verdict == "unverified":
+                n += 1
+        if n:
+            live_rooms += 1
+            live_records += n
+    decode_rooms = len(analysis.rooms) + clean
+    missing = None
+    if decode_rooms and not with_prefill:
+        missing = "prefill"
+    elif analysis.prefill_only and not decode_rooms:
+        missing = "decode"
+    return {"missing": missing, "decode_rooms": decode_rooms, "prefill_rooms": with_prefill,
+            "live_mismatch": {"rooms": live_rooms, "records": live_records}}
+
+
 def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
-    """0 every verified room matches; 1 a mismatch or a broken HiCache round trip (strict:
-    also a not-comparable or unverified room); 2 no room records, or skipped lines."""
+    """0 every verified room matches; 1 a mismatch, a broken HiCache round trip, or a live
+    mismatch the logs cannot judge (strict: also a not-comparable or unverified room);
+    2 no room records, skipped lines, or one side's logs missing (docs/roomlog.md)."""
     verdicts = analysis.room_verdicts()
-    if verdicts["mismatch"] or analysis.roundtrip_n:  # a HiCache row broken upstream of the digests too
+    if verdicts["mismatch"] or analysis.roundtrip_n or analysis.restore_n:  # a HiCache row broken upstream of the digests too
+        return 1
+    seen = sides(analysis)
+    if seen["live_mismatch"]["rooms"]:  # decode said mismatch live; the logs here cannot say otherwise
         return 1
     if not analysis.rooms and not analysis.prefill_only:
         return 2
-    if analysis.n_errors:
+    if analysis.n_errors or seen["missing"]:
         return 2
     if strict and (verdicts["not_comparable"] or verdicts["unverified"]):
         return 1
@@ -51,6 +88,9 @@ def _json_bytes(obj: Any) -> bytes:
     return _stdlib_json_bytes(obj)
 
 
+json_bytes = _json_bytes  # public: the fleet engine writes rooms with the very same bytes
+
+
 def json_head(analysis: Analysis, status: int) -> dict[str, Any]:
     """What the diff's JSON document says before its rooms (both join engines write it)."""
     return {
@@ -60,6 +100,8 @@ def json_head(analysis: Analysis, status: int) -> dict[str, Any]:
         "inputs": analysis.files,
         "summary": analysis.summary(),
         "errors": analysis.errors,
+        "sides": sides(analysis),
+        "coverage": coverage.per_instance(analysis),
     }
 
 

@@ -11,8 +11,11 @@ tool says so once on stderr; the fleet-only options then exit 2 (docs/fleet.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -116,7 +119,8 @@ def run(paths: list[Path], args: argparse.Namespace, prefix: str, reference=None
         if fleet_only:
             print(f"{prefix} {', '.join(fleet_only)} need the DuckDB engine (--engine duckdb or auto)", file=sys.stderr)
             return None
-        return (reference or analyse)(paths)
+        with _heartbeat(prefix, "reference join"):
+            return (reference or analyse)(paths)
 
     def progress(message: str) -> None:
         print(f"{prefix} {message}", file=sys.stderr, flush=True)
@@ -184,3 +188,25 @@ def print_per_instance(analysis: Analysis, out, show=printable) -> None:
         verdicts = ", ".join(f"{v} {n:,}" for v, n in row["room_verdicts"].items()) or "-"
         print(f"  {show(row['instance'])}  {row['role']}  {row['records']:,} records  {row['rooms']:,} rooms  "
               f"{verdicts}", file=out)
+
+
+@contextlib.contextmanager
+def _heartbeat(prefix: str, what: str, first_s: float = 2.0, every_s: float = 10.0):
+    """A line on stderr after `first_s` and every `every_s` while `what` runs: the reference
+    join reports no counts of its own, and a silent minute reads as a hang."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        wait = first_s
+        while not done.wait(wait):
+            print(f"{prefix} {what}: still reading ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+            wait = every_s
+
+    thread = threading.Thread(target=beat, name="dsv4-idxk-probe-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(1.0)

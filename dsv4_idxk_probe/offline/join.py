@@ -28,6 +28,7 @@ from typing import Iterable
 
 from ..digest.result import Comparison, compare
 from ..roomlog.reader import read_file
+from .coverage import row_bytes
 from .packed import Packed
 from .printable import clip
 from .results import Analysis, Key, RoomResult, StageResult
@@ -37,6 +38,7 @@ from .validation import (
     hicache_branch,
     record_kind,
     room_fields,
+    restore_mismatch,
     roundtrip_diagnosis,
 )
 
@@ -83,7 +85,7 @@ def complete_diagnosis(suspects: list[dict], comparison: Comparison, page_events
     return out
 
 
-class _Joiner:
+class Joiner:
     """Joins records as they stream by; decode records that arrive before their prefill wait."""
 
     def __init__(self, analysis: Analysis):
@@ -93,6 +95,8 @@ class _Joiner:
         self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
         self.stage_index: dict[Key, set] = {}  # rooms of more than _SCAN stages: their (stage, step, transfer)
+        self._names: dict[str, str] = {}  # instance names, one string each (a million rooms share a few)
+        self._row_bytes: dict = {}  # layout name -> its row bytes (None: not a built-in layout)
 
     def add_record(self, rec: dict, file: str, line: int) -> None:
         """Validate and route one record; RecordError names the offending field."""
@@ -113,6 +117,9 @@ class _Joiner:
         return name
 
     def _hicache(self, rec: dict) -> None:
+        if rec.get("event") == "restore_mismatch":
+            self.a.add_restore(restore_mismatch(rec))
+            return
         if rec.get("event") == "roundtrip_diagnosis":
             self.a.add_roundtrip(roundtrip_diagnosis(rec))
             return
@@ -125,6 +132,7 @@ class _Joiner:
         room, attempt, stage, step, verdict, rid, packed, tokens, ts, diagnosis, page_events = room_fields(rec)
         cluster = cluster_of(rec) if "cluster" in rec else ""
         key = (room, attempt, cluster) if cluster else (room, attempt)
+        self._note_meta(key, rec, packed, stage == "prefill_send")
         if stage == "prefill_send":
             self._add_prefill(key, tokens, packed, verdict)
             if rid is not None and key not in self.prefill_rids:
@@ -157,6 +165,35 @@ class _Joiner:
             self._judge(key, found, result, packed)
         else:
             self.deferred.append((key, result, packed))
+
+    def _note_meta(self, key: Key, rec: dict, packed: Packed | None, prefill: bool) -> None:
+        """What coverage reads of a room (`Analysis.room_meta`): the instance of its first decode
+        record (of its first prefill record when decode logged none), and the index-K bytes its
+        first prefill record's digest covers (its first decode record's when no prefill record)."""
+        meta = self.a.room_meta
+        old = meta.get(key)
+        if old is not None and (old[3] if prefill else old[2]):
+            return
+        instance = rec.get("instance")
+        instance = self._names.setdefault(instance, instance) if type(instance) is str else ""
+        nbytes = self._bytes(rec.get("layout"), packed)
+        if old is None:
+            meta[key] = (instance, nbytes, not prefill, prefill)
+        elif prefill:  # decode came first: its instance stays, prefill's digest sizes the room
+            meta[key] = (old[0], nbytes, True, True)
+        else:  # prefill came first: its bytes stay, decode's instance names the room
+            meta[key] = (instance, old[1], True, True)
+
+    def _bytes(self, layout: object, packed: Packed | None) -> int | None:
+        """layers x pages x the layout's row bytes; None without a digest or a built-in layout."""
+        if packed is None or type(layout) is not str:
+            return None
+        row = self._row_bytes.get(layout, -1)
+        if row == -1:
+            row = row_bytes(layout)
+            if len(self._row_bytes) < 256:  # a hostile log's made-up layout names are not kept
+                self._row_bytes[layout] = row
+        return None if row is None else len(packed.layer_ids) * (len(packed.pages) // 8) * row
 
     def _add_prefill(self, key: Key, tokens: int | None, packed: Packed | None, verdict: str | None) -> None:
         """One prefill record per transfer: a rebootstrapped room is sent again, with more tokens."""
@@ -215,7 +252,10 @@ class _Silent(logging.Filter):
         return False
 
 
-def _first_role(path: Path) -> int:
+_Joiner = Joiner  # the former name, kept for callers that still use it
+
+
+def prefill_files_first(path: Path) -> int:
     """0 for files that start with a prefill record, so they are read first (fewer deferrals).
     What the reader logs of the lines peeked at here (a rid cut) it logs again when they are read."""
     silent = _Silent()
@@ -236,13 +276,13 @@ def analyse(paths: Iterable[Path]) -> Analysis:
     """Read every file, join by (room, attempt), judge each decode stage."""
     paths = list(paths)
     analysis = Analysis(files=[str(p) for p in paths])
-    joiner = _Joiner(analysis)
+    joiner = Joiner(analysis)
     # Millions of long-lived, acyclic objects: the cyclic collector would rescan
     # them again and again for nothing.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for path in sorted(paths, key=_first_role):
+        for path in sorted(paths, key=prefill_files_first):
             for file, line, record, error in read_file(path):
                 if record is None:
                     analysis.error(f"{file}:{line}", error or "unreadable line")

@@ -2,11 +2,15 @@
 nothing fetched), so it can be mailed, attached to an incident, or opened offline.
 
 Sections: summary; an index of the bad rooms (numeric order within each
-verdict, each a link to its block); a cross-room (layer x page bucket) heat of
-where rooms first diverged; each bad room with one (layer x page) heatmap, of
-the first stage that saw the difference, and the stages listed; verdicts over
-time; HiCache branch counts; skipped lines. Every string from the logs is escaped
-(HTML, and `printable`: controls, bidi overrides, lone surrogates).
+verdict, each a link to its block, with wall time and decode instance); a
+cross-room (layer x page bucket) heat of where rooms first diverged; each bad
+room with when, which pod, both sides' rids, one (layer x page) heatmap, of the
+first stage that saw the difference, the stages listed, and what to check next
+(`next_steps.py`); corrupt rooms over time per instance against request volume;
+HiCache branch counts; skipped lines. Every string from the logs is escaped
+(HTML, and `printable`: controls, bidi overrides, lone surrogates); the page's
+frame and the next-steps tables are jinja2 templates with autoescape. Readable in
+an 800 px window: wide tables scroll in their own box, pictures scale down.
 
 Bounded on any input (docs/security.md): a heatmap draws at most MAX_HEAT_ROWS x
 MAX_COLUMNS bins (layers and pages binned beyond) in at most MAX_HEAT_RECTS
@@ -27,6 +31,7 @@ from ..diagnosis.diagnose import describe_room
 from ..hicache.culprit import summarise as summarise_roundtrip
 from ..metrics.definitions import page_bucket
 from ..vocabulary import DECODE_STAGES, VERDICTS
+from .next_steps import next_steps
 from .printable import clip, printable
 from .results import Analysis, RoomResult, StageResult
 
@@ -40,6 +45,7 @@ VERDICT_COLOURS = {
 }
 MAX_COLUMNS = 512  # wider rooms are binned: a column then covers several pages
 MAX_HEAT_ROWS = 64  # taller rooms (more layers) are binned: a row then covers several layers
+MIN_CELL_PX = 4  # a red block is drawn at least this wide: one bad page of 512 stays visible scaled to 800 px
 MAX_HEAT_RECTS = 1024  # rectangles drawn per heatmap; a picture that needs more is binned coarser
 MAX_REPORT_BYTES = 16 << 20  # the page's size cap: rooms beyond it are listed, not drawn
 MAX_TEXT = 200  # characters of one text from the logs (a reason, a list of layers) on the page
@@ -61,7 +67,11 @@ td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}
 .index{max-height:360px;overflow:auto;border:1px solid #ddd;display:inline-block}.index table{margin:0}
 .rooms{display:flex;flex-wrap:wrap;gap:0 16px}.rooms .room{flex:1 1 560px;min-width:0;overflow-x:auto}
 tr.alarm td{background:#fde0dd;font-weight:bold}.bar{display:inline-block;height:10px;background:#4c78a8}
-tr.alarm .bar{background:#d62728}code{font-size:12px}
+tr.alarm .bar{background:#d62728}code{font-size:12px;overflow-wrap:anywhere}
+h1,p,li{overflow-wrap:anywhere}svg{max-width:100%;height:auto}
+.index{max-width:100%;box-sizing:border-box}.scroll{max-width:100%;overflow-x:auto}
+td{overflow-wrap:anywhere}table.next td{text-align:left}
+@media (max-width:900px){body{margin:12px}.rooms .room{flex-basis:100%}}
 """
 
 
@@ -112,7 +122,7 @@ def _summary(a: Analysis) -> str:
         f"<p>{s['files']} files; records: {kinds}; <b>{s['rooms']:,}</b> rooms seen on decode; "
         f"{s['prefill_only_rooms']:,} only on prefill; {s['bad_lines']:,} lines skipped; "
         f"{s['live_verdict_disagreements']:,} live verdicts disagree with the logs.</p>"
-        f"<table><tr><th>stage</th>{head}</tr>{''.join(rows)}</table>"
+        f"<div class=\"scroll\"><table><tr><th>stage</th>{head}</tr>{''.join(rows)}</table></div>"
         f"<p>First divergence: {first}.</p>"
         + (f"<p>Diagnosis: {_c('; '.join(s['diagnosis']['lines']), 2000)}.</p>" if s["diagnosis"]["lines"] else "")
         + "</section>"
@@ -174,7 +184,7 @@ def _heatmap(room: RoomResult, stage: StageResult) -> str:
     parts = [
         f'<svg class="heatmap" data-room="{_c(room.name, 300)}" data-stage="{_e(stage.label)}" '
         f'data-cells="{len(bad_rows) * len(bad_cols)}" width="{width}" height="{height}" '
-        f'xmlns="http://www.w3.org/2000/svg" role="img">',
+        f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg" role="img">',
         f'<rect x="{left}" y="{top}" width="{cols * cw}" height="{rows * ch}" fill="#eef1f5"/>',
     ]
     label_every = 1 if ch >= 10 else 5
@@ -192,7 +202,7 @@ def _heatmap(room: RoomResult, stage: StageResult) -> str:
         for c0, c1 in col_runs:
             pages = f"page {c0 * per_col}" + (f"-{c1 * per_col + per_col - 1}" if per_col > 1 or c1 > c0 else "")
             parts.append(
-                f'<rect class="cell" x="{left + c0 * cw}" y="{top + r0 * ch}" width="{(c1 - c0 + 1) * cw}" '
+                f'<rect class="cell" x="{left + c0 * cw}" y="{top + r0 * ch}" width="{max(MIN_CELL_PX, (c1 - c0 + 1) * cw)}" '
                 f'height="{(r1 - r0 + 1) * ch}" fill="{HEAT}"><title>{layers}, {pages}</title></rect>'
             )
     parts.append("</svg>")
@@ -218,10 +228,59 @@ def _anchor(room: RoomResult) -> str:
     return f"room-{safe}-{room.attempt}"
 
 
-def _room_block(room: RoomResult) -> str:
-    """One room: its verdict, rids, the stages in order, and ONE heatmap, of the
-    first stage that saw the difference (later stages are listed, and say when
-    they localise differently). Lists are cut at MAX_LISTED, texts at MAX_TEXT."""
+def _key(room: RoomResult) -> tuple:
+    return (room.room, room.attempt, room.cluster) if room.cluster else (room.room, room.attempt)
+
+
+def _instance(a: Analysis, room: RoomResult) -> str:
+    """The instance (host:pid) that logged the room's decode records (`Analysis.room_meta`)."""
+    meta = a.room_meta.get(_key(room))
+    return meta[0] if meta and meta[0] else "-"
+
+
+def _wall(room: RoomResult) -> str:
+    """When: the first divergence's wall time, else the room's first decode record's (UTC)."""
+    first = room.first_divergence
+    if first is not None and first.ts is not None:
+        return _utc(first.ts)
+    times = [s.ts for s in room.stages if s.ts is not None]
+    return _utc(min(times)) if times else "-"
+
+
+def _who(a: Analysis, room: RoomResult) -> str:
+    """Wall time, pod (instance) and both sides' request ids: what the other logs are searched by."""
+    return (f"at <b>{_e(_wall(room))}</b> on decode instance <b>{_c(_instance(a, room), 300)}</b>; "
+            f"decode rid <code>{_c(room.decode_rid or '-', 300)}</code>, partner (prefill) rid "
+            f"<code>{_c(room.prefill_rid or '-', 300)}</code>")
+
+
+_NEXT = None
+
+
+def _next_table(room: RoomResult) -> str:
+    """What to check next for the kinds of the room's bad cells (offline/next_steps.py,
+    docs/diagnosis.md), rendered by jinja2 with autoescape."""
+    global _NEXT
+    if room.verdict != "mismatch":
+        return ""
+    if _NEXT is None:
+        import jinja2
+
+        _NEXT = jinja2.Environment(autoescape=True).from_string(
+            '<details class="next"><summary>what to check next ({{ rows|map("first")|join(", ") }})</summary>'
+            '<div class="scroll"><table class="next"><tr><th>diagnosis</th><th>suspect</th><th>what to check next</th></tr>'
+            "{% for kind, suspect, evidence in rows %}<tr><td>{{ kind }}</td><td>{{ suspect }}</td>"
+            "<td>{{ evidence }}</td></tr>{% endfor %}</table></div></details>")
+    first = room.first_divergence
+    kinds = [cell.get("kind") for cell in (first.diagnosis or ())] if first is not None else []
+    return _NEXT.render(rows=next_steps(kinds))
+
+
+def _room_block(room: RoomResult, a: Analysis | None = None) -> str:
+    """One room: its verdict, when, where and which requests, the stages in order, and
+    ONE heatmap, of the first stage that saw the difference (later stages are listed,
+    and say when they localise differently), then what to check next. Lists are cut
+    at MAX_LISTED, texts at MAX_TEXT."""
     first = room.first_divergence
     intact = room.last_match_before_divergence
     cluster = f" cluster {_c(room.cluster)}" if room.cluster else ""
@@ -229,12 +288,11 @@ def _room_block(room: RoomResult) -> str:
     if first is not None:
         line += f"; first divergence at <b>{_e(first.label)}</b>"
         line += f" (intact at {_e(intact.label)})" if intact else ""
-    rids = f' <span class="note">rid {_c(", ".join(room.rids), 600)}</span>' if room.rids else ""
     ordered = room.ordered
     shown, more = _more(ordered, MAX_LISTED)
     stages = ", ".join(f"{_e(s.label)} {_e(s.verdict)}" for s in shown) + more
     body = [f'<div class="room{"" if room.verdict == "mismatch" else " other"}" id="{_anchor(room)}">',
-            f"<p>{line}{rids}</p>", f'<p class="note">stages: {stages}</p>']
+            f"<p>{line}</p>", f'<p class="note">{_who(a if a is not None else Analysis(), room)}; stages: {stages}</p>']
     drawn = first if first is not None and first.comparison is not None else None
     if drawn is not None:
         body.append(_heatmap(room, drawn))
@@ -245,7 +303,8 @@ def _room_block(room: RoomResult) -> str:
         if moved:
             body.append(f'<p class="note">localised differently at {_c(", ".join(moved))} (see `diff --json`).</p>')
     if first is not None and first.diagnosis:
-        body.append(_diagnosis_table(first.diagnosis))
+        body.append(f'<div class="scroll">{_diagnosis_table(first.diagnosis)}</div>')
+    body.append(_next_table(room))
     notes = 0
     for stage in ordered:
         if notes >= MAX_LISTED:
@@ -296,7 +355,8 @@ def _ranges(values) -> str:
     return ",".join(parts) or "-"
 
 
-def _index(bad: list[RoomResult], drawn: int) -> str:
+def _index(bad: list[RoomResult], drawn: int, a: Analysis | None = None) -> str:
+    a = a if a is not None else Analysis()
     rows = []
     for i, room in enumerate(bad[:MAX_INDEX_ROWS]):
         first = room.first_divergence
@@ -304,14 +364,16 @@ def _index(bad: list[RoomResult], drawn: int) -> str:
         name = _c(room.name, 100)
         link = f'<a href="#{_anchor(room)}">{name}</a>' if i < drawn else name
         rows.append(
-            f"<tr><td>{link}</td><td>{_c(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
+            f"<tr><td>{link}</td><td>{_e(_wall(room))}</td><td>{_c(_instance(a, room), 120)}</td>"
+            f"<td>{_c(', '.join(room.rids) or '-')}</td><td>{_e(room.verdict)}</td>"
             f"<td>{_e(first.label) if first else '-'}</td><td>{_c(_ranges(c.layers), 120) if c else '-'}</td>"
             f"<td>{_c(_ranges(c.pages), 120) if c else '-'}</td><td>{_c(', '.join(c.segments[:50]), 120) if c else '-'}</td>"
             f"<td>{_c(describe_room(first.diagnosis or ())) if first else '-'}</td></tr>"
         )
     more = f'<p class="note">... and {len(bad) - MAX_INDEX_ROWS:,} more (see `diff --json`).</p>' if len(bad) > MAX_INDEX_ROWS else ""
     return (
-        '<div class="index"><table><tr><th>room/attempt</th><th>rid</th><th>verdict</th><th>first divergence</th>'
+        '<div class="index"><table><tr><th>room/attempt</th><th>wall time</th><th>decode instance</th><th>rid</th>'
+        '<th>verdict</th><th>first divergence</th>'
         f"<th>layers</th><th>pages</th><th>segments</th><th>diagnosis</th></tr>{''.join(rows)}</table></div>{more}"
     )
 
@@ -329,10 +391,10 @@ def _bad_rooms(a: Analysis, max_rooms: int, budget: int = MAX_REPORT_BYTES) -> s
         return '<section id="bad-rooms"><h2>Rooms that did not match</h2><p>None: every verified room matched.</p></section>'
     wanted = bad[:max(0, max_rooms)]
     cross = _cross_room_heat(bad)
-    budget -= _size(_index(bad, len(wanted))) + _size(cross) + 2048  # the index as it would be with every link
+    budget -= _size(_index(bad, len(wanted), a)) + _size(cross) + 2048  # the index as it would be with every link
     blocks: list[str] = []
     for room in wanted:
-        block = _room_block(room)
+        block = _room_block(room, a)
         budget -= _size(block)
         if budget < 0:
             break
@@ -345,7 +407,7 @@ def _bad_rooms(a: Analysis, max_rooms: int, budget: int = MAX_REPORT_BYTES) -> s
         note += (f" ({why}); {len(bad) - drawn:,} not drawn: `report --rid RID` draws a room's, "
                  "`diff --json` lists them all")
     return (
-        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>{_index(bad, drawn)}'
+        f'<section id="bad-rooms"><h2>Rooms that did not match</h2><p class="note">{note}.</p>{_index(bad, drawn, a)}'
         f"{cross}<h3>Each room</h3>"
         + '<div class="rooms">' + "".join(blocks) + "</div></section>"
     )
@@ -382,7 +444,8 @@ def _cross_room_heat(bad: list[RoomResult]) -> str:
     peak = max(counts.values())
     cw, ch, left, top = 44, max(6, min(16, 480 // len(rows))), 44, 30
     width, height = left + len(buckets) * cw + 4, top + len(rows) * ch + 4
-    parts = [f'<svg class="crossheat" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg" role="img">',
+    parts = [f'<svg class="crossheat" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             'xmlns="http://www.w3.org/2000/svg" role="img">',
              f'<rect x="{left}" y="{top}" width="{len(buckets) * cw}" height="{len(rows) * ch}" fill="#f4f6f9"/>']
     for j, bucket in enumerate(buckets):
         parts.append(f'<text x="{left + j * cw + 2}" y="{top - 6}" font-size="10">p{_e(bucket)}+</text>')
@@ -410,51 +473,141 @@ def _cross_room_heat(bad: list[RoomResult]) -> str:
     )
 
 
-# %% verdicts over time
+# %% corrupt rooms over time, per instance, against request volume
+
+MAX_TIMELINE_INSTANCES = 12  # strips drawn; the rest are added up in one "other instances" strip
+TIMELINE_WIDTH = 640  # drawing width: the page stays readable in an 800 px window
+OUTLIER_SHARE = 0.005  # rooms this far out on either side may be left off an axis they would stretch
+
+
+def _room_times(a: Analysis):
+    """(start, instance, corrupt at) per room: its first decode record's time, the instance that
+    logged it, and its first divergence's time when it mismatched (None otherwise). The fleet
+    engine's clean rooms come as stubs of (ts, instance), verdict match."""
+    meta = a.room_meta
+    for item in a.rooms.values():
+        if isinstance(item, RoomResult):
+            times = [s.ts for s in item.stages if s.ts is not None]
+            if not times:
+                continue
+            first = item.first_divergence if item.verdict == "mismatch" else None
+            bad = (first.ts if first.ts is not None else min(times)) if first is not None else None
+            m = meta.get(_key(item))
+            yield min(times), (m[0] if m else ""), bad
+        else:  # a chunk of clean rooms (fleet engine): one stub per room
+            for stub in item.stages:
+                if stub.ts is not None:
+                    yield stub.ts, getattr(stub, "instance", "") or "", None
+
+
+def _axis(times: list[float]) -> tuple[float, float, int]:
+    """The time axis: every room's start, unless a few (a clock off, a record from another day)
+    would stretch it more than tenfold: then the central rooms, and how many are left off."""
+    times = sorted(times)
+    t0, t1 = times[0], times[-1]
+    k = int(len(times) * OUTLIER_SHARE)
+    if k:
+        c0, c1 = times[k], times[-1 - k]
+        margin = 2 * max(c1 - c0, 1.0)
+        if (t1 - t0) > 10 * max(c1 - c0, 1.0):
+            kept = [t for t in times if c0 - margin <= t <= c1 + margin]
+            return kept[0], kept[-1], len(times) - len(kept)
+    return t0, t1, 0
+
+
+def _nice(peak: int) -> int:
+    """The y axis's top: 1, 2 or 5 times a power of ten, at least `peak`."""
+    step = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * step >= peak:
+                return m * step
+        step *= 10
 
 
 def _timeline(a: Analysis) -> str:
-    points = [(s.ts, s.verdict) for r in a.rooms.values() for s in r.stages if s.ts is not None]
-    if not points:
-        return '<section id="timeline"><h2>Verdicts over time</h2><p>No timestamps in the logs.</p></section>'
-    t0 = min(t for t, _ in points)
-    t1 = max(t for t, _ in points)
+    """Per instance (the pod and process that logged the rooms' decode records), rooms started
+    (grey: request volume) and corrupt rooms (red: their first divergence) per time bucket, with
+    a y axis of readable ticks; at most MAX_TIMELINE_INSTANCES strips (the busiest, then the rest
+    added up)."""
+    rows = list(_room_times(a))
+    title = "<h2>Corrupt rooms over time, per instance, against request volume</h2>"
+    if not rows:
+        return f'<section id="timeline">{title}<p>No timestamps in the logs.</p></section>'
+    t0, t1, left_off = _axis([t for t, _, _ in rows])
     span = max(t1 - t0, 1e-9)
-    buckets = [Counter() for _ in range(TIME_BUCKETS)]
-    for t, verdict in points:
-        buckets[min(TIME_BUCKETS - 1, int((t - t0) / span * TIME_BUCKETS))][verdict] += 1
-    peak = max(sum(b.values()) for b in buckets) or 1
-    bw, h, left, top = 14, 160, 40, 10
-    parts = [f'<svg class="timeline" width="{left + TIME_BUCKETS * bw + 40}" height="{h + 50}" xmlns="http://www.w3.org/2000/svg">']
-    for i, bucket in enumerate(buckets):
-        y = top + h
-        for verdict in VERDICTS:
-            n = bucket.get(verdict, 0)
-            if not n:
-                continue
-            bh = n / peak * h
-            y -= bh
-            parts.append(
-                f'<rect x="{left + i * bw}" y="{y:.1f}" width="{bw - 2}" height="{bh:.1f}" fill="{VERDICT_COLOURS[verdict]}">'
-                f"<title>{n} {verdict}</title></rect>"
-            )
-    parts.append(f'<text x="{left - 4}" y="{top + 8}" font-size="10" text-anchor="end">{peak}</text>')
+    volume: dict[str, list[int]] = {}
+    corrupt: dict[str, list[int]] = {}
+    totals: Counter = Counter()
+    bad_totals: Counter = Counter()
+
+    def bucket(t: float) -> int | None:
+        if t < t0 or t > t1:
+            return None
+        return min(TIME_BUCKETS - 1, int((t - t0) / span * TIME_BUCKETS))
+
+    for start, instance, bad in rows:
+        totals[instance] += 1
+        i = bucket(start)
+        if i is not None:
+            volume.setdefault(instance, [0] * TIME_BUCKETS)[i] += 1
+        if bad is not None:
+            bad_totals[instance] += 1
+            j = bucket(bad)
+            if j is not None:
+                corrupt.setdefault(instance, [0] * TIME_BUCKETS)[j] += 1
+    order = sorted(totals, key=lambda n: (-bad_totals[n], -totals[n], n))
+    shown, rest = order[:MAX_TIMELINE_INSTANCES], order[MAX_TIMELINE_INSTANCES:]
+    strips = [(name, volume.get(name, [0] * TIME_BUCKETS), corrupt.get(name, [0] * TIME_BUCKETS)) for name in shown]
+    if rest:
+        add = lambda table: [sum(table.get(n, [0] * TIME_BUCKETS)[i] for n in rest) for i in range(TIME_BUCKETS)]
+        strips.append((f"{len(rest):,} other instances", add(volume), add(corrupt)))
+    bw = TIMELINE_WIDTH / TIME_BUCKETS
+    left, h, gap, head = 48, 56, 30, 14
+    height = len(strips) * (h + gap) + 40
+    width = left + TIMELINE_WIDTH + 8
+    parts = [f'<svg class="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             'xmlns="http://www.w3.org/2000/svg" role="img">']
+    for k, (name, vol, bad) in enumerate(strips):
+        top = k * (h + gap) + head
+        label = name if k < len(shown) else name
+        n_bad = sum(bad)
+        parts.append(f'<text x="{left}" y="{top - 4}" font-size="11"><tspan font-weight="bold">'
+                     f"{_c(label or '(no instance)', 80)}</tspan>: {sum(vol):,} rooms, "
+                     f'<tspan fill="{VERDICT_COLOURS["mismatch"]}">{n_bad:,} corrupt</tspan></text>')
+        top_value = _nice(max(max(vol), max(bad), 1))
+        for value in (0, top_value // 2, top_value) if top_value >= 2 else (0, top_value):
+            y = top + h - value / top_value * h
+            parts.append(f'<line x1="{left - 3}" y1="{y:.1f}" x2="{left + TIMELINE_WIDTH}" y2="{y:.1f}" stroke="#e3e3e3"/>')
+            parts.append(f'<text class="ytick" x="{left - 5}" y="{y + 3:.1f}" font-size="10" text-anchor="end">{value:,}</text>')
+        for i in range(TIME_BUCKETS):
+            x = left + i * bw
+            if vol[i]:
+                vh = vol[i] / top_value * h
+                parts.append(f'<rect x="{x:.1f}" y="{top + h - vh:.1f}" width="{bw - 1:.1f}" height="{vh:.1f}" fill="#c7c7c7">'
+                             f"<title>{vol[i]:,} rooms</title></rect>")
+            if bad[i]:
+                rh = max(3.0, bad[i] / top_value * h)
+                parts.append(f'<rect class="corrupt" x="{x:.1f}" y="{top + h - rh:.1f}" width="{bw - 1:.1f}" '
+                             f'height="{rh:.1f}" fill="{VERDICT_COLOURS["mismatch"]}"><title>{bad[i]:,} corrupt rooms'
+                             "</title></rect>")
+    base = (len(strips) - 1) * (h + gap) + head + h
     fmt = _tick_format(span)
     for k in range(TIME_TICKS + 1):
-        x = left + k * TIME_BUCKETS * bw / TIME_TICKS
+        x = left + k * TIMELINE_WIDTH / TIME_TICKS
         anchor = "start" if k == 0 else "end" if k == TIME_TICKS else "middle"
-        parts.append(f'<line x1="{x:.1f}" y1="{top + h}" x2="{x:.1f}" y2="{top + h + 4}" stroke="#555"/>')
-        parts.append(f'<text class="tick" x="{x:.1f}" y="{top + h + 16}" font-size="10" text-anchor="{anchor}">'
+        parts.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#555"/>')
+        parts.append(f'<text class="tick" x="{x:.1f}" y="{base + 16}" font-size="10" text-anchor="{anchor}">'
                      f"{_e(time.strftime(fmt, time.gmtime(t0 + span * k / TIME_TICKS)))}</text>")
-    parts.append(f'<text x="{left + TIME_BUCKETS * bw / 2}" y="{top + h + 32}" font-size="11" text-anchor="middle">'
+    parts.append(f'<text x="{left + TIMELINE_WIDTH / 2}" y="{base + 32}" font-size="11" text-anchor="middle">'
                  f"time (UTC), from {_e(_utc(t0))} to {_e(_utc(t1))}</text>")
     parts.append("</svg>")
-    legend = " ".join(
-        f'<span style="color:{VERDICT_COLOURS[v]}">&#9632;</span> {v}' for v in VERDICTS
-    )
+    off = (f" {left_off:,} rooms far outside the others' time range (a clock off, or another day's records) are "
+           "left off the axis." if left_off else "")
     return (
-        f'<section id="timeline"><h2>Verdicts over time</h2><p class="note">Decode-stage verdicts per '
-        f"{span / TIME_BUCKETS:.3g} s bucket. {legend}</p>{''.join(parts)}</section>"
+        f'<section id="timeline">{title}<p class="note">Per instance that logged the rooms\' decode records: rooms '
+        f"started (grey, the request volume) and corrupt rooms (red, at their first divergence) per "
+        f"{span / TIME_BUCKETS:.3g} s bucket; each strip has its own scale.{off}</p>{''.join(parts)}</section>"
     )
 
 
@@ -462,7 +615,31 @@ def _timeline(a: Analysis) -> str:
 
 
 def _hicache(a: Analysis) -> str:
-    return _hicache_branches(a) + _hicache_roundtrip(a)
+    return _hicache_branches(a) + _hicache_restore(a) + _hicache_roundtrip(a)
+
+
+def _hicache_restore(a: Analysis) -> str:
+    """Loads restore verification found writing pages that differ from their backup (docs/hicache.md)."""
+    if not a.restore_n:
+        return ""
+    rows = []
+    for load in a.restore[:200]:
+        for cell in load.get("cells", [])[:16]:
+            rows.append(
+                f"<tr class=alarm><td>{_c(str(load.get('pool')), 120)}</td><td>{_c(str(load.get('instance', '-')), 120)}</td>"
+                + "".join(f"<td>{_e(str(cell.get(k, '-')))}</td>" for k in ("layer", "host_row", "device_page", "segment"))
+                + "</tr>"
+            )
+    more = f"<p class=note>... {a.restore_n:,} loads in all (see diff --json).</p>" if a.restore_n > 200 else ""
+    return (
+        f'<section id="hicache-restore"><h2>HiCache restore ({a.restore_n:,} load{"s" if a.restore_n != 1 else ""} '
+        "differing from the backup)</h2><p class=\"note\">Cells a load wrote that differ from what the backup of the "
+        "same host row read: the host row changed while resident, or the load copied it wrong. The prefill log's "
+        "record has the journal events of each device page.</p><div class=\"scroll\"><table><tr><th>pool</th>"
+        "<th>instance</th><th>layer</th><th>host row</th><th>device page</th><th>segment</th></tr>"
+        + "".join(rows)
+        + f"</table></div>{more}</section>"
+    )
 
 
 def _hicache_branches(a: Analysis) -> str:
@@ -485,9 +662,10 @@ def _hicache_branches(a: Analysis) -> str:
     return (
         '<section id="hicache"><h2>HiCache branches</h2><p class="note">Copy calls per host pool, direction and '
         "branch. A token-granular branch on an indexer pool (red) applies the C4 row geometry to rows that "
-        "are not C4 rows.</p><table><tr><th>pool</th><th>direction</th><th>branch</th><th>calls</th><th></th></tr>"
+        "are not C4 rows.</p><div class=\"scroll\"><table><tr><th>pool</th><th>direction</th><th>branch</th>"
+        "<th>calls</th><th></th></tr>"
         + "".join(rows)
-        + f"</table>{more}</section>"
+        + f"</table></div>{more}</section>"
     )
 
 
@@ -516,10 +694,10 @@ def _hicache_roundtrip(a: Analysis) -> str:
         f'<section id="hicache-roundtrip"><h2>HiCache round trip ({a.roundtrip_n:,} broken host row{"s" if a.roundtrip_n != 1 else ""})</h2>'
         f'<p class="note">{_c(summary, 2000)}. Checks per host row: d2h (matched its device rows at backup), host '
         "(unchanged while resident), h2d (copied faithfully by the load); the events are the journal's for "
-        "the device page the row was loaded into, the last one the load.</p><table><tr><th>pool</th>"
+        "the device page the row was loaded into, the last one the load.</p><div class=\"scroll\"><table><tr><th>pool</th>"
         "<th>host row</th><th>layer</th><th>device page</th><th>d2h</th><th>host</th><th>h2d</th><th>page events</th></tr>"
         + "".join(rows)
-        + f"</table>{more}</section>"
+        + f"</table></div>{more}</section>"
     )
 
 
@@ -531,17 +709,40 @@ def _bad_lines(a: Analysis) -> str:
     return f'<section id="bad-lines"><h2>Skipped lines ({a.n_errors:,})</h2><ul>{items}</ul>{more}</section>'
 
 
+_PAGE_TEMPLATE = (
+    '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{{ title }}</title>'
+    "<style>{{ css }}</style></head><body><h1>{{ title }}</h1>"
+    '<p class="note">Generated {{ generated }} from {{ n_files }} room logs.</p>'
+    "{{ summary }}{{ bad_rooms }}{{ timeline }}{{ hicache }}{{ bad_lines }}"
+    "<details><summary>Inputs</summary><ul>{% for f in files %}<li><code>{{ f }}</code></li>{% endfor %}"
+    "{% if more %}<li>{{ more }}</li>{% endif %}</ul></details></body></html>\n"
+)
+_page = None
+
+
+def _page_template():
+    """The page's frame, rendered by jinja2 with autoescape: text from the logs (the title, file
+    names) is escaped by the template; the sections come in as markup their builders escaped."""
+    global _page
+    if _page is None:
+        import jinja2
+
+        _page = jinja2.Environment(autoescape=True, keep_trailing_newline=True).from_string(_PAGE_TEMPLATE)
+    return _page
+
+
 def render(analysis: Analysis, *, title: str = "dsv4-idxk-probe report", max_rooms: int = 50) -> str:
     """The page, at most about MAX_REPORT_BYTES: every section but the room blocks is
     bounded by its own caps, and room blocks are drawn while the page stays under it."""
+    from markupsafe import Markup
+
     files, more = _more(analysis.files, MAX_INPUTS_LISTED)
-    inputs = "".join(f"<li><code>{_c(f, 500)}</code></li>" for f in files) + (f"<li>{more}</li>" if more else "")
-    head = (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_c(title, 300)}</title>'
-        f"<style>{_CSS}</style></head><body><h1>{_c(title, 300)}</h1>"
-        f'<p class="note">Generated {_e(_utc(time.time()))} from {len(analysis.files)} room logs.</p>'
-    )
-    summary, timeline, hicache, bad_lines = _summary(analysis), _timeline(analysis), _hicache(analysis), _bad_lines(analysis)
-    tail = f"{bad_lines}<details><summary>Inputs</summary><ul>{inputs}</ul></details></body></html>\n"
-    budget = MAX_REPORT_BYTES - sum(map(_size, (head, summary, timeline, hicache, tail)))
-    return f"{head}{summary}{_bad_rooms(analysis, max_rooms, budget)}{timeline}{hicache}{tail}"
+    values = {
+        "title": clip(title, 300), "css": Markup(_CSS), "generated": _utc(time.time()), "n_files": len(analysis.files),
+        "files": [clip(f, 500) for f in files], "more": more,
+        "summary": Markup(_summary(analysis)), "timeline": Markup(_timeline(analysis)),
+        "hicache": Markup(_hicache(analysis)), "bad_lines": Markup(_bad_lines(analysis)),
+    }
+    template = _page_template()
+    budget = MAX_REPORT_BYTES - _size(template.render(values, bad_rooms=""))
+    return template.render(values, bad_rooms=Markup(_bad_rooms(analysis, max_rooms, budget)))

@@ -216,14 +216,25 @@ class Analysis:
     hicache: Counter = field(default_factory=Counter)  # (pool, direction, branch) -> count
     roundtrip: list[dict] = field(default_factory=list)  # HiCache round-trip diagnoses, the first MAX_ROUNDTRIP_KEPT
     roundtrip_n: int = 0  # all of them
+    restore: list[dict] = field(default_factory=list)  # HiCache restore mismatches, the first MAX_ROUNDTRIP_KEPT
+    restore_n: int = 0  # all of them
     duplicates: int = 0
     conflicts: int = 0
     live_disagreements: int = 0
+    # key -> (instance, index-K bytes or None, instance from decode, bytes from prefill): what
+    # the coverage table (offline/coverage.py) reads of each room's records
+    room_meta: dict = field(default_factory=dict)
+    selected: bool = False  # select_rids ran: the rooms are a selection, coverage is not computed
 
     def error(self, where: str, message: str) -> None:
         self.n_errors += 1
         if len(self.errors) < MAX_ERRORS_KEPT:
             self.errors.append(f"{where}: {message}")
+
+    def add_restore(self, mismatch: dict) -> None:
+        self.restore_n += 1
+        if len(self.restore) < MAX_ROUNDTRIP_KEPT:
+            self.restore.append(mismatch)
 
     def add_roundtrip(self, diagnosis: dict) -> None:
         self.roundtrip_n += 1
@@ -262,6 +273,7 @@ class Analysis:
     def select_rids(self, rids: Iterable[str]) -> None:
         """Keep only the rooms whose SGLang request id (either side's) is in `rids`."""
         wanted = set(rids)
+        self.selected = True
         self.rooms = {k: r for k, r in self.rooms.items() if wanted.intersection(r.rids)}
         self.prefill_only_keys = [k for k in self.prefill_only_keys if self.prefill_only_rids.get(k) in wanted]
         self.prefill_only = len(self.prefill_only_keys)
@@ -298,4 +310,5 @@ class Analysis:
             ],
             "hicache_roundtrip": {"mismatches": self.roundtrip_n, "lines": summarise_roundtrip(self.roundtrip),
                                   "rows": self.roundtrip},
+            "hicache_restore": {"mismatches": self.restore_n, "loads": self.restore},
         }

@@ -177,6 +177,30 @@ def roundtrip_diagnosis(rec: dict) -> dict:
     return out
 
 
+#: Cells and host rows of one `restore_mismatch` record the tools keep (the writer keeps 256 cells).
+MAX_RESTORE_CELLS = 256
+_RESTORE_CELL_FIELDS = {"layer": int, "pool_layer": int, "host_row": int, "device_page": int, "segment": str}
+
+
+def restore_mismatch(rec: dict) -> dict:
+    """A `restore_mismatch` HiCache record (restore verification, docs/hicache.md), checked:
+    where a load wrote pages that differ from their backup (pool, host rows, cells)."""
+    out = _plain(rec, {"pool": str, "layout": str, "rows": int, "cells_total": int, "instance": str}, "restore_mismatch")
+    if "pool" not in out:
+        raise RecordError("restore_mismatch needs a string pool")
+    rows = rec.get("mismatch_rows") or []
+    if type(rows) is not list or len(rows) > 1_000_000 or any(type(r) is not int for r in rows):
+        raise RecordError("restore_mismatch.mismatch_rows must be a list of integer host rows")
+    out["mismatch_rows"] = rows[:MAX_RESTORE_CELLS]
+    out["mismatch_rows_total"] = len(rows)
+    cells = rec.get("cells") or []
+    if type(cells) is not list or len(cells) > MAX_RESTORE_CELLS:
+        raise RecordError(f"restore_mismatch.cells must be a list of at most {MAX_RESTORE_CELLS} cells")
+    out["cells"] = [_plain(c, _RESTORE_CELL_FIELDS, f"restore_mismatch.cells[{j}]") for j, c in enumerate(cells)]
+    out.setdefault("cells_total", len(out["cells"]))
+    return out
+
+
 def _page_events(value: Any) -> dict:
     """A record's `page_events` (logical page -> journal events), checked like `diagnosis`."""
     if value is None:

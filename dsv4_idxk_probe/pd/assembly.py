@@ -42,8 +42,15 @@ def exchange_bind(exchange: Any, host: str | None) -> str | None:
     return exchange.bind or None
 
 
-def exchange_port(exchange: Any, gpu_id: int | None) -> int:
-    """The port prefill's exchange binds: ``port_base`` + the GPU id, or 0 (one the OS picks)."""
+def exchange_port(exchange: Any, gpu_id: int | None, rank_port: int | None = None) -> int:
+    """The port prefill's exchange binds: the transport's `rank_port` + ``port_offset`` when
+    that is set (decode can then rebuild it: exchange/endpoint.py, `rule_port`), else
+    ``port_base`` + the GPU id, else 0 (one the OS picks)."""
+    from ..exchange.endpoint import rule_port
+
+    by_rule = rule_port(rank_port, getattr(exchange, "port_offset", 0))
+    if by_rule:
+        return by_rule
     return exchange.port_base + int(gpu_id or 0) if exchange.port_base else 0
 
 

@@ -21,6 +21,7 @@ from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
 from ..metrics.definitions import ProbeMetrics
 from ..safety import record_error, safe_invoke
+from .coverage import RoomCoverage, estimated_bytes, judged_reason, outcome_of, skip_reason, stage_signatures
 from .inband import InbandDigest
 from .records import room_record
 from .rooms import RoomId
@@ -64,7 +65,7 @@ class _Room:
     the collector's."""
 
     __slots__ = ("room", "key", "pages", "n_tokens", "inband", "extra", "expected", "fetches", "first_divergence",
-                 "finished", "retired", "unsafe", "tickets", "in_flight", "table")
+                 "finished", "retired", "unsafe", "tickets", "in_flight", "table", "coverage")
 
     def __init__(self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None,
                  extra: dict | None = None):
@@ -87,6 +88,9 @@ class _Room:
         # its page table as the receipt's submit found it on the device (address, bytes per
         # id, pages): later digests of the room (steps, finish) ask the tensor nothing
         self.table: tuple | None = None
+        # what became of its bytes (pd/coverage.py), made by the collector at its first verdict
+        # (none made here: the serving thread's receipt stays one frame); counted once, untracked
+        self.coverage: RoomCoverage | None = None
 
 
 class DecodeMonitor:
@@ -269,7 +273,8 @@ class DecodeMonitor:
             job[0].tickets.append(pending)
         return pending
 
-    def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None) -> None:
+    def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None,
+                     n_tokens: int | None = None) -> None:
         """Aborted, retracted or health-check rooms: record `skipped` and forget them.
 
         The record keeps the room's extras (its rid) if it was tracked; `extra`
@@ -277,6 +282,7 @@ class DecodeMonitor:
         flight read pages that are freed now and may be reused before it ran:
         its result is recorded as skipped too. What the kernels had run is read
         here; the record, the journal and the diagnosis follow on the collector.
+        `n_tokens`: the room's length where it was never tracked (its coverage bytes).
         """
         t_ns = _monotonic_ns()
         with self._lock:
@@ -285,16 +291,18 @@ class DecodeMonitor:
             state.retired = reason
             state.unsafe = {pending for pending in list(state.tickets) if not pending.ready()}
         extras = {**(state.extra if state is not None else {}), **(extra or {})}
-        self.engine.post(self._on_skipped, (room, stage, reason, state, extras or None, t_ns))
+        self.engine.post(self._on_skipped, (room, stage, reason, state, extras or None, t_ns, n_tokens))
 
     def _on_skipped(self, args: tuple) -> None:
-        room, stage, reason, state, extras, t_ns = args
+        room, stage, reason, state, extras, t_ns, n_tokens = args
         diagnosis = self.diagnosis
         if diagnosis is not None:
             if state is not None:
                 safe_invoke("decode.diagnosis_freed", diagnosis.freed, room.key, state.pages, at_ns=t_ns)
             safe_invoke("decode.diagnosis_forget", diagnosis.abandoned, room.key)
         self._publish(room, stage, None, "skipped", reason, None, None, state, extra=extras)
+        if state is None:  # never tracked: its bytes counted here, from its length
+            safe_invoke("decode.coverage", self._cover_untracked, reason, n_tokens)
 
     def tracked(self) -> int:
         with self._lock:
@@ -313,6 +321,8 @@ class DecodeMonitor:
         in them are forgotten on the collector, their pages journalled as freed."""
         if self.metrics is not None:
             self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
+        for state, _, _ in jobs:
+            _coverage_of(state).fold("skipped", "queue_full")
         finished = [state for state, stage, _ in jobs if stage == "decode_finish"]
         if finished:
             self.engine.post(self._on_lost, (finished, t_ns))
@@ -323,6 +333,8 @@ class DecodeMonitor:
             if self.diagnosis is not None:
                 safe_invoke("decode.diagnosis_freed", self.diagnosis.freed, state.key, state.pages, at_ns=t_ns + 1)
             self._forget_if_done(state, "decode_finish")
+            safe_invoke("decode.coverage", _coverage_of(state).count, self.metrics,
+                        estimated_bytes(self.engine, state.n_tokens))
 
     # %% digest results (collector thread)
 
@@ -453,6 +465,8 @@ class DecodeMonitor:
             diagnosis=diagnosis, page_events=page_events,
         )
         safe_invoke("decode.emit", self.emit, record)
+        if state is not None:
+            safe_invoke("decode.coverage", self._cover, state, verdict, reason, digest, room_bytes)
         if self.on_verdict is not None:
             safe_invoke("decode.on_verdict", self.on_verdict, room, stage, verdict, comparison)
         m = self.metrics
@@ -464,8 +478,56 @@ class DecodeMonitor:
             m.digest_bytes.labels(stage=stage).inc(room_bytes)
         if enqueued is not None:
             m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
+        if verdict == "mismatch" and comparison is None:  # found bad, vectors unavailable: not localised
+            m.mismatch_unlocalised.labels(stage=stage).inc()
         if comparison is not None and comparison.verdict == "mismatch":
             m.observe_localisation(stage, comparison.layers, comparison.pages)
             for segment in comparison.segments:
                 per_segment = sum(1 for _, s in comparison.layer_segments if s == segment)
                 m.mismatch_cells.labels(stage=stage, segment=segment).inc(per_segment * len(comparison.pages))
+
+    # %% coverage (collector thread; docs/coverage.md)
+
+    def _cover(self, state: _Room, verdict: str, reason: str, digest: RoomDigest | None, room_bytes: int | None) -> None:
+        """Fold one stage's outcome into its room; count the room once it is no longer tracked."""
+        outcome = outcome_of(verdict)
+        if verdict == "skipped":
+            why = skip_reason(reason)
+            if why is None:
+                return
+        elif verdict == "not_comparable" and digest is None:
+            why = "probe_error"  # the probe's page list named rows outside the buffers
+        else:
+            why = judged_reason(verdict, state.inband, state.expected, digest,
+                                self._stage_signatures() if verdict == "not_comparable" else ())
+        if outcome == "unverified" and state.extra and state.extra.get("unverified_reason"):
+            why = str(state.extra["unverified_reason"])  # the hook knew why (sglang/pd_decode: metadata_on_device)
+        coverage = _coverage_of(state)
+        coverage.fold(outcome, why, room_bytes)
+        if self._rooms.get(state.key) is not state:
+            coverage.count(self.metrics, estimated_bytes(self.engine, state.n_tokens))
+
+    def _stage_signatures(self) -> frozenset[int]:
+        signatures = getattr(self, "_pp_signatures", None)
+        if signatures is None:
+            try:
+                signatures = stage_signatures(self.engine.layout, self.engine.layer_ids)
+            except Exception:  # a stand-in engine without a layout: no stage to recognise
+                signatures = frozenset()
+            self._pp_signatures = signatures
+        return signatures
+
+    def _cover_untracked(self, reason: str, n_tokens: int | None) -> None:
+        why = skip_reason(reason)
+        if why is None or self.metrics is None:
+            return
+        coverage = RoomCoverage()
+        coverage.fold("skipped", why)
+        coverage.count(self.metrics, estimated_bytes(self.engine, n_tokens))
+
+
+def _coverage_of(state: _Room) -> RoomCoverage:
+    coverage = state.coverage
+    if coverage is None:
+        coverage = state.coverage = RoomCoverage()
+    return coverage

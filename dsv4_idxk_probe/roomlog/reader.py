@@ -141,7 +141,7 @@ TORN = "torn final line (no newline at the end, no checksum: the writer stopped 
 _WHOLE_TAIL = re.compile(rb',"h":"[0-9a-f]{16}"\}\r?$')
 
 
-def _torn_tail(raw: bytes) -> bool:
+def is_torn_tail(raw: bytes) -> bool:
     """A file's last line cut by a crash: no newline (so nothing follows it), it starts like
     a line and its checksum member is cut off; the caller has seen it fail. A line that
     is whole but fails its checksum (edited, corrupted) stays an error."""
@@ -173,7 +173,7 @@ def read_file(path: Path, *, max_line: int = MAX_LINE_BYTES, max_file: int = MAX
                 try:
                     record = decode_line(raw)
                 except LineError as exc:
-                    if _torn_tail(raw):
+                    if is_torn_tail(raw):
                         log.warning("%s:%d: %s", name, line_no, TORN)
                         if torn is not None:
                             torn.append(Entry(name, line_no, None, TORN))

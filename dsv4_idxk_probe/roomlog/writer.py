@@ -83,10 +83,8 @@ def directory_problem(info: os.stat_result) -> str | None:
     return None
 
 
-def _make_dirs(path: Path) -> bool:
-    """Create `path` and its missing parents with DIR_MODE (fchmod: the umask plays no part);
-    True when `path` itself was created here. A directory another process creates meanwhile
-    is left as it is (and checked like any existing one)."""
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, outermost first."""
     missing = []
     p = path
     while not os.path.lexists(p):
@@ -94,8 +92,15 @@ def _make_dirs(path: Path) -> bool:
         if p.parent == p:
             break
         p = p.parent
+    return missing[::-1]
+
+
+def _make_dirs(path: Path) -> bool:
+    """Create `path` and its missing parents with DIR_MODE (fchmod: the umask plays no part);
+    True when `path` itself was created here. A directory another process creates meanwhile
+    is left as it is (and checked like any existing one)."""
     created = False
-    for d in reversed(missing):
+    for d in missing_dirs(path):
         try:
             os.mkdir(d, DIR_MODE)
         except FileExistsError:

@@ -6,14 +6,27 @@ differs from prefill's, through SGLang's own checksum path
 batch, so they must drop the same requests, or their batches diverge and the
 next collective hangs. Two rules keep them together:
 
-* at start, `agree_on_enforce`: every rank with an active decode side
-  announces itself in the process group's store and waits for the others; a
-  rank that does not see its whole group keeps enforce off (observe only),
-  since a rank whose probe never started would never join the all-reduce;
-* on every batch, `enforce_batch`: each rank's drop flags go through a MAX
+* at start, `agree_on_enforce`: one decision the whole group reaches
+  together. Every rank with an active decode side announces itself in the
+  process group's store and waits (up to the agreement window) for the
+  others; the first rank to see its whole group writes "on", the first to
+  time out writes "off", atomically (``compare_set``: the first writer wins),
+  and every rank adopts what was written. A rank arriving after the window
+  reads "off" and joins off: never on alone. A rank whose probe never
+  started writes nothing and makes no collective call, so no one waits for
+  it in an all-reduce;
+* on every batch, `enforce_batch`: each rank's verdicts go through a MAX
   all-reduce over the attention-TP CPU group (as upstream's checksum does),
   so a request one rank finds corrupt is dropped on all of them. A rank that
-  agreed at start always joins, with zero flags when its own judging failed.
+  agreed at start always joins, with KEEP verdicts when its own judging
+  failed or its probe was switched off since (the hook keeps calling in).
+
+A verdict is KEEP, HOLD or DROP (MAX: DROP wins, then HOLD). HOLD is for a
+room whose prefill digest did not ride in band and whose exchange fetch is
+still in flight on a worker thread: the request leaves this prebuilt batch
+and goes back to the scheduler's waiting queue, to be judged at a later
+batch, instead of a blocking fetch on the scheduler thread. The hold is
+bounded by the exchange's own timeout (the fetch then ends, answered or not).
 
 What a rank finds corrupt (the digest comparison, per request) is the decode
 hooks' business (``pd_decode.mismatch_flags``); this module only makes the
@@ -30,34 +43,65 @@ from .accessors import room_of
 
 ENFORCE_AGREEMENT_TIMEOUT_S = 20.0
 
-#: (runtime, requests) -> one flag per request, 1 to drop it.
+#: A request's verdict; the MAX over the ranks wins.
+KEEP, HOLD, DROP = 0, 1, 2
+
+#: (runtime, requests) -> one verdict per request (KEEP, HOLD or DROP).
 Judge = Callable[[Any, list], list[int]]
+
+_ON, _OFF = b"on", b"off"
 
 
 def agree_on_enforce(group: Any, timeout_s: float = ENFORCE_AGREEMENT_TIMEOUT_S) -> tuple[bool, str]:
-    """Do all attention-TP ranks run an active probe? Only then may enforce all-reduce.
+    """Do all attention-TP ranks run an active probe? One answer for the whole group.
 
     A rank whose probe did not start never joins the all-reduce, and the
-    others would hang in it. Each rank with an active decode side announces
-    itself in the process group's store; a rank that does not see all of its
-    group within `timeout_s` keeps enforce off (observe only). No collective:
-    a rank without the probe is never waited on by a call it does not make.
+    others would hang in it; a rank that turned on while the others turned
+    off would hang alone. So the store holds one decision, written once
+    (`_decide`): "on" by the first rank that sees every rank announced, "off"
+    by the first that times out waiting; every rank, early or late, adopts it.
+    No collective: a rank without the probe is never waited on by a call it
+    does not make.
     """
     try:
         import torch.distributed as dist
 
-        if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if single_rank(group):
             return True, "one rank"
         ranks = dist.get_process_group_ranks(group)
         store = dist.distributed_c10d._get_default_store()
         prefix = "dsv4_idxk_probe/enforce/" + "-".join(str(r) for r in ranks)
-        store.set(f"{prefix}/{dist.get_rank()}", "1")
-        from datetime import timedelta
-
-        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))
-        return True, ""
+        return _decide(store, prefix, dist.get_rank(), ranks, timeout_s)
     except Exception as exc:
-        return False, f"not every attention-TP rank announced an active probe ({type(exc).__name__}: {exc})"
+        return False, f"the enforce agreement failed on this rank ({type(exc).__name__}: {exc})"
+
+
+def _decide(store: Any, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> tuple[bool, str]:
+    """Announce `rank`, wait for the others, then take the group's one decision from `store`."""
+    from datetime import timedelta
+
+    decision_key = f"{prefix}/decision"
+    store.set(f"{prefix}/{rank}", "1")
+    try:
+        store.wait([f"{prefix}/{r}" for r in ranks], timedelta(seconds=timeout_s))
+        proposal, why = _ON, ""
+    except Exception as exc:
+        proposal = _OFF
+        why = f"not every attention-TP rank announced an active probe within {timeout_s:g} s ({type(exc).__name__})"
+    decided = bytes(store.compare_set(decision_key, "", proposal))
+    if decided == _ON:
+        return True, ""
+    return False, why or "another attention-TP rank timed out waiting for the group first; this rank joins it off"
+
+
+def single_rank(group: Any) -> bool:
+    """No other rank to agree with: no group, no torch.distributed, or a group of one."""
+    try:
+        import torch.distributed as dist
+
+        return group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1
+    except Exception:
+        return False
 
 
 def all_reduce_max(flags: list[int], group: Any) -> list[int]:
@@ -76,31 +120,47 @@ def all_reduce_max(flags: list[int], group: Any) -> list[int]:
 
 
 def enforce_batch(runtime: Any, scheduler: Any, batch: Any, judge: Judge) -> None:
-    """Judge a prebuilt batch (`judge`) and drop its mismatching rooms on every rank alike.
+    """Judge a prebuilt batch (`judge`) and act on the verdicts on every rank alike.
 
     Once the ranks agreed at start (`agree_on_enforce`), this rank takes part
-    in the all-reduce on every batch, whatever else of the probe failed (its
-    flags are then zeros), so no other rank waits for it in vain.
+    in the all-reduce on every batch, whatever else of the probe failed or was
+    switched off since (its verdicts are then KEEP), so no other rank waits
+    for it in vain. DROP aborts the request through SGLang's checksum path;
+    HOLD sends it back to the waiting queue for a later batch.
     """
     side = runtime.sides.get("decode")
-    if side is None or not side.active or not getattr(side, "enforce_agreed", True):
+    if side is None or getattr(side, "enforce_agreed", None) is not True:
         return
     reqs = list(batch.reqs)
-    flags = safe_invoke("decode.enforce_flags", judge, runtime, reqs, fallback=None) or [0] * len(reqs)
-    flags = safe_invoke("decode.enforce_all_reduce", all_reduce_max, flags,
-                        getattr(scheduler, "attn_tp_cpu_group", None), fallback=None)
-    if not flags or not any(flags):
+    judging = getattr(runtime, "enabled", True) and getattr(side, "active", False)
+    verdicts = safe_invoke("decode.enforce_flags", judge, runtime, reqs, fallback=None) if judging else None
+    verdicts = verdicts or [KEEP] * len(reqs)
+    verdicts = safe_invoke("decode.enforce_all_reduce", all_reduce_max, verdicts,
+                           getattr(scheduler, "attn_tp_cpu_group", None), fallback=None)
+    if not verdicts or not any(verdicts):
         return
-    dropped = set()
+    removed = set()
+    held = []
     for i, req in enumerate(reqs):
-        if not flags[i]:
+        if verdicts[i] == HOLD:
+            removed.add(i)
+            held.append(req)
+            continue
+        if verdicts[i] != DROP:
             continue
         message = f"dsv4-idxk-probe: index-K mismatch at receipt, room {room_of(req)} (rid {getattr(req, 'rid', '?')})"
         runtime.log.error(message)
         if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
-            dropped.add(i)
-    if dropped:
-        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in dropped])
+            removed.add(i)
+    if removed:
+        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in removed])
+    if held:
+        safe_invoke("decode.enforce_hold", _hold, scheduler, held)
+
+
+def _hold(scheduler: Any, reqs: list) -> None:
+    """Back to the front of the waiting queue: the next prebuilt batch takes them first."""
+    scheduler.waiting_queue[:0] = reqs
 
 
 def _abort(scheduler: Any, req: Any, message: str) -> bool:

@@ -10,7 +10,8 @@ inherited by subclasses such as ``QSAIndexerPoolHost``:
   ``*_physical`` entry points call these through ``self`` and are not wrapped,
   and the token call that a backup makes internally is not counted again;
 * ``set_from_flat_data_page``, ``get_page_buffer_meta``: host pages the storage
-  tier writes; round-trip mode forgets their digests.
+  tier writes; round-trip mode and restore verification forget their digests
+  (a storage-tier page carries none: counted unverified, ``digest_lost``).
 
 Each factory takes the probe runtime (``.metrics``, ``.config.hicache``,
 ``.emit``, ``.log``) and returns a wrapt wrapper. A wrapper bails out when the
@@ -28,6 +29,7 @@ import torch
 
 from ..hicache.geometry import DeviceBuffer, PoolGeometry, TokenRow
 from ..hicache.probe import GuardRefused, HiCacheProbe, probe_for
+from ..hicache.restore import SIDECAR_SUFFIX, is_index_k_pool, sidecar_bytes
 from ..hicache.roundtrip import RowViews, page_rows
 from ..safety import safe_invoke
 
@@ -210,8 +212,21 @@ def _invalidate(probe, pool, rows) -> None:
         probe.invalidate_rows(state, rows)
 
 
+def _storage_wrote(probe, pool, rows) -> None:
+    state = probe.state_of(pool)
+    if state is not None:
+        probe.storage_wrote(state, rows)
+
+
+def _follows_host_writes(probe) -> bool:
+    """Whether anything keeps digests of host rows that a storage-tier write makes stale."""
+    return probe.active and (probe.roundtrip is not None or probe.restore is not None)
+
+
 def make_set_page_wrapper(runtime):
-    """``set_from_flat_data_page(index, data_page)``: the storage tier wrote a host page."""
+    """``set_from_flat_data_page(index, data_page)``: the storage tier wrote a host page.
+    Inside a wrapped ``HiCacheFile._read_page`` the read itself tells restore verification
+    whether the page came with its digests (`make_l3_read_wrapper`)."""
     probe = probe_for(runtime)
 
     def _rows(pool, index, *_a, **_k):
@@ -219,10 +234,13 @@ def make_set_page_wrapper(runtime):
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if probe.active and probe.roundtrip is not None:
+        if _follows_host_writes(probe):
             rows = safe_invoke("hicache.set_page", _rows, instance, *args, **kwargs)
             if rows:
-                safe_invoke("hicache.set_page", _invalidate, probe, instance, rows)
+                reading = getattr(probe.local, "l3_read", 0) and probe.restore is not None
+                # in a storage read: forget the row's digests now (counted by the read, which may
+                # bring the page's own); elsewhere: forget them and count the page unverified
+                safe_invoke("hicache.set_page", _invalidate if reading else _storage_wrote, probe, instance, rows)
         return result
 
     return wrapper
@@ -238,10 +256,84 @@ def make_page_meta_wrapper(runtime):
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if probe.active and probe.roundtrip is not None:
+        if _follows_host_writes(probe):
             rows = safe_invoke("hicache.page_meta", _rows, instance, *args, **kwargs)
             if rows:
                 safe_invoke("hicache.page_meta", _invalidate, probe, instance, rows)
+        return result
+
+    return wrapper
+
+
+# -- the storage tier (L3): digests travel beside the pages -----------------------------
+
+
+def _sidecar_key(backend, pool_name, key) -> str:
+    """The page's storage key as the backend forms it (``_log_key``), plus the sidecar suffix."""
+    return f"{backend._log_key(pool_name, key)}{SIDECAR_SUFFIX}"
+
+
+def _l3_state(probe, host_pool):
+    state = probe.state_of(host_pool)
+    if state is None or probe.restore is None or not is_index_k_pool(state.geom.name):
+        return None
+    return state
+
+
+def _l3_wrote(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
+    state = _l3_state(probe, host_pool)
+    if state is None:
+        return
+    sidecar = _sidecar_key(backend, pool_name, key)
+    row = int(page_offset) // int(host_pool.slot_page_size)
+    probe.restore.write_sidecar(state, row, lambda data: backend.set(sidecar, torch.from_numpy(data)))
+
+
+def _l3_read(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
+    state = _l3_state(probe, host_pool)
+    if state is None:
+        return
+    sidecar = _sidecar_key(backend, pool_name, key)
+    data = None
+    pool = probe.restore.pool(state)
+    if pool is not None and backend.exists(sidecar):
+        target = torch.empty(sidecar_bytes(pool.layers, len(pool.layout.segments)), dtype=torch.uint8)
+        got = backend.get(sidecar, target)
+        data = None if got is None else got.numpy()
+    row = int(page_offset) // int(host_pool.slot_page_size)
+    probe.restore.storage_read(state, row, data)
+
+
+def make_l3_write_wrapper(runtime):
+    """``HiCacheFile._write_page(pool_name, key, host_pool, page_offset)``: a host page was
+    stored; its kept digests are stored beside it under a sidecar key."""
+    probe = probe_for(runtime)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if result and probe.active and probe.restore is not None:
+            safe_invoke("hicache.l3_write", _l3_wrote, probe, instance, *args, **kwargs)
+        return result
+
+    return wrapper
+
+
+def make_l3_read_wrapper(runtime):
+    """``HiCacheFile._read_page(pool_name, key, host_pool, page_offset)``: a stored page was
+    read into a host row; with its sidecar, the row keeps the digests its backup took."""
+    probe = probe_for(runtime)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not probe.active or probe.restore is None:
+            return wrapped(*args, **kwargs)
+        local = probe.local
+        local.l3_read = getattr(local, "l3_read", 0) + 1
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            local.l3_read -= 1
+        if result:
+            safe_invoke("hicache.l3_read", _l3_read, probe, instance, *args, **kwargs)
         return result
 
     return wrapper

@@ -18,6 +18,17 @@ The only code that knows the pool's attribute names
   start:end])[::page_size] // page_size``, the same computation the transfer
   does, kept on the device (no host sync).
 
+DeepSeek-V4.1 (``compression_ratios`` with ratios 1 and 2) adds one
+low-ratio indexer pool per ratio to ``pool.index_pools`` (SGLang 0.5.23:
+fp4, ``DSV41_INDEX_PAGE_SIZE`` = 64 (128 with DeepGEMM's paged kernel) slots
+per index page, 4352 B rows at 64 slots, round-to-nearest-even quantisation
+``index_k_rne``, optional aiter row-group ``index_k_page8`` on ROCm). Its layers
+are ``pool.sources_by_ratio[ratio]`` (the kv_source layers; the other layers of
+that ratio read their source's rows), and one FULL page p is index pages
+``p * k .. p * k + k - 1`` with k = page_size // (ratio * slots): the wire
+entry's item is those k rows (`get_contiguous_buf_infos`). `index_pools`
+lists every pool with its geometry and layout, or why it cannot be read.
+
 Nothing here imports SGLang: objects are read by attribute, so the functions
 also work on stand-ins (the sync audit on a GPU machine without SGLang).
 """
@@ -32,7 +43,14 @@ from .accessors import extend_end, req_pool_idx
 
 
 class IndexKError(Exception):
-    """This pool cannot be probed; the message says why (logged once, probe side off)."""
+    """This pool cannot be probed; the message says why (logged once, probe side off).
+
+    `code` is the low-cardinality word the status metric and the coverage counter
+    carry: ``layout_unknown`` (a pool the probe cannot read) or ``not_dsv4``."""
+
+    def __init__(self, message: str, code: str = "layout_unknown"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -44,10 +62,41 @@ class IndexKGeometry:
     slots: int  # compressed slots per index-K row: page_size // 4
     row_bytes: int
     fp4: bool
+    ratio: int = C4  # the index pool's compression ratio (its key in ``index_pools``)
+    rows_per_page: int = 1  # index-K rows per full (allocator) page: 1 for C4, 256 // (ratio * slots) below
 
     @property
     def tokens_per_slot(self) -> int:
         return self.page_size // self.slots
+
+    def room_bytes(self, n_tokens: int) -> int:
+        """Index-K bytes this pool moves for a room of `n_tokens` (whole rows, every layer)."""
+        rows = -(-max(0, int(n_tokens)) // self.page_size)
+        return rows * self.row_bytes * len(self.buffers)
+
+
+@dataclass(frozen=True)
+class IndexPool:
+    """One entry of a DeepSeek-V4 pool's ``index_pools``, as the probe reads it:
+    its geometry and row layout, or the reason it cannot be read (then both None)."""
+
+    ratio: int
+    geometry: IndexKGeometry | None
+    layout: Any = None  # digest.layout.RowLayout
+    reason: str = ""
+    code: str = ""  # IndexKError.code when unreadable
+    bytes_per_page: int = 0  # index-K bytes of one full page, all layers (readable or not)
+
+    @property
+    def readable(self) -> bool:
+        return self.geometry is not None and self.layout is not None
+
+    def describe(self) -> str:
+        """One line for logs: "pool 1: fp4_r1 (4352 B rows, layers [4])" or the reason."""
+        if not self.readable:
+            return f"pool {self.ratio}: not read ({self.reason})"
+        g = self.geometry
+        return f"pool {self.ratio}: {self.layout.name} ({g.row_bytes} B rows, layers {list(g.layer_ids)})"
 
 
 def dsv4_pool(source: Any) -> Any | None:
@@ -63,33 +112,127 @@ def index_k_geometry(pool: Any, kv_args: Any = None) -> IndexKGeometry:
     indexer = (getattr(pool, "index_pools", None) or {}).get(C4) or getattr(pool, "c4_indexer_kv_pool", None)
     if indexer is None:
         raise IndexKError("the pool has no C4 indexer pool (not DeepSeek-V4, or no C4 layer in this stage)")
+    return pool_geometry(pool, C4, indexer, kv_args)
+
+
+def pool_geometry(pool: Any, ratio: int, indexer: Any, kv_args: Any = None) -> IndexKGeometry:
+    """The geometry of `pool`'s indexer pool of compression `ratio`; IndexKError when unusable."""
+    name = "C4" if ratio == C4 else f"ratio-{ratio}"
     if getattr(indexer, "index_k_with_scale_buffer", None) is None:
-        raise IndexKError("the C4 indexer keeps payload and scales in separate buffers (HIP fp4); not supported")
+        raise IndexKError(f"the {name} indexer keeps payload and scales in separate buffers (HIP fp4); not supported")
     reason = row_layout_refusal(indexer)
     if reason:
         raise IndexKError(reason)
     buffers = tuple(page_rows_as_bytes(buf, i) for i, buf in enumerate(indexer_row_buffers(indexer)))
-    ratios = list(pool.compression_ratios)
+    layer_ids = pool_layer_ids(pool, ratio)
     start = getattr(pool, "_stage_start", 0)
-    end = getattr(pool, "_stage_end", len(ratios))
-    layer_ids = tuple(layer for layer in range(start, end) if ratios[layer] == C4)
+    end = getattr(pool, "_stage_end", len(list(pool.compression_ratios)))
     if len(layer_ids) != len(buffers):
-        raise IndexKError(f"{len(buffers)} index-K buffers for {len(layer_ids)} C4 layers in [{start}, {end})")
+        what = "C4 layers" if ratio == C4 else f"ratio-{ratio} kv_source layers"
+        raise IndexKError(f"{len(buffers)} index-K buffers for {len(layer_ids)} {what} in [{start}, {end})")
     if not buffers:
         raise IndexKError("no index-K buffers")
     page_size = int(pool.page_size)
     slots = int(indexer.page_size)
-    if slots <= 0 or page_size % slots:
-        raise IndexKError(f"index page of {slots} slots does not tile a {page_size}-token page")
+    if ratio == C4:
+        if slots <= 0 or page_size % slots:
+            raise IndexKError(f"index page of {slots} slots does not tile a {page_size}-token page")
+        row_tokens, rows_per_page = page_size, 1
+    else:  # a low-ratio row is one index page of `slots` slots of `ratio` tokens each
+        row_tokens = slots * int(ratio)
+        if slots <= 0 or page_size % row_tokens:
+            raise IndexKError(f"ratio-{ratio} index pages of {slots} slots do not tile a {page_size}-token page")
+        rows_per_page = page_size // row_tokens
     return IndexKGeometry(
         buffers=buffers,
         layer_ids=layer_ids,
-        wire=wire_positions(buffers, kv_args) if kv_args is not None else None,
-        page_size=page_size,
+        wire=wire_positions(buffers, kv_args, rows_per_page) if kv_args is not None else None,
+        page_size=row_tokens,
         slots=slots,
         row_bytes=int(buffers[0].shape[1]),
         fp4=bool(getattr(indexer, "use_fp4_indexer", False)),
+        ratio=int(ratio),
+        rows_per_page=rows_per_page,
     )
+
+
+def pool_layer_ids(pool: Any, ratio: int) -> tuple[int, ...]:
+    """Global layer ids of the index pool of `ratio` in this PP stage, in buffer order: the
+    stage's layers of that ratio (4, 128), or its kv_source layers (1, 2: ``sources_by_ratio``)."""
+    ratios = list(pool.compression_ratios)
+    start = getattr(pool, "_stage_start", 0)
+    end = getattr(pool, "_stage_end", len(ratios))
+    if ratio in (1, 2):
+        sources = (getattr(pool, "sources_by_ratio", None) or {}).get(ratio, [])
+        return tuple(int(layer) for layer in sources if start <= layer < end)
+    return tuple(layer for layer in range(start, end) if ratios[layer] == ratio)
+
+
+def index_pools(pool: Any, layouts: Mapping[str, Any], kv_args: Any = None, wanted: str = "auto") -> list[IndexPool]:
+    """Every index pool of a DeepSeek-V4 pool, C4 first, then by ratio: each with its
+    geometry and row layout, or the reason it cannot be read.
+
+    `wanted` (the probe config's ``layout``) names the C4 pool's layout; the other
+    pools take the one layout that fits (``auto``). A pool whose buffers are not
+    among `kv_args`'s transfer entries keeps its geometry without wire positions
+    (digested anyway: a missing index-K transfer is a finding). Used by the PD sides
+    and by the HiCache paths (which digest host copies per pool)."""
+    found = dict(getattr(pool, "index_pools", None) or {})
+    if not found and getattr(pool, "c4_indexer_kv_pool", None) is not None:
+        found = {C4: pool.c4_indexer_kv_pool}
+    out = []
+    for ratio in sorted(found, key=lambda r: (r != C4, r)):
+        indexer = found[ratio]
+        if indexer is None:
+            continue
+        size = pool_bytes_per_page(pool, ratio, indexer)
+        try:
+            try:
+                geometry = pool_geometry(pool, ratio, indexer, kv_args)
+            except IndexKError:
+                if kv_args is None:
+                    raise
+                geometry = pool_geometry(pool, ratio, indexer)  # no wire: digested anyway
+            layout = choose_layout(geometry, wanted if ratio == C4 else "auto", layouts)
+        except IndexKError as exc:
+            out.append(IndexPool(ratio, None, None, str(exc), exc.code, size))
+            continue
+        except Exception as exc:  # an indexer of another shape: not readable, with the reason
+            out.append(IndexPool(ratio, None, None, f"{type(exc).__name__}: {exc}", "layout_unknown", size))
+            continue
+        out.append(IndexPool(ratio, geometry, layout, "", "", size))
+    return out
+
+
+def pool_bytes_per_page(pool: Any, ratio: int, indexer: Any) -> int:
+    """Index-K bytes one full page holds in this indexer pool (every layer), whatever its
+    layout: what the transfer moves per page, counted when the probe cannot read it."""
+    try:
+        rows = [buf[0].numel() * buf.element_size() for buf in indexer_row_buffers(indexer)] if getattr(
+            indexer, "index_k_with_scale_buffer", None) is not None else [
+            buf[0].numel() * buf.element_size() for buf in indexer.contiguous_page_row_buffers()]
+        per_row = sum(int(n) for n in rows)
+        if ratio == C4:
+            return per_row
+        slots = int(indexer.page_size)
+        return per_row * max(1, int(pool.page_size) // (slots * int(ratio)))
+    except Exception:
+        return 0
+
+
+def room_pool_pages(pages: Any, rows_per_page: int) -> Any:
+    """A room's full pages as the index pages of a pool with `rows_per_page` rows per
+    page (full page p: rows p*k .. p*k+k-1, in order), computed on the pages' device
+    with no host sync; the pages themselves when k is 1."""
+    k = int(rows_per_page)
+    if k == 1:
+        return pages
+    if hasattr(pages, "unsqueeze"):
+        import torch
+
+        offsets = torch.arange(k, device=pages.device, dtype=pages.dtype)
+        return (pages.unsqueeze(-1) * k + offsets).reshape(-1)
+    return [int(p) * k + j for p in pages for j in range(k)]
 
 
 def indexer_row_buffers(indexer: Any) -> list:
@@ -130,6 +273,12 @@ def row_layout_refusal(indexer: Any) -> str | None:
     """
     import sys
 
+    if getattr(indexer, "has_npu_storage", False):
+        # NPUDeepSeekV4IndexerPool: the packed rows stay allocated (the transfer registers
+        # them) but the model writes its own PA_ND int8/fp8 + scale buffers: the rows the
+        # probe would read hold zeros on both sides, a match that verifies nothing
+        return ("the NPU indexer keeps index-K in its own PA_ND buffers (index_k_buffer, index_scale_buffer); "
+                "the packed rows stay unwritten and no layout describes the NPU ones: not supported")
     if getattr(sys.modules.get(PRESHUFFLE_MODULE), "_use_aiter_preshuffle", False):
         return ("fp8 index-K is stored preshuffled in 16-slot tiles (ROCm, aiter_can_use_preshuffle_paged_mqa); "
                 "no layout describes it: not supported")
@@ -138,8 +287,9 @@ def row_layout_refusal(indexer: Any) -> str | None:
     return None
 
 
-def wire_positions(buffers: Sequence[Any], kv_args: Any) -> tuple[int, ...]:
-    """Position of each buffer among the transferred KV entries, matched by data_ptr."""
+def wire_positions(buffers: Sequence[Any], kv_args: Any, rows_per_item: int = 1) -> tuple[int, ...]:
+    """Position of each buffer among the transferred KV entries, matched by data_ptr
+    (each item is `rows_per_item` rows: a full page of a low-ratio pool)."""
     ptrs = [int(p) for p in kv_args.kv_data_ptrs]
     lens = [int(n) for n in kv_args.kv_item_lens]
     positions = []
@@ -148,9 +298,10 @@ def wire_positions(buffers: Sequence[Any], kv_args: Any) -> tuple[int, ...]:
             w = ptrs.index(buf.data_ptr())
         except ValueError:
             raise IndexKError("an index-K buffer is not among the PD transfer buffers (kv_data_ptrs)") from None
-        row = buf[0].numel() * buf.element_size()
+        row = buf[0].numel() * buf.element_size() * int(rows_per_item)
         if lens[w] != row:
-            raise IndexKError(f"transfer item length {lens[w]} B at wire entry {w} is not one index-K row ({row} B)")
+            what = "one index-K row" if rows_per_item == 1 else f"{rows_per_item} index-K rows"
+            raise IndexKError(f"transfer item length {lens[w]} B at wire entry {w} is not {what} ({row} B)")
         positions.append(w)
     return tuple(positions)
 

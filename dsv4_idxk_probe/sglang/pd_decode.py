@@ -15,13 +15,16 @@ Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
   every room it preallocated; journalled without the before-transfer digest;
 * ``DecodeTransferQueue._commit_transfer_to_req`` (around): read the in-band
   digest and the prefill's exchange endpoint from the metadata row before
-  SGLang clears it, then, unless the commit aborted the request, enqueue the
-  ``decode_recv`` digest on the current stream (every decode forward waits on
-  that stream, so it runs before the first one);
+  SGLang clears it (or rebuild the endpoint: `prefill_endpoint`; one per
+  stage for a PP prefill, whose digests decode combines), then, unless the
+  commit aborted the request, enqueue the ``decode_recv`` digest on the
+  current stream (every decode forward waits on that stream, so it runs
+  before the first one);
 * ``SchedulerDisaggregationDecodeMixin._verify_kv_checksums`` (around,
   enforce only; 0.5.21 on): judge each room's receipt digest against
   prefill's (`mismatch_flags`) and drop the mismatching ones on every
-  attention-TP rank alike (sglang/enforce.py);
+  attention-TP rank alike (sglang/enforce.py); a room whose prefill digest
+  is still being fetched (off this thread) is held for a later batch;
 * ``SchedulerBatchResultProcessor.process_batch_result_decode`` (after, once
   per batch): ``decode_finish`` for rooms that finished in the batch
   (enqueued before any later batch can reuse their pages) and, every
@@ -43,7 +46,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..exchange.endpoint import unpack_endpoint
+from ..exchange.endpoint import rebuild_endpoint
+from ..exchange.prefetch import prefetch, prefetched
+from ..exchange.stages import StageEndpoints, describe_endpoint
+from ..pd.inband import port_from_slots
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from . import enforce
@@ -67,6 +73,10 @@ def decode_side(runtime: Any, scheduler: Any = None):
             runtime.not_applicable("decode.side", "the scheduler has no decode prealloc queue with a KV manager")
             return None
         side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+        if runtime.config.enforce and getattr(side, "active", False) and not hasattr(side, "enforce_agreement"):
+            # built here, the agreement never ran: enforce only where there is no one to agree with
+            side.enforce_agreed = enforce.single_rank(getattr(scheduler, "attn_tp_cpu_group", None))
+            side.enforce_agreement = "not run (side built after the KV manager's init)"
     return side if side is not None and side.active else None
 
 
@@ -76,6 +86,7 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
         scheduler = getattr(queue, "scheduler", None)
         agreed, why = enforce.agree_on_enforce(getattr(scheduler, "attn_tp_cpu_group", None))
         side.enforce_agreed = agreed
+        side.enforce_agreement = why or "agreed"
         if not agreed:
             runtime.log.error("dsv4-idxk-probe: enforce is off on this rank, decode observes only: %s", why)
 
@@ -108,7 +119,7 @@ def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
         req = decode_req.req
         if getattr(decode_req, ATTR_DEST, None) is not None:
             continue
-        index, start, end = req_pool_idx(req), cache_protected_len(req), origin_len(req)
+        index, start, end = req_pool_idx(req), cache_protected_len(req), published_len(queue, req)
         if index is None or end <= start:
             setattr(decode_req, ATTR_DEST, "nothing to receive")
             continue
@@ -120,6 +131,60 @@ def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
             runtime.sides["decode"].monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens, snapshot=False)
 
 
+def published_len(queue: Any, req: Any) -> int:
+    """Where the pages `pop_preallocated` published end: SGLang's own
+    `_rebootstrap_prefill_len` (0.5.18-0.5.20: prompt + outputs for a room being
+    rebootstrapped after a retraction, which prefill sends again whole; else the
+    prompt), or the prompt where the queue has no such method."""
+    measure = getattr(queue, "_rebootstrap_prefill_len", None)
+    if measure is not None:
+        try:
+            return int(measure(req))
+        except Exception:
+            pass
+    return origin_len(req)
+
+
+#: The low-cardinality coverage reason of an inactive side's code (InactiveSide.code).
+_INACTIVE_COVERAGE_REASON = {"layout_unknown": "layout_unknown", "build_failed": "probe_error"}
+_said_metadata_on_device = False
+
+
+def count_inactive_room(runtime: Any, decode_req: Any) -> None:
+    """A room lands on a decode side that cannot read its pool: its index-K bytes moved
+    unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4)."""
+    side = runtime.sides.get("decode")
+    req = getattr(decode_req, "req", None)
+    per_page = getattr(side, "bytes_per_page", 0)
+    if side is None or side.active or not per_page or req is None or runtime.metrics is None:
+        return
+    n_tokens = origin_len(req) - cache_protected_len(req)
+    pages = -(-max(0, n_tokens) // max(1, int(getattr(side, "page_tokens", 256))))
+    reason = _INACTIVE_COVERAGE_REASON.get(getattr(side, "code", ""), "other")
+    runtime.metrics.count_coverage("pd", "unverified", reason, pages * per_page)
+
+
+def metadata_on_device(transfer_queue: Any) -> bool:
+    """Whether SGLang keeps the metadata rows on a device (NPU; CUDA with Mooncake's
+    intra-node NVLink pool): the probe does not read them there (that would sync)."""
+    rows = getattr(getattr(transfer_queue, "metadata_buffers", None), "bootstrap_room", None)
+    device = getattr(rows, "device", None)
+    return device is not None and getattr(device, "type", "cpu") != "cpu"
+
+
+def say_metadata_on_device(runtime: Any) -> None:
+    """No in-band digest and no endpoint to ask (both live in a metadata row on a device):
+    the room's record carries ``unverified_reason: metadata_on_device``, which its
+    coverage count takes as the reason (pd/decode.py); said once in the log."""
+    global _said_metadata_on_device
+    if not _said_metadata_on_device:
+        _said_metadata_on_device = True
+        runtime.log.warning(
+            "dsv4-idxk-probe: decode's metadata rows live on a device (NPU, or Mooncake's NVLink pool); "
+            "the probe does not read them (that would synchronise the serving thread), so rooms without "
+            "another way to reach prefill's digests are unverified (coverage reason metadata_on_device)")
+
+
 def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], int | None, str | None]:
     """What the commit clears: the probe's digest and endpoint slots of the metadata
     row (as `slot_plan` places them), and the sending rank's address."""
@@ -127,12 +192,47 @@ def before_commit(transfer_queue: Any, decode_req: Any) -> tuple[list[int], int 
     plan = row_slot_plan(row) if row is not None else None
     digest = [int(v) for v in row[plan.digest]] if plan is not None and plan.digest is not None else []
     endpoint = int(row[plan.endpoint]) if plan is not None and plan.endpoint is not None else None
-    return digest, endpoint, prefill_peer_host(decode_req)
+    return digest, endpoint, prefill_peer_host(decode_req), prefill_stages(decode_req)
+
+
+def prefill_stages(decode_req: Any) -> tuple[tuple[str, int, int], ...]:
+    """(rank_ip, rank_port, pp_rank) of each prefill PP stage that sends this room (the
+    non-dummy bootstrap infos, one per stage, in stage order): one entry without PP."""
+    receiver = getattr(decode_req, "kv_receiver", None)
+    stages: dict[int, tuple[str, int, int]] = {}
+    for info in getattr(receiver, "bootstrap_infos", None) or []:
+        if not isinstance(info, dict) or info.get("is_dummy", False) or not info.get("rank_ip"):
+            continue
+        stage = int(info.get("pp_rank", 0) or 0)
+        stages.setdefault(stage, (str(info["rank_ip"]), int(info.get("rank_port", 0) or 0), stage))
+    return tuple(stages[k] for k in sorted(stages))
+
+
+def prefill_endpoint(runtime: Any, side: Any, seen: tuple) -> tuple[Any, bool]:
+    """(where to ask for the room's vectors, whether its in-band digest describes the whole room).
+
+    One stage: the endpoint slot, else the port in the digest's header, else the
+    ``port_offset`` rule, at the rank's bootstrap address (exchange/endpoint.py).
+    Several PP stages: each wrote its own layers' digest into the same row, so
+    the row's digest is one stage's; every stage's endpoint comes from the rule
+    and decode combines their digests (exchange/stages.py); None without the rule."""
+    digest_slots, endpoint_slot, peer_host = seen[:3]
+    stages = seen[3] if len(seen) > 3 else ()
+    offset = getattr(runtime.config.exchange, "port_offset", 0)
+    if len(stages) > 1:
+        endpoints = [rebuild_endpoint(None, None, ip, port, offset) for ip, port, _stage in stages]
+        if any(e is None for e in endpoints):
+            return None, False
+        return StageEndpoints(endpoints, side.layout), False
+    rank_port = stages[0][1] if stages else None
+    return rebuild_endpoint(endpoint_slot, port_from_slots(digest_slots), peer_host, rank_port, offset), True
 
 
 def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], int | None, str | None]) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     req = decode_req.req
+    if side is None:
+        count_inactive_room(runtime, decode_req)
     if side is None or room_of(req) is None:
         return
     room = RoomId(room_of(req))
@@ -140,21 +240,35 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     dest = getattr(decode_req, ATTR_DEST, None)
     if reason is None and (dest is None or isinstance(dest, str)):
         reason = dest or "destination pages were not recorded"
-    if reason is not None:
-        side.monitor.room_skipped(room, reason, extra={"rid": rid_of(req)})
+    if reason is not None:  # n_tokens: what the room moved, for its coverage bytes (docs/coverage.md)
+        side.monitor.room_skipped(room, reason, extra={"rid": rid_of(req)},
+                                  n_tokens=_received_tokens(req))
         return
-    digest_slots, endpoint_slot, peer_host = seen
-    inband = InbandDigest.from_slots(digest_slots) if digest_slots else None
-    endpoint = unpack_endpoint(endpoint_slot) if endpoint_slot is not None else None
-    if endpoint is not None:  # the address the server bound, else the rank SGLang bootstrapped with
-        host = endpoint[0] or peer_host
-        endpoint = (host, endpoint[1]) if host else None
+    digest_slots = seen[0]
+    endpoint, whole_room = prefill_endpoint(runtime, side, seen)
+    inband = InbandDigest.from_slots(digest_slots) if digest_slots and whole_room else None
     side.remember_peer(room.key, endpoint)
-    extra = {"rid": rid_of(req), **({"prefill_endpoint": f"{endpoint[0]}:{endpoint[1]}"} if endpoint else {})}
+    extra = {"rid": rid_of(req), **({"prefill_endpoint": describe_endpoint(endpoint)} if endpoint else {})}
+    if not whole_room and endpoint is None:
+        extra["unverified_reason"] = "pp_stage"  # PP prefill without the port_offset rule (docs/pd.md)
+    if runtime.config.enforce and inband is None and endpoint is not None:
+        prefetch(side, room.key)  # enforce judges it later from this, never with a fetch on this thread
+    if (inband is None and endpoint is None and getattr(side, "peer_override", None) is None
+            and metadata_on_device(transfer_queue)):
+        extra["unverified_reason"] = "metadata_on_device"
+        say_metadata_on_device(runtime)
     pending = side.monitor.room_received(room, dest.pages, dest.n_tokens, inband, extra)
     setattr(req, ATTR_ROOM, room)
     setattr(req, ATTR_STEPS, 0)
     setattr(req, ATTR_RECV, (pending, inband, dest.n_tokens))
+
+
+def _received_tokens(req: Any) -> int | None:
+    """Tokens a room receives (its prompt past decode's prefix); None where unreadable."""
+    try:
+        return max(0, origin_len(req) - cache_protected_len(req))
+    except Exception:
+        return None
 
 
 def on_decode_batch(runtime: Any, batch: Any) -> None:
@@ -238,49 +352,62 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
     records = getattr(manager, "failure_records", None)
     why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
     reason = f"transfer failed: {why}" if why else "transfer failed"
-    side.monitor.room_skipped(RoomId(room), reason, extra={"rid": rid_of(req)})
+    side.monitor.room_skipped(RoomId(room), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
 
 
 # %% enforce: what this rank judges (sglang/enforce.py makes the ranks act alike)
 
 
 def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
-    """1 for each request whose receipt digest differs from prefill's (`expected_room_digest`):
-    enforce's judge, passed to `enforce.enforce_batch`.
+    """A verdict for each request (sglang/enforce.py): DROP where its receipt digest differs
+    from prefill's (`expected_room_digest`), HOLD while prefill's digest is still being
+    fetched off this thread, KEEP otherwise: enforce's judge, passed to `enforce.enforce_batch`.
 
-    Waits for digests still in flight: the one host sync enforce mode costs.
-    Rooms without a comparable prefill digest are kept (not judged here).
+    Waits for decode's own digests still in flight: the one host sync enforce mode
+    costs. Never waits on the exchange. Rooms without a comparable prefill digest are
+    kept (not judged here).
     """
     side = decode_side(runtime)
-    flags = [0] * len(reqs)
+    flags = [enforce.KEEP] * len(reqs)
     if side is None:
         return flags
     for i, req in enumerate(reqs):
         received = getattr(req, ATTR_RECV, None)
         if received is None:
             continue
-        setattr(req, ATTR_RECV, None)  # judged once, as upstream does (a retraction rewrites the tail)
         pending, inband, n_tokens = received
         expected = expected_room_digest(side, getattr(req, ATTR_ROOM, None), inband)
+        if expected is HOLD_FOR_FETCH:
+            flags[i] = enforce.HOLD  # judged at a later batch, once the fetch has ended
+            continue
+        setattr(req, ATTR_RECV, None)  # judged once, as upstream does (a retraction rewrites the tail)
         if pending is None or expected is None or expected[1] != side.signature or expected[2] != n_tokens:
             continue
         if pending.wait():  # else the digest failed (counted): the request is kept, not judged
-            flags[i] = int(int(pending.room_digests[0]) != expected[0])
+            flags[i] = enforce.DROP if int(pending.room_digests[0]) != expected[0] else enforce.KEEP
     return flags
 
 
-def expected_room_digest(side: Any, room: Any, inband: Any) -> tuple[int, int, int] | None:
-    """(room digest, signature, tokens) of prefill: in band, or else from its exchange.
+#: `expected_room_digest`'s answer while the exchange fetch is still in flight.
+HOLD_FOR_FETCH = ("hold",)
+
+
+def expected_room_digest(side: Any, room: Any, inband: Any) -> Any:
+    """(room digest, signature, tokens) of prefill: in band, or else from its exchange;
+    None where there is none; `HOLD_FOR_FETCH` while the fetch is under way.
 
     Prefill leaves the slots empty where its transport does not block before
-    the aux data leaves (Mooncake): it never waits on its scheduler thread, so
-    enforce asks the exchange here, on decode, where enforce already waits.
+    the aux data leaves (Mooncake), and PP stages each send only a part: the
+    digest then comes from the exchange, fetched on a worker thread from the
+    moment the room landed (exchange/prefetch.py); this thread only looks.
     """
     if inband is not None:
         return inband.room_digest, inband.signature, inband.n_tokens
     if room is None or getattr(side, "client", None) is None:
         return None
-    digest = side.fetch(room.key)
+    done, digest = prefetched(side, room.key)
+    if not done:
+        return HOLD_FOR_FETCH
     return None if digest is None else (int(digest.room), int(digest.signature), int(digest.n_tokens))
 
 
@@ -432,7 +559,7 @@ def make_verify_checksums_wrapper(runtime):
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if runtime.enabled and runtime.config.enforce:
+        if runtime.config.enforce:  # a rank that agreed joins every all-reduce, switched off since or not
             enforce.enforce_batch(runtime, instance, _pick(*args, **kwargs), mismatch_flags)
         return result
 

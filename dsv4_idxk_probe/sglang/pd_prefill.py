@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..pd import InbandDigest, RoomId
+from ..pd.inband import endpoint_only_slots
 from ..safety import safe_invoke
 from .accessors import (
     ATTR_INBAND, ATTR_SENT, metadata_row, prefill_attempt, prefill_skip_reason, rid_of, room_of,
@@ -42,18 +43,19 @@ from .sides import build_side
 class InbandWrite:
     """A room digest on its way into the metadata row."""
 
-    __slots__ = ("pending", "row", "signature", "n_tokens")
+    __slots__ = ("pending", "row", "signature", "n_tokens", "port")
 
-    def __init__(self, pending: Any, row: np.ndarray, signature: int, n_tokens: int):
+    def __init__(self, pending: Any, row: np.ndarray, signature: int, n_tokens: int, port: int = 0):
         self.pending = pending
         self.row = row
         self.signature = signature
         self.n_tokens = n_tokens
+        self.port = port  # the exchange's port, carried in the digest's header (pd/inband.py)
 
     def commit(self) -> None:
         """Copy the (ready) room digest into the plan's digest slots (1-4 on 0.5.18-0.5.23)."""
         value = InbandDigest(int(self.pending.room_digests[0]), self.signature, self.n_tokens)
-        self.row[row_slot_plan(self.row).digest] = np.array(value.to_slots(), dtype=np.uint64)
+        self.row[row_slot_plan(self.row).digest] = np.array(value.to_slots(self.port), dtype=np.uint64)
 
 
 def prefill_side(runtime: Any, scheduler: Any):
@@ -66,13 +68,15 @@ def prefill_side(runtime: Any, scheduler: Any):
             runtime.not_applicable("prefill.side", "the scheduler has no prefill bootstrap queue with a KV manager")
             return None
         side = build_side(runtime, "prefill", scheduler.token_to_kv_pool_allocator, manager.kv_args,
-                          host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None))
+                          host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None),
+                          rank_port=getattr(manager, "rank_port", None))
     return side if side.active else None
 
 
 def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
     build_side(runtime, "prefill", queue.token_to_kv_pool, manager.kv_args,
-               host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None))
+               host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None),
+               rank_port=getattr(manager, "rank_port", None))  # the port_offset rule (exchange/endpoint.py)
 
 
 def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -> None:
@@ -102,12 +106,21 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
         row[plan.endpoint] = side.endpoint_slot
     if plan.digest is None:
         return  # SGLang uses the slots a digest would need: the exchange alone carries it
-    write = InbandWrite(pending, row, side.signature, pages.n_tokens)
+    port = exchange_port_of(side)
+    if port:  # the port travels even if the digest never does (not ready when the aux data leaves)
+        row[plan.digest] = np.array(endpoint_only_slots(port), dtype=np.uint64)
+    write = InbandWrite(pending, row, side.signature, pages.n_tokens, port)
     sender = getattr(req, "disagg_kv_sender", None)
     if pending.ready():  # host buffers: digested at submit
         write.commit()
     elif sender is not None:
         setattr(sender, ATTR_INBAND, write)
+
+
+def exchange_port_of(side: Any) -> int:
+    """The port this rank's exchange serves on (0: none)."""
+    server = getattr(side, "server", None)
+    return int(getattr(server, "port", 0) or 0) if server is not None else 0
 
 
 def on_sender_send(runtime: Any, sender: Any, write: InbandWrite, kv_indices: Any) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import Any
 
 from ..digest.layout import load_layouts, shipped_layouts
@@ -30,6 +31,10 @@ from ..pd.assembly import DecodeAssembly, PrefillAssembly, exchange_bind, exchan
 from ..pd.records import set_cluster
 from ..safety import record_error
 from .index_k import IndexKError, IndexKGeometry, choose_layout, dsv4_pool, index_k_geometry, wire_positions
+from .index_k import index_pools as list_index_pools
+from .pool_sides import (
+    DecodeFanOut, PoolRoutedRooms, PrefillFanOut, build_pool_sides, fetch_pool_digest, unread_bytes_per_page,
+)
 
 log = logging.getLogger("dsv4_idxk_probe")
 
@@ -41,10 +46,14 @@ class InactiveSide:
 
     active = False
 
-    def __init__(self, role: str, reason: str, *, failed: bool = False):
+    def __init__(self, role: str, reason: str, *, failed: bool = False, code: str = "layout_unknown",
+                 bytes_per_page: int = 0, page_tokens: int = 256):
         self.role = role
         self.reason = reason
         self.failed = failed  # the build raised (not a pool the probe does not apply to)
+        self.code = "build_failed" if failed else code  # the status metric's reason (STATES["inactive"])
+        self.bytes_per_page = bytes_per_page  # index-K bytes per full page of the pool it cannot read
+        self.page_tokens = page_tokens
 
 
 def _close_partial(side: Any) -> None:
@@ -64,33 +73,58 @@ class PrefillSide(PrefillAssembly):
     """The prefill assembly over SGLang's pool; the exchange binds where SGLang's KV manager
     is reached (``bind: auto``), on ``port_base`` + the scheduler's GPU id."""
 
-    def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any, *, host: str | None, gpu_id: int | None):
+    def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any, *, host: str | None, gpu_id: int | None,
+                 pools: tuple = (), rank_port: int | None = None):
         config = runtime.config
+        self.pool_sides = []  # further index pools (V4.1): pool_sides.py
         try:
             super().__init__(layout, geometry.layer_ids, geometry.buffers, config, runtime.emit, runtime.metrics,
-                             bind=exchange_bind(config.exchange, host), port=exchange_port(config.exchange, gpu_id))
+                             bind=exchange_bind(config.exchange, host), port=exchange_port(config.exchange, gpu_id, rank_port))
+            self.pool_sides = build_pool_sides("prefill", pools, config, runtime.emit, runtime.metrics)
         except BaseException:
             _close_partial(self)
             raise
+        if self.pool_sides:
+            main = self.monitor
+            main.recent = PoolRoutedRooms(main.recent, {p.ratio: p.monitor.recent for p in self.pool_sides})
+            self.monitor = PrefillFanOut(main, self.pool_sides)
+        self.pools = tuple(pools)
         self.runtime = runtime
         self.geometry = geometry
         self.inband_deferred = 0  # digests not ready when the aux data left (no blocking copy on that path)
+
+    def close(self) -> None:
+        super().close()
+        for pool in self.pool_sides:
+            pool.close()
 
 
 class DecodeSide(DecodeAssembly):
     """The decode assembly over SGLang's pool, with the hooks' per-process state."""
 
-    def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any):
+    def __init__(self, runtime: Any, geometry: IndexKGeometry, layout: Any, pools: tuple = ()):
+        self.pool_sides = []  # further index pools (V4.1): pool_sides.py
         try:
             super().__init__(layout, geometry.layer_ids, geometry.buffers, runtime.config, runtime.emit,
                              runtime.metrics, journal=getattr(runtime, "journal", None))
+            fetch = partial(fetch_pool_digest, self) if self.client is not None else None
+            self.pool_sides = build_pool_sides("decode", pools, runtime.config, runtime.emit, runtime.metrics, fetch)
         except BaseException:
             _close_partial(self)
             raise
+        unread = unread_bytes_per_page(pools)
+        if self.pool_sides or unread:
+            self.monitor = DecodeFanOut(self.monitor, self.pool_sides, runtime.metrics, unread, int(geometry.page_size))
+        self.pools = tuple(pools)
         self.runtime = runtime
         self.geometry = geometry
         self.batches = 0  # decode batches seen: `decode_step` runs every step_interval of them
         self.enforce_agreed = True  # enforce: every attention-TP rank runs an active probe (sglang.enforce)
+
+    def close(self) -> None:
+        super().close()
+        for pool in self.pool_sides:
+            pool.close()
 
 
 def _layouts(config: Any) -> dict:
@@ -101,7 +135,7 @@ def _layouts(config: Any) -> dict:
 
 
 def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host: str | None = None,
-               gpu_id: int | None = None) -> Any:
+               gpu_id: int | None = None, rank_port: int | None = None) -> Any:
     """Build and attach `role`'s side once; later calls return the same object, a failed
     build's `InactiveSide` too (one attempt per process: see the module's docstring)."""
     with _build_lock:
@@ -110,42 +144,62 @@ def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host:
             return existing
         set_cluster(getattr(runtime.config.roomlog, "cluster", ""))  # before the side's first record
         try:
-            side = _make(runtime, role, pool, kv_args, host, gpu_id)
+            side = _make(runtime, role, pool, kv_args, host, gpu_id, rank_port)
         except Exception as exc:
             record_error(f"{role}.build")  # counted; logged with its traceback the first time
             reason = f"the {role} side failed to build: {type(exc).__name__}: {exc}"
             log.error("dsv4-idxk-probe: %s; its hooks call straight through from now on (not retried)", reason)
             side = InactiveSide(role, reason, failed=True)
         runtime.attach(role, side)
+        if not side.active:
+            _publish_inactive(runtime, side)
         patcher = getattr(runtime, "patcher", None)
         if patcher is not None:
             patcher.verify()
         return side
 
 
-def _make(runtime, role, pool, kv_args, host, gpu_id):
+def _publish_inactive(runtime: Any, side: Any) -> None:
+    """The status metric says `inactive` with the reason: a side that verifies nothing
+    must not read as on/running."""
+    try:
+        metrics = runtime.metrics
+        if metrics is not None:
+            metrics.info.set("inactive", side.code, runtime.mode)
+    except Exception:
+        log.debug("dsv4-idxk-probe: the inactive state could not be published", exc_info=True)
+
+
+def _make(runtime, role, pool, kv_args, host, gpu_id, rank_port=None):
+    pools: list = []
     try:
         pool = dsv4_pool(pool)
         if pool is None:
-            raise IndexKError("the KV pool is not a DeepSeek-V4 pool")
+            raise IndexKError("the KV pool is not a DeepSeek-V4 pool", code="not_dsv4")
+        layouts = _layouts(runtime.config)
+        pools = list_index_pools(pool, layouts, kv_args, runtime.config.layout)
         geometry = index_k_geometry(pool)
         if kv_args is not None:
             try:
                 geometry = _with_wire(geometry, kv_args)
             except IndexKError as exc:  # digest anyway: a missing index-K transfer is a finding
                 log.warning("dsv4-idxk-probe (%s): %s", role, exc)
-        layout = choose_layout(geometry, runtime.config.layout, _layouts(runtime.config))
+        layout = choose_layout(geometry, runtime.config.layout, layouts)
     except Exception as exc:
         reason = str(exc) if isinstance(exc, IndexKError) else f"{type(exc).__name__}: {exc}"
         log.warning("dsv4-idxk-probe: %s side inactive: %s", role, reason)
-        return InactiveSide(role, reason)
+        code = exc.code if isinstance(exc, IndexKError) else "layout_unknown"
+        return InactiveSide(role, reason, code=code, bytes_per_page=sum(p.bytes_per_page for p in pools),
+                            page_tokens=int(getattr(pool, "page_size", 256) or 256))
     log.info(
         "dsv4-idxk-probe %s side: %d C4 layers %s, layout %s (%d B rows), mode %s",
         role, len(geometry.layer_ids), list(geometry.layer_ids), layout.name, layout.row_bytes, runtime.mode,
     )
+    for extra in pools[1:]:  # V4.1's low-ratio pools: read, or why not (their bytes are counted unverified)
+        (log.info if extra.readable else log.warning)("dsv4-idxk-probe %s side: %s", role, extra.describe())
     if role == "prefill":
-        return PrefillSide(runtime, geometry, layout, host=host, gpu_id=gpu_id)
-    return DecodeSide(runtime, geometry, layout)
+        return PrefillSide(runtime, geometry, layout, host=host, gpu_id=gpu_id, pools=tuple(pools), rank_port=rank_port)
+    return DecodeSide(runtime, geometry, layout, pools=tuple(pools))
 
 
 def _with_wire(geometry: IndexKGeometry, kv_args: Any) -> IndexKGeometry:

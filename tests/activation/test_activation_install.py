@@ -87,7 +87,7 @@ def test_invalid_config_keeps_the_probe_off_and_names_the_field(table, tmp_path,
     bad.write_text("exchange:\n  timeout_ms: soon\n")
     with caplog.at_level(logging.ERROR, logger="dsv4_idxk_probe"):
         assert install(env_for(table, DSV4_IDXK_PROBE_CONFIG=str(bad))) is False
-    assert f"{bad}: exchange.timeout_ms must be an integer >= 1, got 'soon'" in caplog.text
+    assert f"{bad}:2: exchange.timeout_ms must be an integer >= 1, got 'soon'" in caplog.text
     assert "stays off (serving continues)" in caplog.text
     assert host.Engine().step(1) == 2 and host.calls == []
 

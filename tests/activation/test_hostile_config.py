@@ -13,10 +13,10 @@ import resource
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import wrapt
 from prometheus_client import CollectorRegistry
@@ -83,6 +83,15 @@ def run_check(monkeypatch, capsys, environment, *targets):
     return rc, capsys.readouterr()
 
 
+def squeezed(text: str) -> str:
+    """`text` without whitespace: `check` wraps its lines at 100 columns, paths included."""
+    return "".join(text.split())
+
+
+def shows(message: str, output: str) -> bool:
+    return squeezed(message) in squeezed(output)
+
+
 # %% 1. YAML: alias bombs, duplicate keys, bounded documents
 
 
@@ -112,7 +121,7 @@ def test_an_alias_bomb_makes_check_exit_2_quickly(tmp_path, monkeypatch, capsys)
     path = write(tmp_path, f"targets: {alias_bomb()}\n")
     with bounded(5.0):  # `check` imports the CLI's modules on its first run
         rc, out = run_check(monkeypatch, capsys, env(path))
-    assert rc == 2 and "anchors and aliases are not accepted" in out.err and len(out.err) < 400
+    assert rc == 2 and shows("anchors and aliases are not accepted", out.err) and len(out.err) < 400
 
 
 def test_an_alias_bomb_in_a_target_table_is_refused_at_once(tmp_path, monkeypatch, capsys):
@@ -124,7 +133,7 @@ def test_an_alias_bomb_in_a_target_table_is_refused_at_once(tmp_path, monkeypatc
     table = write(tmp_path, text, "bomb.yaml")
     with bounded(5.0):
         rc, out = run_check(monkeypatch, capsys, env(), str(table))
-    assert rc == 2 and f"{table}:3: YAML anchors and aliases" in out.err
+    assert rc == 2 and shows(f"{table}:3: YAML anchors and aliases", out.err)
 
 
 @pytest.mark.parametrize("text, line, key, first", [
@@ -193,7 +202,7 @@ def _numeric_fields():
 
     out = [(None, "step_interval")]
     for section, cls in _SECTION_TYPES.items():
-        for f in fields(cls):
+        for f in msgspec.structs.fields(cls):
             default = f.default
             if f.name == "port" or (isinstance(default, (int, float)) and not isinstance(default, bool)):
                 out.append((section, f.name))
@@ -221,7 +230,7 @@ def test_every_numeric_field_refuses_values_past_its_range(section, key, value):
 def test_every_numeric_field_states_its_range_in_the_docs(section, key):
     name = key if section is None else f"{section}.{key}"
     rows = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| `{name}` |")]
-    assert len(rows) == 1 and re.search(r"Range [\[(]?\d", rows[0]), rows
+    assert len(rows) == 1 and re.search(r"Range [\[(]?-?\d", rows[0]), rows
 
 
 @pytest.mark.parametrize("text, message", [
@@ -236,7 +245,7 @@ def test_huge_numbers_in_the_file_make_check_exit_2_not_3(tmp_path, monkeypatch,
     path = write(tmp_path, text)
     rc, out = run_check(monkeypatch, capsys, env(path))
     assert rc == 2, out.err
-    assert message in out.err and "internal error" not in out.err and len(out.err) < 400
+    assert shows(message, out.err) and "internal error" not in out.err and len(out.err) < 400
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -285,8 +294,8 @@ def test_a_secret_others_may_read_is_accepted_with_a_warning(tmp_path, caplog, m
     assert f"{path}: the exchange secret is readable by users other than its owner (mode 0644)" in caplog.text
     rc, out = run_check(monkeypatch, capsys, env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(path)))
     assert rc == 0, out.err
-    assert f"warning: exchange.secret_file: {path}: the exchange secret is readable by users other than its owner " \
-           "(mode 0644); chmod 600 it" in out.out
+    assert shows(f"warning: exchange.secret_file: {path}: the exchange secret is readable by users other than its "
+                 "owner (mode 0644); chmod 600 it", out.out)
 
 
 def test_a_secret_only_its_owner_may_read_gives_no_warning(tmp_path, caplog, monkeypatch, capsys):
@@ -295,7 +304,7 @@ def test_a_secret_only_its_owner_may_read_gives_no_warning(tmp_path, caplog, mon
         load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(path)))
     assert "exchange secret" not in caplog.text
     rc, out = run_check(monkeypatch, capsys, env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(path)))
-    assert rc == 0 and "warning:" not in out.out
+    assert rc == 0 and "exchange secret" not in out.out  # (a relative room-log dir has its own warning)
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o602])
@@ -330,7 +339,7 @@ def test_a_hook_outside_the_probe_is_refused_at_load_naming_file_and_line(hook):
 def test_check_exits_2_for_a_table_naming_sys_exit(tmp_path, monkeypatch, capsys):
     table = write(tmp_path, ENTRY.format(hook="sys:exit"), "evil.yaml")
     rc, out = run_check(monkeypatch, capsys, env(), str(table))
-    assert rc == 2 and f"{table}:2: targets[0] (evil).hook: 'sys:exit' is not one of" in out.err
+    assert rc == 2 and shows(f"{table}:2: targets[0] (evil).hook: 'sys:exit' is not one of", out.err)
 
 
 def test_a_hook_of_the_probe_is_accepted():

@@ -63,18 +63,18 @@ def test_mode_from_variable_and_file(tmp_path, variable, file_mode, expected):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("colour: red\n", "probe.yaml: unknown key(s) ['colour']"),
-    ("mode: loud\n", "probe.yaml: mode must be one of ['observe', 'enforce'], got 'loud'"),
-    ("step_interval: -1\n", "probe.yaml: step_interval must be an integer >= 0, got -1"),
-    ("exchange: {timeout_ms: fast}\n", "probe.yaml: exchange.timeout_ms must be an integer >= 1, got 'fast'"),
-    ("exchange: {port_base: 70000}\n", "probe.yaml: exchange.port_base must be a port number (0-65535), got 70000"),
-    ("exchange: {bind_to: x}\n", "probe.yaml: exchange has unknown key(s) ['bind_to']"),
-    ("roomlog: {gzip: maybe}\n", "probe.yaml: roomlog.gzip must be true or false, got 'maybe'"),
-    ("roomlog: 5\n", "probe.yaml: roomlog must be a mapping, got int"),
-    ("digest: {collector_wait: spin}\n", "probe.yaml: digest.collector_wait must be one of ['block', 'poll'], got 'spin'"),
-    ("targets: []\n", "probe.yaml: targets must be a non-empty list"),
-    ("hicache: {guard: shout}\n", "probe.yaml: hicache.guard must be one of"),
-    ("hicache: [1]\n", "probe.yaml: hicache must be a mapping, got list"),
+    ("colour: red\n", "probe.yaml:1: unknown key(s) ['colour']"),
+    ("mode: loud\n", "probe.yaml:1: mode must be one of ['observe', 'enforce'], got 'loud'"),
+    ("step_interval: -1\n", "probe.yaml:1: step_interval must be an integer >= 0, got -1"),
+    ("exchange: {timeout_ms: fast}\n", "probe.yaml:1: exchange.timeout_ms must be an integer >= 1, got 'fast'"),
+    ("exchange: {port_base: 70000}\n", "probe.yaml:1: exchange.port_base must be a port number (0-65535), got 70000"),
+    ("exchange: {bind_to: x}\n", "probe.yaml:1: exchange has unknown key(s) ['bind_to']"),
+    ("roomlog: {gzip: maybe}\n", "probe.yaml:1: roomlog.gzip must be true or false, got 'maybe'"),
+    ("roomlog: 5\n", "probe.yaml:1: roomlog must be a mapping, got int"),
+    ("digest: {collector_wait: spin}\n", "probe.yaml:1: digest.collector_wait must be one of ['block', 'poll'], got 'spin'"),
+    ("targets: []\n", "probe.yaml:1: targets must be a non-empty list"),
+    ("hicache: {guard: shout}\n", "probe.yaml:1: hicache.guard must be one of"),
+    ("hicache: [1]\n", "probe.yaml:1: hicache must be a mapping, got list"),
     ("layouts: missing.yaml\n", "probe.yaml: layouts: "),
     ("- just\n- a list\n", "probe.yaml: the top level must be a mapping of keys, got list"),
     ("mode: [unclosed\n", "probe.yaml: not valid YAML"),
@@ -125,10 +125,10 @@ def test_example_config_is_valid_and_shows_the_defaults():
 
 def test_the_example_config_names_every_key_a_config_accepts():
     """An operator copies the example: a key it leaves out is a key nobody finds."""
-    from dataclasses import fields
     from pathlib import Path
 
     import yaml
+    from msgspec.structs import fields
 
     from dsv4_idxk_probe.config import _SECTION_TYPES, _TOP_KEYS
     from dsv4_idxk_probe.hicache.settings import HiCacheSettings
@@ -188,17 +188,17 @@ def test_a_non_utf8_config_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("{1: a, foo: b}\n", "probe.yaml: the top level keys must be strings, got 1"),
-    ("exchange: {1: a, timeout_ms: 5}\n", "probe.yaml: exchange keys must be strings, got 1"),
-    ("hicache: {1: a, guard: block}\n", "probe.yaml: hicache keys must be strings, got 1"),
-    ("exchange: {backoff_s: .inf}\n", "probe.yaml: exchange.backoff_s must be a number of seconds <= 3600, got inf"),
-    ("exchange: {backoff_s: .nan}\n", "probe.yaml: exchange.backoff_s must be a number > 0, got nan"),
-    ("exchange: {backoff_initial_s: 0}\n", "probe.yaml: exchange.backoff_initial_s must be a number > 0, got 0"),
-    ("exchange: {retry_s: -1}\n", "probe.yaml: exchange.retry_s must be a number >= 0, got -1"),
-    ("exchange: {retry_s: 61}\n", "probe.yaml: exchange.retry_s must be a number of seconds <= 60, got 61"),
-    ("roomlog: {queue_size: 1e12}\n", "probe.yaml: roomlog.queue_size must be an integer >= 1, got '1e12'"),
+    ("{1: a, foo: b}\n", "probe.yaml:1: the top level keys must be strings, got 1"),
+    ("exchange: {1: a, timeout_ms: 5}\n", "probe.yaml:1: exchange keys must be strings, got 1"),
+    ("hicache: {1: a, guard: block}\n", "probe.yaml:1: hicache keys must be strings, got 1"),
+    ("exchange: {backoff_s: .inf}\n", "probe.yaml:1: exchange.backoff_s must be a number of seconds <= 3600, got inf"),
+    ("exchange: {backoff_s: .nan}\n", "probe.yaml:1: exchange.backoff_s must be a number > 0, got nan"),
+    ("exchange: {backoff_initial_s: 0}\n", "probe.yaml:1: exchange.backoff_initial_s must be a number > 0, got 0"),
+    ("exchange: {retry_s: -1}\n", "probe.yaml:1: exchange.retry_s must be a number >= 0, got -1"),
+    ("exchange: {retry_s: 61}\n", "probe.yaml:1: exchange.retry_s must be a number of seconds <= 60, got 61"),
+    ("roomlog: {queue_size: 1e12}\n", "probe.yaml:1: roomlog.queue_size must be an integer >= 1, got '1e12'"),
     ("roomlog: {queue_size: 1000000000000}\n", "roomlog.queue_size must be an integer <= 1_000_000, got 1_000_000_000_000"),
-    ("exchange: {table_size: 1e11}\n", "probe.yaml: exchange.table_size must be an integer >= 1, got '1e11'"),
+    ("exchange: {table_size: 1e11}\n", "probe.yaml:1: exchange.table_size must be an integer >= 1, got '1e11'"),
     ("exchange: {table_size: 100000000000}\n", "exchange.table_size must be an integer <= 1_000_000, got 100_000_000_000"),
     ("exchange: {table_size: 1.0e+11}\n", "exchange.table_size must be an integer >= 1, got 100000000000.0"),
     ("exchange: {timeout_ms: 3600000}\n", "exchange.timeout_ms must be an integer <= 60_000"),
@@ -238,3 +238,47 @@ def test_metrics_exporter_defaults_to_loopback():
 def test_retry_s_zero_means_one_try_and_is_accepted():
     config = parse_config({"exchange": {"retry_s": 0, "backoff_initial_s": 0.5}}, "probe.yaml")
     assert (config.exchange.retry_s, config.exchange.backoff_initial_s) == (0.0, 0.5)
+
+
+# %% the schema's refusals: file, line and field in one message
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("mode: observe\nexchange:\n  timeout_ms: 50\n  bind_to: x\n", 4,
+     "exchange has unknown key(s) ['bind_to']; known: ["),
+    ("colour: red\n", 1, "unknown key(s) ['colour']; known: ["),
+    ("mode: observe\nroomlog:\n  dir: logs\n  gzip: maybe\n", 4, "roomlog.gzip must be true or false, got 'maybe'"),
+    ("step_interval: 8\n\nexchange:\n  bind: [a, b]\n", 4, "exchange.bind must be a string, got ['a', 'b']"),
+    ("exchange:\n  timeout_ms: 50\nstep_interval: 8\nroomlog:\n  queue_size: 10000000\n", 5,
+     "roomlog.queue_size must be an integer <= 1_000_000, got 10_000_000"),
+    ("hicache:\n  io_backends:\n    - kernel\n    - ''\n", 4,
+     "hicache.io_backends[1] must be a string of 1-64 characters, got ''"),
+    ("hicache:\n  enabled: true\n  flush_interval_s: .inf\n", 3,
+     "hicache.flush_interval_s must be a number of seconds in [0.05, 3600], got inf"),
+    ("mode: observe\ntargets:\n  - sglang\n  - ''\n", 3,
+     "targets must be a non-empty list of file names or paths, got ['sglang', '']"),
+])
+def test_an_unknown_key_a_wrong_type_and_a_number_out_of_range_name_file_line_and_field(tmp_path, text, line,
+                                                                                        message):
+    path = tmp_path / "probe.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(env(DSV4_IDXK_PROBE_CONFIG=str(path)))
+    shown = str(info.value)
+    assert shown.startswith(f"{path}:{line}: {message}"), shown
+    assert "\n" not in shown and "Traceback" not in shown and "$." not in shown  # one line, our field names
+
+
+def test_a_long_wrong_value_is_shortened_with_its_line(tmp_path):
+    path = tmp_path / "probe.yaml"
+    path.write_text("mode: observe\nroomlog:\n  cluster: " + "x" * 5000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_file(path)
+    shown = str(info.value)
+    assert shown.startswith(f"{path}:3: roomlog.cluster must be a printable name of at most 128 characters, got 'xxx")
+    assert "xxx...xxx" in shown and len(shown) < len(str(path)) + 200
+
+
+def test_a_null_section_is_its_defaults_and_a_null_port_base_is_zero():
+    config = parse_config({"exchange": {"port_base": None}, "roomlog": None, "hicache": None}, "probe.yaml")
+    assert (config.exchange.port_base, config.roomlog.max_files, config.hicache) == (0, 8, {})

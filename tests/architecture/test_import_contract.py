@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("version",),
     ("", "vocabulary", "environment_variables", "_lazy", "boundedfile", "safeyaml", "background", "safety"),
+    ("schema",),  # msgspec Structs from safeyaml's documents (config sections)
     ("digest",),
     ("diagnosis", "exchange", "roomlog", "metrics"),
     ("pd",),
@@ -45,6 +46,10 @@ TESTBED_LAYERS: tuple[tuple[str, ...], ...] = (("faults",), ("sglang",), ("built
 
 #: The parts that may import SGLang itself.
 SGLANG_PARTS = ("sglang", "testbed.sglang")
+
+#: Packages of the `[demo]` extra (pyproject.toml): a serving image need not have them, so
+#: only the test beds import them, and the CLI only inside a function (`demo` says what to install).
+EXTRA_PACKAGES = ("nixl", "rich")
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,19 @@ def sglang_violations(foreign: list[Edge]) -> list[str]:
     return out
 
 
+def extra_violations(foreign: list[Edge]) -> list[str]:
+    """Imports of a `[demo]`-extra package outside the test beds (or at the CLI's module level)."""
+    out = []
+    for e in foreign:
+        if e.target.split(".")[0] not in EXTRA_PACKAGES:
+            continue
+        src = _part(e.source)
+        if src == "testbed" or (src == "cli" and not e.module_level):
+            continue
+        out.append(f"{e.source}:{e.line} imports {e.target}, a package of the [demo] extra")
+    return out
+
+
 def torch_violations(own: list[Edge], foreign: list[Edge], part: str = "offline") -> list[str]:
     """Modules of `part` that import torch, directly or through what they import at module level."""
     graph: dict[str, set[str]] = {}
@@ -253,6 +271,10 @@ def test_only_the_adapters_and_the_sglang_bed_import_sglang(graph):
     assert sglang_violations(graph[1]) == []
 
 
+def test_demo_extra_packages_are_imported_only_by_the_test_beds(graph):
+    assert extra_violations(graph[1]) == []
+
+
 def test_offline_never_imports_torch(graph):
     assert torch_violations(*graph) == []
 
@@ -317,6 +339,14 @@ def test_sglang_outside_the_adapters_is_caught(tmp_path):
                                      "sglang/hooks.py": "import sglang.srt.managers\n",
                                      "testbed/sglang/launch.py": "from sglang.srt.entrypoints import http_server\n"})
     assert sglang_violations(foreign) == ["pd.decode:2 imports SGLang (sglang.srt)"]
+
+
+def test_a_demo_extra_package_in_product_code_is_caught(tmp_path):
+    _, foreign = _planted(tmp_path, {"runtime.py": "import rich.console\n",
+                                     "cli/check.py": "from nixl._api import nixl_agent\n\ndef f():\n    import rich\n",
+                                     "testbed/builtin/transport.py": "from nixl._api import nixl_agent\n"})
+    assert sorted(extra_violations(foreign)) == ["cli.check:1 imports nixl._api, a package of the [demo] extra",
+                                                 "runtime:1 imports rich.console, a package of the [demo] extra"]
 
 
 def test_torch_reached_through_another_module_is_caught(tmp_path):

@@ -33,6 +33,8 @@ ALERTS_SHIPPED = {
     "Dsv4IdxkProbeIndexKMismatch", "Dsv4IdxkProbeTokenPathOnNonC4Pool", "Dsv4IdxkProbeRequiredPatchTargetMissing",
     "Dsv4IdxkProbeRecordsDropped", "Dsv4IdxkProbeOffByError", "Dsv4IdxkProbeMetricsAbsent", "Dsv4IdxkProbeErrors",
     "Dsv4IdxkProbeExchangeErrors", "Dsv4IdxkProbeUnverifiedRatioHigh", "Dsv4IdxkProbeDecodeVerifiesNone",
+    "Dsv4IdxkProbeCoverageLow", "Dsv4IdxkProbeMismatchUnlocalised",
+    "Dsv4IdxkProbeHiCacheRestoreMismatch",
 }
 # dcgm-exporter's fields the GPU row reads (its etc/default-counters.csv; the ECC ones are
 # commented out there by default).
@@ -211,8 +213,24 @@ def test_gpu_row_joins_dcgm_by_host():
         assert panel["fieldConfig"]["defaults"]["noValue"], panel["title"]
         for t in panel["targets"]:
             assert dcgm_names(t["expr"]), panel["title"]
+            if "dsv4_idxk_probe_gpu_info" in t["expr"]:  # per GPU: test_gpu_row_joins_dcgm_per_gpu_uuid
+                continue
             assert "* on (Hostname) group_left" in t["expr"] and "dsv4_idxk_probe_info" in t["expr"], panel["title"]
             assert '"node"' in t["expr"] and '"instance"' in t["expr"], panel["title"]
+
+
+def test_gpu_row_joins_dcgm_per_gpu_uuid():
+    """Each probe process beside its own GPU's XID and ECC counters: DCGM's UUID label joined with
+    dsv4_idxk_probe_gpu_info's gpu_uuid (the live Prometheus test checks the rows)."""
+    (gpu,) = [panels for title, panels in rows().items() if title.startswith("GPU health")]
+    per_gpu = [p for p in gpu if any("dsv4_idxk_probe_gpu_info" in t["expr"] for t in p["targets"])]
+    assert per_gpu, "no panel joins DCGM per GPU"
+    fields = set()
+    for panel in per_gpu:
+        for t in panel["targets"]:
+            assert '"UUID", "$1", "gpu_uuid"' in t["expr"] and "* on (UUID) group_left" in t["expr"], panel["title"]
+            fields |= dcgm_names(t["expr"])
+    assert {"DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"} <= fields
 
 
 def test_token_path_on_an_indexer_pool_is_drawn_red():

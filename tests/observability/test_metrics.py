@@ -26,6 +26,8 @@ ALLOWED_LABELS = set(PROCESS_LABELS) | {
     "state", "reason", "mode", "version",
     "target", "status", "check", "action", "leg", "invariant", "page_aligned_only", "token_path_eligible", "layer",
     "page_bucket",
+    "path", "outcome",  # coverage_bytes (docs/coverage.md): a few fixed words each
+    "gpu_uuid", "hostname", "cuda_device",  # gpu_info: one series per process, set once
 }
 BASE = dict(SGLANG_LABELS)
 

@@ -131,6 +131,9 @@ def start_probe(role: str, *, hicache: bool = True, text: bool = False):
     registry = CollectorRegistry()
     metrics = ProbeMetrics(registry, labels=sglang_labels(role))
     metrics.zero_pd_series()
+    gpu = PROBE_GPUS.get(role) if hicache else None  # the idle probe: a process without GPU identity
+    if gpu:
+        metrics.publish_gpu({"gpu_uuid": f"GPU-{gpu[0]}-{gpu[1]}", "hostname": gpu[0], "cuda_device": "0"})
     if hicache:
         for pool in POOLS:
             metrics.hicache_pool_info.labels(pool=pool, layout="layer_first", page_aligned_only="false",
@@ -139,6 +142,9 @@ def start_probe(role: str, *, hicache: bool = True, text: bool = False):
             for direction in ("d2h", "h2d"):
                 for branch in HICACHE_BRANCHES:
                     metrics.hicache_copies.labels(pool=pool, direction=direction, io_backend="kernel", layout="layer_first", branch=branch)
+        if role == "prefill":  # restore verification's load verdicts (docs/hicache.md), at zero from the start
+            for verdict in ("match", "mismatch"):
+                metrics.rooms_verified.labels(stage="hicache_load", verdict=verdict)
     metrics.set_patch_target("pd.decode_recv", "patched", required=True)
     metrics.set_patch_target("hicache.backup_tokens", "missing" if role == "decode" and hicache else "patched", required=True)
     sglang = SGLangMetrics(registry, role)
@@ -154,6 +160,7 @@ def drive_prefill(metrics: ProbeMetrics, sglang: SGLangMetrics, n_rooms: int) ->
         sglang.latency.observe(12.0)
         sglang.bootstrap.observe(3.0)
     sglang.requests.inc(n_rooms)
+    metrics.rooms_verified.labels(stage="hicache_load", verdict="mismatch").inc()  # one corrupt HiCache load
 
 
 def drive_decode(metrics: ProbeMetrics, sglang: SGLangMetrics, plans: list[RoomPlan], tmp_path) -> None:
@@ -171,8 +178,14 @@ def drive_decode(metrics: ProbeMetrics, sglang: SGLangMetrics, plans: list[RoomP
             metrics.verify_latency_seconds.labels(stage=stage).observe(0.002)
             if expected is None:
                 metrics.rooms_verified.labels(stage=stage, verdict="unverified").inc()
+                if stage == "decode_recv":  # coverage: once per room (pd/coverage.py)
+                    metrics.count_coverage("pd", "unverified", "no_exchange", 4 * 3 * 8448)
                 continue
             c = compare(expected, observed)
+            if stage == "decode_recv":
+                verified = c.verdict in ("match", "mismatch")
+                metrics.count_coverage("pd", "verified" if verified else c.verdict,
+                                       "none" if verified else "layout_differs", 4 * 3 * 8448)
             metrics.rooms_verified.labels(stage=stage, verdict=c.verdict).inc()
             if c.verdict == "mismatch":
                 for segment in c.segments:
@@ -181,6 +194,7 @@ def drive_decode(metrics: ProbeMetrics, sglang: SGLangMetrics, plans: list[RoomP
                 if not diverged:
                     metrics.first_divergence.labels(stage=stage).inc()
                     diverged = True
+    metrics.mismatch_unlocalised.labels(stage="decode_recv").inc()  # one whose prefill vectors were not fetched
     sglang.requests.inc(len(plans))
     sglang.transfer_failed.inc()
     metrics.exchange_errors.labels(kind="fetch").inc()
@@ -231,6 +245,7 @@ def start_sglang_without_probe():
 
 
 DCGM_GPUS = (("127.0.0.1", "0"), (DECODE_NODE, "0"), (DECODE_NODE, "1"), ("other-node", "0"))
+PROBE_GPUS = {"prefill": ("127.0.0.1", "0"), "decode": (DECODE_NODE, "1")}  # (host, gpu) of each probe's GPU
 
 
 def start_dcgm():
@@ -351,6 +366,12 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
         verified = value("Verified rooms")
         assert verified == int(verified) and len(PLANS) - 2 <= verified <= 1.5 * (len(PLANS) - 2)
         assert value("Mismatch ratio") == pytest.approx(CORRUPT_ROOMS / verified)
+        (share,) = prom.series(substitute(panels["Coverage: verified share of index-K bytes by path"]["targets"][0]["expr"]))
+        assert share["metric"]["path"] == "pd" and float(share["value"][1]) == pytest.approx(0.8)
+        reasons = prom.series(substitute(panels["Unverified index-K bytes by reason"]["targets"][0]["expr"],
+                                         __rate_interval="5m"))
+        assert {(s["metric"]["outcome"], s["metric"]["reason"]) for s in reasons if float(s["value"][1]) > 0} \
+            == {("unverified", "no_exchange"), ("not_comparable", "layout_differs")}
 
         # Prometheus 2.42 stores SGLang's names both ways: as-is from the text format, escaped from
         # prometheus_client's OpenMetrics exposition (what it asks for first). A query naming one
@@ -367,6 +388,13 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
         xid = prom.series(substitute(panels["GPU XID errors"]["targets"][0]["expr"], instance=at["decode"]))
         assert {(s["metric"]["Hostname"], s["metric"]["gpu"], s["value"][1]) for s in xid} == {(DECODE_NODE, "0", "0"), (DECODE_NODE, "1", "79")}
         assert any(float(s["value"][1]) > 0 for s in prom.series(substitute(panels["GPU ECC double-bit errors"]["targets"][0]["expr"])))
+        # Per GPU: each probe process beside its own GPU's DCGM counters (joined on UUID), no other GPU.
+        per_gpu = panels["XID and ECC per probed GPU"]["targets"]
+        xid = prom.series(substitute(per_gpu[0]["expr"]))
+        assert {(s["metric"]["UUID"], s["metric"]["instance"], s["metric"]["gpu"], s["value"][1]) for s in xid} == {
+            ("GPU-127.0.0.1-0", at["prefill"], "0", "0"), (f"GPU-{DECODE_NODE}-1", at["decode"], "1", "79")}, xid
+        (dbe,) = prom.series(substitute(per_gpu[1]["expr"], instance=at["decode"]))
+        assert dbe["metric"]["UUID"] == f"GPU-{DECODE_NODE}-1" and float(dbe["value"][1]) > 0
 
         # The idle server (no HiCache, no verdicts): every panel shows data, 0 or why it is empty.
         for title, panel in panels.items():
@@ -397,7 +425,9 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
                     ("Dsv4IdxkProbeRecordsDropped", "firing"), ("Dsv4IdxkProbeRequiredPatchTargetMissing", "pending"),
                     ("Dsv4IdxkProbeOffByError", "firing"), ("Dsv4IdxkProbeMetricsAbsent", "pending"),
                     ("Dsv4IdxkProbeErrors", "firing"), ("Dsv4IdxkProbeExchangeErrors", "firing"),
-                    ("Dsv4IdxkProbeUnverifiedRatioHigh", "pending"), ("Dsv4IdxkProbeDecodeVerifiesNone", "pending")}
+                    ("Dsv4IdxkProbeUnverifiedRatioHigh", "pending"), ("Dsv4IdxkProbeDecodeVerifiesNone", "pending"),
+                    ("Dsv4IdxkProbeCoverageLow", "pending"), ("Dsv4IdxkProbeMismatchUnlocalised", "firing"),
+                    ("Dsv4IdxkProbeHiCacheRestoreMismatch", "firing")}
         wait_for(f"alerts {sorted(expected)}", lambda: expected <= alert_states(), timeout=15)
         alerts = prom.get("/api/v1/alerts")["data"]["alerts"]
         mine = lambda name: [a for a in alerts if a["labels"]["alertname"] == name]
@@ -413,6 +443,12 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
         assert idle["labels"]["instance"] == at["idle"]
         (unverified,) = mine("Dsv4IdxkProbeUnverifiedRatioHigh")
         assert unverified["labels"]["instance"] == at["decode"]
+        # 8 of the 10 rooms verified (room 5 had no prefill digest, room 6 another layout)
+        (low,) = mine("Dsv4IdxkProbeCoverageLow")
+        assert (low["labels"]["instance"], low["labels"]["path"]) == (at["decode"], "pd")
+        assert float(low["value"]) == pytest.approx(0.8)
+        (unlocalised,) = mine("Dsv4IdxkProbeMismatchUnlocalised")
+        assert (unlocalised["labels"]["instance"], unlocalised["labels"]["stage"]) == (at["decode"], "decode_recv")
         assert all(a["annotations"]["runbook_url"].endswith(f"/{a['labels']['alertname']}.md") for a in alerts)
         assert not [w for w, e in panel_queries(load_dashboard()) if is_external(e) and "$cluster" not in e]
     finally:

@@ -275,7 +275,7 @@ def test_the_same_file_twice_and_a_file_named_by_two_paths(tmp_path, capsys):
 
 
 def test_many_files_cross_batches(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fleet, "BATCH_FILES", 3)
+    monkeypatch.setattr(fleet.pipeline, "BATCH_FILES", 3)
     plans = [RoomPlan(i, fault=Fault(0, 1, 2) if i % 7 == 0 else None) for i in range(1, 40)]
     prefill, decode = write_logs(tmp_path / "logs", plans, max_bytes=5000, gzip_rotated=False)
     assert len(list(decode.glob("*.jsonl"))) > 6
@@ -316,3 +316,32 @@ def test_same_on_a_room_of_many_records(tmp_path, capsys, vary):
 
     path = _many_records(tmp_path / "many.jsonl", 300, vary)
     assert_same(capsys, tmp_path, path)
+
+
+def test_same_coverage_and_sides_with_odd_instances_and_layouts(tmp_path, capsys):
+    """Coverage per instance and the sides check, from SQL-judged and Python-judged keys alike:
+    instances null, missing or not text, layouts unknown or null, prefill-only and decode-only keys."""
+    from dsv4_idxk_probe.roomlog import RoomLogWriter
+
+    plans = [RoomPlan(i, prefill=i != 4, decode=i != 5, fault=Fault(0, 0, 1) if i == 6 else None) for i in range(1, 9)]
+    prefill, decode = [], []
+    for plan in plans:
+        pre, dec = room_records(plan)
+        prefill += pre
+        decode += dec
+    for rec in prefill + decode:
+        room = int(rec["room"])
+        rec["instance"] = {1: None, 2: 7, 3: ""}.get(room, f"pod-{room % 2}:1")
+        if room == 7:
+            rec["layout"] = "not-shipped"
+        if room == 8:
+            rec["layout"] = None
+    for role, records in (("prefill", prefill), ("decode", decode)):
+        writer = RoomLogWriter(tmp_path / "logs" / role, role, max_files=100)
+        for rec in records:
+            assert writer.emit(rec)
+        writer.close()
+    doc = assert_same(capsys, tmp_path, tmp_path / "logs" / "prefill", tmp_path / "logs" / "decode")
+    assert {row["instance"] for row in doc["coverage"]} >= {"", "pod-0:1", "pod-1:1"}
+    assert sum(row["rooms_of_unknown_size"] for row in doc["coverage"]) >= 2
+    assert doc["sides"]["missing"] is None

@@ -98,7 +98,7 @@ def test_report_runs_on_the_fleet_engine(tmp_path, capsys):
     out = tmp_path / "r.html"
     assert run(["report", str(p), str(d), "-o", str(out), "--engine", "duckdb"]) == 0
     page = out.read_text()
-    assert "room 3 attempt 0" in page and "Verdicts over time" in page
+    assert "room 3 attempt 0" in page and "Corrupt rooms over time, per instance" in page
     assert "(10 rooms, 1 not matching)" in capsys.readouterr().out
 
 
@@ -163,3 +163,27 @@ def test_fetched_urls_are_named_by_their_url_everywhere(tmp_path, capsys, monkey
     wheres = {s["where"].rsplit(":", 1)[0] for r in report["rooms"] for s in r["stages"]}
     assert wheres == {"s3://b/day/decode-b-2.000001.jsonl"}
     assert [r["room"] for r in report["rooms"] if r["verdict"] == "mismatch"] == ["4"]
+
+
+def test_the_reference_join_says_it_is_still_reading_when_it_runs_long(monkeypatch, capsys):
+    """A reference join over minutes of logs is not silent (issue: no progress over 474 MB)."""
+    import argparse
+    import time
+
+    from dsv4_idxk_probe.offline import engine
+
+    monkeypatch.setattr(engine, "_heartbeat", _fast(engine._heartbeat))
+
+    def slow(paths):
+        time.sleep(0.35)
+        return "analysis"
+
+    args = argparse.Namespace(engine="reference", since=None, until=None, instance=None, per_instance=False)
+    assert engine.run([], args, "dsv4-idxk-probe diff:", reference=slow) == "analysis"
+    assert "reference join: still reading" in capsys.readouterr().err
+
+
+def _fast(heartbeat):
+    def quick(prefix, what):
+        return heartbeat(prefix, what, first_s=0.05, every_s=0.1)
+    return quick

@@ -31,6 +31,14 @@ def test_500_clean_rooms_all_match_through_chunked_prefill_and_prefill_prefix_hi
     assert oracle and all(not o["cells"] for o in oracle)
     cached = [int(n) for n in re.findall(r"#cached-token: (\d+)", rig.cluster.logs["prefill"].read_text())]
     assert sum(n > 0 for n in cached) >= 10, "prefill's radix cache gave no prefix hits"
+    # coverage (docs/coverage.md): every finished room's index-K bytes verified, none unverified
+    status, body = launch.http_get(rig.cluster.server_url("decode") + "/metrics", timeout=10)
+    coverage = {}
+    for labels, value in re.findall(r'^dsv4_idxk_probe_coverage_bytes_total\{([^}]*)\} (\S+)$', body.decode(), re.M):
+        key = tuple(re.search(f'{name}="(\\w+)"', labels)[1] for name in ("outcome", "reason"))
+        coverage[key] = coverage.get(key, 0.0) + float(value)
+    assert status == 200 and coverage.get(("verified", "none"), 0) > 0, coverage
+    assert {key: v for key, v in coverage.items() if v and key != ("verified", "none")} == {}, coverage
 
 
 def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):

@@ -48,7 +48,11 @@ _METADATA_VERSION = 1
 # network devices. Do not narrow UCX_TLS to shared memory only ("sm,self"):
 # NIXL's UCX backend asks for peer-failure handling, which only tcp (or RDMA)
 # provides, and backend creation then fails with NIXL_ERR_BACKEND.
-UCX_LOOPBACK_DEFAULTS = {"UCX_NET_DEVICES": "lo"}
+# UCX_MODULES=^ib: no InfiniBand modules on loopback. Where libibverbs is
+# installed (Mooncake's wheel needs it, docs/rig.md), UCX otherwise loads them,
+# and an agent whose peer died crashed at process exit (SIGSEGV, NIXL 1.5.1's
+# UCX 1.23; tests/builtin_rig/test_transport.py's dead-peer tests).
+UCX_LOOPBACK_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
 
 
 class TransportError(RuntimeError):

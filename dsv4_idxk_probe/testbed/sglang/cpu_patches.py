@@ -19,7 +19,9 @@ only, by the rig's plugin (`plugin.load`).
    are host memory here).
 5. ``disaggregation.prefill``'s direct ``torch.cuda.Event()`` /
    ``torch.cuda.current_stream()`` (overlap loop, early prefix send): a CPU
-   event that is always complete (CPU forwards are synchronous).
+   event that is always complete (CPU forwards are synchronous); its
+   ``torch.empty(..., pin_memory=True)`` (Mooncake's host page indices) is
+   left unpinned (pinning needs a CUDA driver).
 6. ``mem_cache.pool_host.common._cuda_host_register``: HiCache pins its host
    pools with cudaHostRegister; without CUDA there is nothing to pin, so the
    host pool stays plain (pageable) host memory.
@@ -28,6 +30,10 @@ only, by the rig's plugin (`plugin.load`).
    copies the same rows with ``index_select`` / ``index_copy_``, layer by
    layer. Only this op: the pools' own branch choice (page rows or the
    token-granular ``transfer_cache_dsv4_mla``) stays SGLang's.
+8. ``mem_cache.memory_pool_host``'s ``torch.zeros(..., pin_memory=True)``:
+   the DeepSeek-V4 host pools' ``get_dummy_flat_data_page`` (the page a
+   storage-tier read fills, ``HiCacheFile._read_page``) asks for pinned
+   memory; without a CUDA driver it is left unpinned (the same bytes).
 """
 
 from __future__ import annotations
@@ -134,7 +140,13 @@ def _cpu_torch() -> types.SimpleNamespace:
     proxy = types.ModuleType("torch")
     proxy.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
     proxy.cuda = cuda
+    proxy.empty = _unpinned_empty  # Mooncake's host page indices ask for pinned memory (CUDA only)
     return proxy
+
+
+def _unpinned_empty(*args, pin_memory: bool = False, **kwargs):
+    """torch.empty without pinning: pinned memory needs a CUDA driver; plain host memory is the same bytes."""
+    return torch.empty(*args, **kwargs)
 
 
 def _patch_prefill(module) -> None:
@@ -165,6 +177,24 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
 def _patch_host_pools(module) -> None:
     if not torch.cuda.is_available() and not hasattr(module, "transfer_kv_direct"):
         module.transfer_kv_direct = transfer_kv_direct
+    if not torch.cuda.is_available():
+        module.torch = _unpinned_zeros_torch()  # 8.: the storage tier's read page
+
+
+# %% 8. the storage tier's read page
+
+
+def _unpinned_zeros(*args, pin_memory: bool = False, **kwargs):
+    """torch.zeros without pinning: pinned memory needs a CUDA driver; plain host memory is the same bytes."""
+    return torch.zeros(*args, **kwargs)
+
+
+def _unpinned_zeros_torch() -> types.ModuleType:
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
+    proxy.zeros = _unpinned_zeros
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # torch's lazily imported submodules
+    return proxy
 
 
 # %% registration

@@ -9,10 +9,13 @@ both servers ran with, the servers' and router's logs, the probe's room logs
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..faults.summary import render, shipped_fault_spec
 from ..faults.verify import as_json
@@ -41,7 +44,46 @@ def run_dir_for(log_dir: str) -> Path:
     return run_dir
 
 
-def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
+class NoProgress:
+    """What `run_sglang_demo` reports progress to when nobody listens; the command line passes
+    its own (`step(text)` around a blocking step, `count(done, total, unit, what=...)`)."""
+
+    def step(self, text: str):
+        return nullcontext()
+
+    def count(self, done: int, total: int | None = None, unit: str = "", what: str = "") -> None:
+        pass
+
+
+@contextmanager
+def watch_rooms(session: RigSession, total: int, progress: Any, every_s: float = 2.0):
+    """While requests run, count the rooms decode has finished (the oracle's decode_finish
+    records, written by the servers) and hand the count to `progress` every `every_s`."""
+    stop = threading.Event()
+
+    def tell() -> None:
+        try:
+            done = len({o.get("room") for o in session._read("oracle") if o.get("stage") == "decode_finish"})
+        except OSError:
+            return
+        progress.count(min(done, total), total, "rooms finished at decode", what="requests")
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            tell()
+
+    thread = threading.Thread(target=watch, name="dsv4-idxk-probe-demo-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=every_s + 1)
+        tell()  # the last count, once the requests are done
+
+
+def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO, progress: Any = None) -> int:
+    progress = progress or NoProgress()
     faults = None if opts.no_faults else str(opts.faults or shipped_fault_spec())
     options = launch.ServerOptions(overlap=opts.overlap)
     private = workload.prefill_fault_rooms(faults) if faults else ()
@@ -50,19 +92,25 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
     if faults is not None:  # a bad spec is refused before any server starts: its fields, the model, the rooms
         check_fault_spec(faults, requests, options)
     run_dir = run_dir_for(opts.log_dir)
-    print(f"dsv4-idxk-probe demo: SGLang's own PD servers ({'overlap' if opts.overlap else 'normal'} event loops), "
-          f"router and NIXL over UCX on loopback; the probe on through DSV4_IDXK_PROBE only", file=out)
+    print(f"dsv4-idxk-probe demo: SGLang's own PD servers ({'overlap' if opts.overlap else 'normal'} event loops),\n"
+          f"  router and NIXL over UCX on loopback; the probe on through DSV4_IDXK_PROBE only", file=out)
     print(f"  {opts.rooms} requests, stand-in DeepSeek-V4 (C4 layers 1 and 3, fp8 index-K rows of 8448 B)", file=out)
     print(f"  faults: {faults or 'none'}", file=out)
     print(f"  run folder: {run_dir}", file=out, flush=True)
     session = RigSession(run_dir, options, probe_config=f"step_interval: {opts.step_interval}\n", seed=opts.seed)
     started = time.monotonic()
     print("  starting the prefill and decode servers and the router ...", file=out, flush=True)
-    with session:
+    try:
+        with progress.step("starting SGLang's prefill and decode servers and the router"):
+            session.start()
         print(f"  up in {session.started_s:.0f}s: {session.cluster.url} (router), "
               f"{session.cluster.server_url('prefill')}, {session.cluster.server_url('decode')}", file=out, flush=True)
-        phase = session.phase("demo", requests, faults=faults, concurrency=opts.concurrency)
+        print(f"  sending {len(requests)} requests, {opts.concurrency} at a time ...", file=out, flush=True)
+        with watch_rooms(session, len(requests), progress):
+            phase = session.phase("demo", requests, faults=faults, concurrency=opts.concurrency)
         metrics = probe_series(session.cluster.server_url("decode"))
+    finally:
+        session.stop()
     check = phase.verification
     records = phase.faults
     (run_dir / "faults-applied.json").write_text(json.dumps(records, indent=1))
@@ -71,16 +119,32 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO) -> int:
     print(f"\n{ok_requests}/{len(requests)} requests answered in {phase.seconds:.1f}s; outputs as the stand-in "
           f"model predicts: {ok_requests - len(phase.wrong_outputs)}/{ok_requests}", file=out)
     if metrics:
-        print(f"decode's SGLang /metrics carried {len(metrics)} dsv4_idxk_probe_* samples, e.g.", file=out)
+        print(f"decode's SGLang /metrics carried {len(metrics)} dsv4_idxk_probe_* samples, e.g. (SGLang's "
+              f"labels left out):", file=out)
         for line in metrics[:4]:
-            print(f"  {line}", file=out)
+            print(f"  {without_sglang_labels(line)}", file=out)
     for problem in (phase.failed_requests + phase.unrecorded_faults)[:10]:
         print(f"  ! {problem}", file=out)
     applied = sum(1 for r in records if r["applied"])
     render(check, applied, out)
-    print(f"\nwall time {time.monotonic() - started:.0f}s; logs and JSON: {run_dir}  "
-          f"(diff again with: dsv4-idxk-probe diff {run_dir / 'logs'})", file=out)
+    print(f"\nwall time {time.monotonic() - started:.0f}s; logs and JSON: {run_dir}\n"
+          f"diff again with: dsv4-idxk-probe diff {run_dir / 'logs'}", file=out)
     return 0 if phase.ok else 1
+
+
+#: Labels SGLang puts on every series of its /metrics; the demo's samples are shown without them.
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)",?')
+
+
+def without_sglang_labels(sample: str) -> str:
+    """`name{labels} value` with SGLang's own labels dropped, so a sample fits a terminal line."""
+    head, brace, rest = sample.partition("{")
+    if not brace:
+        return sample
+    labels, _, value = rest.rpartition("}")
+    kept = [f'{k}="{v}"' for k, v in _LABEL.findall(labels) if k not in SGLANG_LABELS]
+    return f"{head}{{{','.join(kept)}}}{value}"
 
 
 def probe_series(server_url: str) -> list[str]:

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ...vocabulary import PAGE_TOKENS
 from .env import ENV_RIG, ENV_ROLE
@@ -42,6 +43,17 @@ PAGE_SIZE = PAGE_TOKENS
 VOCAB = MODEL_CONFIG["vocab_size"]
 #: The index-K row layout the stand-in's pool holds (fp8 payload and a float32 scale per slot).
 INDEX_K_LAYOUT = "fp8"
+#: A DeepSeek-V4.1-shaped stand-in (``ServerOptions(model="v41")``): C4 layers 1 and 3, a
+#: ratio-1 layer 4 and a ratio-2 layer 5, each its own kv_source, so SGLang's pool has
+#: ``index_pools`` {4: fp8, 1: fp4, 2: fp4} (model_type deepseek_v41: the V4 config refuses
+#: ratios 1 and 2). No C128 layer (layer 2 is SWA only): SGLang 0.5.23's PD send asserts
+#: "request-scoped state pools must share one ring layout" for a model with both C128 and
+#: ratio-2 layers (their state rings differ: 128 and 2 rows), whatever the probe does.
+MODEL_CONFIG_V41 = {
+    **MODEL_CONFIG, "model_type": "deepseek_v41", "num_hidden_layers": 6,
+    "compress_ratios": [0, 4, 0, 4, 1, 2], "kv_source_layer_ids": [4, 5],
+}
+MODEL_CONFIGS = {"v4": MODEL_CONFIG, "v41": MODEL_CONFIG_V41}
 
 
 def c4_layer_ids() -> list[int]:
@@ -78,6 +90,36 @@ class ServerOptions:
     hicache_ratio: float = 2.0
     extra_prefill: tuple[str, ...] = ()
     extra_decode: tuple[str, ...] = ()
+    model: str = "v4"  # or "v41": MODEL_CONFIGS
+    # topologies (docs/rig.md "Topologies"): each extra rank is a process on the CPU (gloo)
+    transfer_backend: str = "nixl"  # or "mooncake" (its TCP transport: MOONCAKE_PROTOCOL=tcp)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_pp: int = 1
+    decode_pp: int = 1
+    prefill_dp: int = 1  # attention DP width (--attn-dp-size), inside the TP group
+    decode_dp: int = 1
+    # where each role listens: None for loopback; a `netns.Hosts` puts each role in its own
+    # network namespace, on its own routable address (the router runs beside decode)
+    hosts: Any = None
+
+    def ranks(self, role: str) -> int:
+        """The scheduler processes `role` runs (attention DP ranks live inside the TP group)."""
+        if role == "prefill":
+            return self.prefill_tp * self.prefill_pp
+        return self.decode_tp * self.decode_pp if role == "decode" else 1
+
+    def parallel_args(self, role: str) -> list[str]:
+        tp, pp, dp = ((self.prefill_tp, self.prefill_pp, self.prefill_dp) if role == "prefill"
+                      else (self.decode_tp, self.decode_pp, self.decode_dp))
+        args = []
+        if tp != 1:
+            args += ["--tp-size", str(tp)]
+        if pp != 1:
+            args += ["--pp-size", str(pp)]
+        if dp != 1:  # 0.5.23's spelling of --dp-size N --enable-dp-attention
+            args += ["--attn-dp-size", str(dp)]
+        return args
 
 
 @dataclass
@@ -108,7 +150,7 @@ class Cluster:
         return f"http://127.0.0.1:{self.ports.router}"
 
     def server_url(self, role: str) -> str:
-        return f"http://127.0.0.1:{getattr(self.ports, role)}"
+        return f"http://{role_host(self.options, role)}:{getattr(self.ports, role)}"
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.logs.get(name)
@@ -167,9 +209,11 @@ def free_ports(n: int) -> list[int]:
     return picked
 
 
-def write_model_dir(path: Path) -> Path:
+def write_model_dir(path: Path, model: str = "v4") -> Path:
+    if model not in MODEL_CONFIGS:
+        raise ValueError(f"unknown rig model {model!r}; known: {sorted(MODEL_CONFIGS)}")
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+    (path / "config.json").write_text(json.dumps(MODEL_CONFIGS[model], indent=1))
     return path
 
 
@@ -180,15 +224,22 @@ def rig_plugin_site(path: Path) -> Path:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4-idxk-probe-rig\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(
         "[sglang.srt.plugins]\ndsv4_idxk_probe_rig = dsv4_idxk_probe.testbed.sglang.plugin:load\n"
+        "dsv4_idxk_probe_rig_deferral = dsv4_idxk_probe.testbed.sglang.deferral:load\n"
     )
     return path
+
+
+def role_host(opts: ServerOptions, role: str) -> str:
+    """The address `role` listens on and advertises: loopback, or its namespace's (`netns.Hosts`)."""
+    return "127.0.0.1" if opts.hosts is None or role == "router" else opts.hosts.role_host(role)
 
 
 def server_args(role: str, model_dir: Path, ports: Ports, opts: ServerOptions) -> list[str]:
     args = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "cpu",
-        "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
-        "--disaggregation-transfer-backend", "nixl", "--page-size", str(PAGE_SIZE), "--disable-cuda-graph",
+        "--load-format", "dummy", "--skip-tokenizer-init", "--host", role_host(opts, role),
+        "--disaggregation-transfer-backend", opts.transfer_backend, "--page-size", str(PAGE_SIZE),
+        "--disable-cuda-graph", *opts.parallel_args(role),
         "--chunked-prefill-size", str(opts.chunked_prefill_size),
         "--max-running-requests", str(opts.max_running_requests),
         "--max-total-tokens", str(opts.max_total_tokens), "--swa-full-tokens-ratio", "0.5",
@@ -211,30 +262,44 @@ def server_args(role: str, model_dir: Path, ports: Ports, opts: ServerOptions) -
     return args
 
 
-def router_args(ports: Ports) -> list[str]:
+def router_args(ports: Ports, opts: ServerOptions | None = None) -> list[str]:
+    opts = opts or ServerOptions()
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", f"http://127.0.0.1:{ports.prefill}", str(ports.bootstrap),
-        "--decode", f"http://127.0.0.1:{ports.decode}", "--host", "127.0.0.1", "--port", str(ports.router),
+        "--prefill", f"http://{role_host(opts, 'prefill')}:{ports.prefill}", str(ports.bootstrap),
+        "--decode", f"http://{role_host(opts, 'decode')}:{ports.decode}", "--host", "127.0.0.1",
+        "--port", str(ports.router),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports.router_metrics),
     ]
 
 
-def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role: str) -> dict[str, str]:
+def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role: str,
+               opts: ServerOptions | None = None) -> dict[str, str]:
+    opts = opts or ServerOptions()
     env = dict(base)
     path = [str(plugin_site)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update({
         "PYTHONPATH": os.pathsep.join(path),
         ENV_RIG: "1",
         ENV_ROLE: role,
-        "SGLANG_HOST_IP": "127.0.0.1",  # else the KV manager advertises the routable address
-        "UCX_NET_DEVICES": "lo",
+        "SGLANG_HOST_IP": role_host(opts, role),  # else the KV manager advertises the routable address
+        "UCX_NET_DEVICES": "lo" if opts.hosts is None or role == "router" else opts.hosts.role_device(role),
         "SGLANG_FORCE_COARSE_WAR_BARRIER": "1",  # the stand-in has no DSV4 attention metadata
         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
     })
+    if opts.transfer_backend == "mooncake":
+        env["MOONCAKE_PROTOCOL"] = "tcp"  # no RDMA device here: Mooncake's TCP transport
+    ranks = opts.ranks(role)
+    if ranks > 1:  # SGLang's CPU path binds each rank to a NUMA node unless told which cores it gets
+        cores = os.cpu_count() or 1
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
+        # the test venv's torch is a CUDA build, so SGLang finds NCCL and builds a CUDA communicator
+        # for the group ("Expected a cuda device, but got: cpu"); a CPU-only torch has no NCCL,
+        # and SGLang then keeps gloo alone: point it at a library that does not exist, as there
+        env["SGLANG_NCCL_SO_PATH"] = "libnccl-absent-on-cpu.so"
     return env
 
 
@@ -254,19 +319,20 @@ def start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s:
 def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s: float, ports: Ports | None) -> Cluster:
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = ports or Ports.free()
-    model_dir = write_model_dir(run_dir / "model")
+    model_dir = write_model_dir(run_dir / "model", opts.model)
     site = rig_plugin_site(run_dir / "rig-site")
     cluster = Cluster(run_dir, ports, opts)
     try:
         for role in ("prefill", "decode"):
             metrics = run_dir / f"metrics-{role}"
             metrics.mkdir(exist_ok=True)
-            _spawn(cluster, role, server_args(role, model_dir, ports, opts), server_env(env, site, metrics, role))
+            _spawn(cluster, role, server_args(role, model_dir, ports, opts), server_env(env, site, metrics, role, opts))
         deadline = time.monotonic() + timeout_s
         for role in ("prefill", "decode"):
             _wait_http(cluster, role, cluster.server_url(role) + "/health", deadline)
         (run_dir / "metrics-router").mkdir(exist_ok=True)
-        _spawn(cluster, "router", router_args(ports), server_env(env, site, run_dir / "metrics-router", "router"))
+        _spawn(cluster, "router", router_args(ports, opts),
+               server_env(env, site, run_dir / "metrics-router", "router", opts))
         _wait_router(cluster, deadline)
     except BaseException:
         cluster.stop()
@@ -277,6 +343,8 @@ def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s
 def _spawn(cluster: Cluster, name: str, args: list[str], env: dict[str, str]) -> None:
     log = cluster.run_dir / f"{name}.log"
     cluster.logs[name] = log
+    if cluster.options.hosts is not None:
+        args = cluster.options.hosts.wrap(name, args)
     with open(log, "wb") as out:  # a start on other ports begins the log afresh
         cluster.procs[name] = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -47,6 +47,10 @@ class Track:
 class Rooms:
     """The rooms this server tracks and the index-K buffers their pages live in."""
 
+    #: This server's Rooms, once the rig's hooks made it (the stand-in model asks which
+    #: requests are the test's rooms, without importing the hooks that import it).
+    live: "Rooms | None" = None
+
     def __init__(self):
         from ...digest import get_layout
 
@@ -58,6 +62,7 @@ class Rooms:
         self.buffers: list[torch.Tensor] = []
         self.layer_ids: list[int] = []
         self.lock = threading.Lock()
+        Rooms.live = self
 
     def bind_pool(self, pool: Any) -> None:
         if self.buffers:

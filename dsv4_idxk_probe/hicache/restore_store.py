@@ -1,0 +1,109 @@
+"""The digests of host pages as their backup read them, kept until a load compares them.
+
+One entry per (pool, host row): the content digest of every (layer, segment) of the
+device page the backup copied into that row, uint64 [layers, segments]
+(docs/digest.md, "Content digests": they depend on the bytes only, so a page loaded
+into any device page compares with the digest its backup took from another).
+
+Bounded: at most `max_pages` entries over all pools; storing past that evicts the
+oldest (least recently stored) and counts them through `on_evict`. An entry costs
+8 B x layers x segments for the digests plus about `ENTRY_OVERHEAD_BYTES` of Python
+object (docs/hicache.md, "Restore verification"). A row whose digest was evicted or
+dropped (the storage tier wrote the page) is remembered as lost, in a second table
+of the same bound, so its load is counted `unverified` with reason `digest_lost`
+instead of not at all.
+
+Plain NumPy; thread-safe (the collector stores, the serving thread drops).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+import numpy as np
+
+#: Python object overhead of one entry (dict slot, key tuple, array header), measured
+#: with sys.getsizeof on CPython 3.11 and rounded up.
+ENTRY_OVERHEAD_BYTES = 250
+
+
+def entry_bytes(layers: int, segments: int) -> int:
+    """Host memory one kept host page costs, overhead included."""
+    return 8 * int(layers) * int(segments) + ENTRY_OVERHEAD_BYTES
+
+
+class HostPageDigests:
+    """(pool key, host row) -> uint64 [layers, segments], bounded, oldest evicted first."""
+
+    def __init__(self, max_pages: int, on_evict: Callable[[int], None] | None = None):
+        if max_pages < 0:
+            raise ValueError(f"max_pages must be >= 0, got {max_pages}")
+        self.max_pages = int(max_pages)
+        self._on_evict = on_evict
+        self._table: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._lost: OrderedDict[tuple[int, int], None] = OrderedDict()  # evicted or dropped, not stored again
+        self._lock = threading.Lock()
+        self.evicted = 0
+
+    def put(self, pool: int, rows: Iterable[int], contents: np.ndarray) -> None:
+        """Keep `contents[:, j, :]` for host row `rows[j]`; `contents` is uint64 [layers, pages, segments]."""
+        rows = [int(r) for r in rows]
+        if contents.ndim != 3 or contents.shape[1] != len(rows):
+            raise ValueError(f"contents {contents.shape} do not hold {len(rows)} pages as [layers, pages, segments]")
+        evicted = 0
+        with self._lock:
+            for j, row in enumerate(rows):
+                key = (pool, row)
+                self._table.pop(key, None)
+                self._lost.pop(key, None)
+                if self.max_pages == 0:
+                    self._remember_lost(key)
+                    evicted += 1
+                    continue
+                self._table[key] = np.array(contents[:, j, :], dtype=np.uint64, copy=True)
+            while len(self._table) > self.max_pages:
+                key, _ = self._table.popitem(last=False)
+                self._remember_lost(key)
+                evicted += 1
+            self.evicted += evicted
+        if evicted and self._on_evict is not None:
+            self._on_evict(evicted)
+
+    def get(self, pool: int, rows: Iterable[int]) -> list[np.ndarray | None]:
+        """The kept digests of each row ([layers, segments]), None where none is kept."""
+        with self._lock:
+            return [self._table.get((pool, int(row))) for row in rows]
+
+    def lost(self, pool: int, row: int) -> bool:
+        """Whether a digest of this row was kept once and evicted or dropped since."""
+        with self._lock:
+            return (pool, int(row)) in self._lost
+
+    def drop(self, pool: int, rows: Iterable[int]) -> int:
+        """Forget these rows' digests (the storage tier wrote the pages); returns how many were kept."""
+        dropped = 0
+        with self._lock:
+            for row in rows:
+                key = (pool, int(row))
+                if self._table.pop(key, None) is not None:
+                    dropped += 1
+                self._remember_lost(key)
+        return dropped
+
+    def forget_pool(self, pool: int) -> None:
+        """A pool that is gone: its rows' digests go with it (not counted as evictions)."""
+        with self._lock:
+            for table in (self._table, self._lost):
+                for key in [k for k in table if k[0] == pool]:
+                    del table[key]
+
+    def _remember_lost(self, key: tuple[int, int]) -> None:
+        self._lost.pop(key, None)
+        self._lost[key] = None
+        while len(self._lost) > max(self.max_pages, 1):
+            self._lost.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._table)

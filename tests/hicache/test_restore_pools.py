@@ -1,0 +1,137 @@
+"""Restore verification on SGLang's real DeepSeek-V4 host pools (CPU): the device
+pages a load wrote are compared with what their backup read, with round-trip mode off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import LAYERS, SUPPORTED, host_row, page_indices
+
+HOST_ROWS, DEVICE_ROWS = [2, 5], [1, 6]
+STAGE = "hicache_load"
+
+
+def backup(pool, io_backend="kernel"):
+    pool.backup_from_device_all_layer(None, page_indices(HOST_ROWS), page_indices(DEVICE_ROWS), io_backend)
+
+
+def load(pool, io_backend="kernel", device_rows=DEVICE_ROWS):
+    host, dev = page_indices(HOST_ROWS), page_indices(device_rows)
+    for l in range(LAYERS):
+        pool.device_buffers[l].view(torch.uint8)[device_rows] = 0  # the pages held something else
+    for l in range(LAYERS):
+        pool.load_to_device_per_layer(None, host, dev, l, io_backend)
+
+
+def settle(env):
+    assert env.probe.restore.drain(), "the restore digests were not delivered"
+
+
+def findings(env):
+    return [r for r in env.records if r.get("event") == "restore_mismatch"]
+
+
+@pytest.mark.parametrize("layout,io_backend", SUPPORTED)
+def test_a_host_row_changed_before_its_load_is_found_at_hicache_load(hicache, make_pool, layout, io_backend):
+    env = hicache()  # defaults: restore verification on, round trip off
+    assert env.probe.roundtrip is None
+    pool = make_pool("fp8_indexer", layout)
+    backup(pool, io_backend)
+    host_row(pool, 5, 1)[64 * 128 + 8] ^= 0x10  # a scale byte of host row 5, layer 1
+    load(pool, io_backend, device_rows=[3, 7])
+    settle(env)
+    (found,) = findings(env)
+    assert found["stage"] == STAGE and found["pool"] == "deepseek_v4_c4_indexer" and found["layout"] == "fp8"
+    assert [(c["pool_layer"], c["host_row"], c["device_page"], c["segment"]) for c in found["cells"]] == [
+        (1, 5, 7, "scale")]
+    assert found["mismatch_rows"] == [5] and found["rows"] == 2
+    assert env.value("rooms_verified", stage=STAGE, verdict="mismatch") == 1
+    assert env.value("mismatch_cells", stage=STAGE, segment="scale") == 1
+    assert env.value("mismatch_cells", stage=STAGE, segment="payload") == 0
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
+    assert env.value("coverage_bytes", path="hicache_backup", outcome="verified", reason="none") == 2 * row
+
+
+def test_clean_backups_and_loads_match_and_count_every_byte_verified(hicache, make_pool):
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    load(pool, device_rows=[0, 4])
+    load(pool, device_rows=[1, 6])
+    settle(env)
+    assert findings(env) == []
+    assert env.value("rooms_verified", stage=STAGE, verdict="match") == 2
+    assert env.value("rooms_verified", stage=STAGE, verdict="mismatch") == 0
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 4 * row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") is None
+
+
+def test_a_faulty_load_copy_is_found_too(hicache, make_pool, monkeypatch):
+    import sglang.srt.mem_cache.memory_pool_host as mph
+
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    good = mph.transfer_kv_per_layer_mla
+
+    def faulty(**kwargs):  # the load of layer 0 writes one payload byte wrong
+        good(**kwargs)
+        if kwargs["dst"] is pool.device_buffers[0]:
+            kwargs["dst"].view(torch.uint8)[kwargs["dst_indices"][0]][5] ^= 1
+
+    monkeypatch.setattr(mph, "transfer_kv_per_layer_mla", faulty)
+    backup(pool)
+    load(pool)
+    settle(env)
+    (found,) = findings(env)
+    assert [(c["pool_layer"], c["host_row"], c["device_page"], c["segment"]) for c in found["cells"]] == [
+        (0, 2, 1, "payload")]
+
+
+def test_a_storage_tier_write_loses_the_digest_and_is_counted_unverified(hicache, make_pool):
+    env = hicache()
+    pool = make_pool("fp8_indexer", "page_first")
+    backup(pool)
+    other = torch.randint(0, 256, (LAYERS * pool.item_bytes,), dtype=torch.uint8)
+    pool.set_from_flat_data_page(5 * pool.slot_page_size, other)  # L3 fills host row 5
+    load(pool)
+    settle(env)
+    assert findings(env) == []  # no false alarm: the row's backup digest was dropped
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == row
+    assert env.value("rooms_verified", stage=STAGE, verdict="unverified") == 1
+
+
+def test_evicted_digests_are_counted_and_their_loads_unverified(hicache, make_pool):
+    env = hicache(restore_max_pages=1)
+    pool = make_pool("fp8_indexer")
+    backup(pool)  # two host rows, one kept
+    load(pool)
+    settle(env)
+    assert env.value("records_dropped", sink="hicache_restore") == 1
+    assert env.value("rooms_verified", stage=STAGE, verdict="unverified") == 1
+    assert findings(env) == []
+
+
+def test_restore_verification_off_digests_nothing(hicache, make_pool):
+    env = hicache(restore_verify=False)
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    host_row(pool, 5, 1)[0] ^= 1
+    load(pool)
+    assert env.probe.restore is None and findings(env) == []
+    assert env.value("rooms_verified", stage=STAGE, verdict="mismatch") is None
+
+
+def test_a_pool_that_is_not_index_k_is_not_digested(hicache, make_pool):
+    env = hicache()
+    pool = make_pool("c4_kv")
+    backup(pool)
+    load(pool)
+    settle(env)
+    assert env.probe.restore.pool(env.probe.state_of(pool)) is None
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") is None

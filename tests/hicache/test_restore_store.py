@@ -1,0 +1,110 @@
+"""Restore verification's plain parts: the bounded store of backup digests, and the
+comparison of a load's digests with them (docs/hicache.md, "Restore verification")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsv4_idxk_probe.hicache.restore_compare import compare_load
+from dsv4_idxk_probe.hicache.restore_store import ENTRY_OVERHEAD_BYTES, HostPageDigests, entry_bytes
+from dsv4_idxk_probe.hicache.settings import HiCacheConfigError, parse_settings
+
+SEGMENTS = ("payload", "scale")
+
+
+def contents(layers: int, rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**63, (layers, rows, len(SEGMENTS)), dtype=np.uint64)
+
+
+def test_the_store_keeps_each_host_rows_digests_and_evicts_the_oldest_with_a_count():
+    evicted = []
+    store = HostPageDigests(3, evicted.append)
+    first = contents(2, 2, seed=1)
+    store.put(7, [10, 11], first)
+    store.put(7, [12], contents(2, 1, seed=2))
+    assert np.array_equal(store.get(7, [11])[0], first[:, 1, :]) and len(store) == 3
+    store.put(7, [13, 14], contents(2, 2, seed=3))  # two past the bound: rows 10 and 11 go
+    assert evicted == [2] and store.evicted == 2 and len(store) == 3
+    assert store.get(7, [10, 11, 12]) [:2] == [None, None] and store.get(7, [12])[0] is not None
+    assert store.lost(7, 10) and store.lost(7, 11) and not store.lost(7, 12)
+
+
+def test_storing_a_row_again_makes_it_the_newest_and_clears_its_loss():
+    store = HostPageDigests(2)
+    store.put(1, [0], contents(1, 1, 1))
+    store.put(1, [1], contents(1, 1, 2))
+    store.drop(1, [0])
+    assert store.lost(1, 0)
+    store.put(1, [0], contents(1, 1, 3))  # backed up again
+    assert not store.lost(1, 0)
+    store.put(1, [2], contents(1, 1, 4))  # row 1 is now the oldest
+    assert store.get(1, [1]) == [None] and store.get(1, [0])[0] is not None
+
+
+def test_pools_are_kept_apart_and_a_gone_pool_takes_its_rows_with_it():
+    store = HostPageDigests(10)
+    store.put(1, [5], contents(1, 1, 1))
+    store.put(2, [5], contents(1, 1, 2))
+    assert not np.array_equal(store.get(1, [5])[0], store.get(2, [5])[0])
+    store.forget_pool(1)
+    assert store.get(1, [5]) == [None] and store.get(2, [5])[0] is not None and not store.lost(1, 5)
+
+
+def test_a_zero_bound_keeps_nothing_and_counts_every_row():
+    evicted = []
+    store = HostPageDigests(0, evicted.append)
+    store.put(1, [0, 1], contents(1, 2))
+    assert len(store) == 0 and evicted == [2] and store.lost(1, 1)
+
+
+def test_the_stated_memory_per_host_page():
+    assert entry_bytes(30, 2) == 30 * 2 * 8 + ENTRY_OVERHEAD_BYTES
+
+
+def test_a_load_matching_its_backup_is_a_match():
+    kept = contents(2, 3, seed=5)
+    result = compare_load([kept[:, j, :] for j in range(3)], kept.copy(), [4, 5, 6], [40, 50, 60], SEGMENTS)
+    assert (result.verdict, result.verified_rows, result.cells) == ("match", 3, [])
+
+
+def test_a_changed_cell_is_localised_to_layer_host_row_device_page_and_segment():
+    kept = contents(3, 2, seed=6)
+    loaded = kept.copy()
+    loaded[2, 1, 1] ^= np.uint64(1)  # layer 2, the second host row, the scale segment
+    result = compare_load([kept[:, j, :] for j in range(2)], loaded, [8, 9], [80, 90], SEGMENTS)
+    assert result.verdict == "mismatch" and result.mismatch_rows == [9]
+    ((layer, row, page, segment),) = [(c.pool_layer, c.host_row, c.device_page, c.segment) for c in result.cells]
+    assert (layer, row, page, segment) == (2, 9, 90, "scale")
+
+
+def test_a_row_without_a_kept_digest_is_unverified_never_a_match():
+    kept = contents(1, 2, seed=7)
+    result = compare_load([kept[:, 0, :], None], kept, [1, 2], [3, 4], SEGMENTS)
+    assert result.verdict == "unverified" and result.unverified_rows == [2] and result.verified_rows == 1
+    # a kept digest of another shape (layout changed since the backup) is not compared either
+    result = compare_load([kept[:1, 0, :1], kept[:, 1, :]], kept, [1, 2], [3, 4], SEGMENTS)
+    assert result.unverified_rows == [1] and result.verdict == "unverified"
+
+
+def test_compare_refuses_digests_that_do_not_fit_the_load():
+    with pytest.raises(ValueError, match="2 host rows"):
+        compare_load([None], contents(1, 2), [1, 2], [3, 4], SEGMENTS)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"restore_verify": "yes"}, "hicache.restore_verify must be true or false"),
+    ({"restore_max_pages": -1}, "hicache.restore_max_pages must be an integer >= 0"),
+    ({"restore_max_pages": 10**9}, "hicache.restore_max_pages must be an integer <= 100_000_000"),
+    ({"restore_queue_max": 0}, "hicache.restore_queue_max must be an integer >= 1"),
+    ({"restore_queue_max": 10**7}, "hicache.restore_queue_max must be an integer <= 1_000_000"),
+])
+def test_restore_settings_are_bounded_and_errors_name_the_field(section, message):
+    with pytest.raises(HiCacheConfigError, match=message):
+        parse_settings(section)
+
+
+def test_restore_verification_is_on_by_default():
+    settings = parse_settings({})
+    assert settings.restore_verify is True and settings.roundtrip is False
+    assert parse_settings({"restore_max_pages": 0, "restore_queue_max": 1_000_000}).restore_max_pages == 0

@@ -1,0 +1,202 @@
+"""Every index pool of a DeepSeek-V4.1 pool (SGLang 0.5.23's real pool on CPU):
+listed with its layout, digested on both PD sides, compared per pool; pools the
+probe cannot read are counted unverified and a side that reads nothing says so."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import v41world
+from pd_testkit import make_runtime
+
+from dsv4_idxk_probe.digest import shipped_layouts
+from dsv4_idxk_probe.pd import RoomId
+from dsv4_idxk_probe.sglang.index_k import index_pools, indexer_row_buffers, room_pool_pages
+from dsv4_idxk_probe.sglang.pool_sides import fetch_pool_digest, pool_key
+from dsv4_idxk_probe.sglang.sides import InactiveSide, build_side
+
+ROOM = 77
+
+
+@pytest.fixture(scope="module")
+def v41(published):
+    return v41world.make_pool(seed=1), v41world.make_pool(seed=2)
+
+
+def test_every_index_pool_is_listed_with_its_layout_and_wire_entry(v41):
+    pool = v41[0]
+    listed = index_pools(pool, shipped_layouts(), v41world.kv_args_of(pool))
+    assert [p.ratio for p in listed] == [4, 1, 2]
+    assert all(p.readable for p in listed), [p.reason for p in listed]
+    by_ratio = {p.ratio: p for p in listed}
+    assert [by_ratio[r].layout.name for r in (4, 1, 2)] == ["fp8", "fp4_r1", "fp4_r2"]
+    assert [by_ratio[r].geometry.layer_ids for r in (4, 1, 2)] == [(1, 3), (4,), (5,)]
+    assert [by_ratio[r].geometry.row_bytes for r in (1, 2)] == [4352, 4352]
+    assert [by_ratio[r].geometry.rows_per_page for r in (4, 1, 2)] == [1, 4, 2]
+    # the PD wire: [C4 KV x2, C4 indexer x2, C128 KV, r1 KV, r1 indexer, r2 KV, r2 indexer]
+    assert [by_ratio[r].geometry.wire for r in (4, 1, 2)] == [(2, 3), (6,), (8,)]
+    assert by_ratio[1].geometry.fp4 and by_ratio[2].geometry.fp4
+    assert "fp4_r1" in by_ratio[1].describe() and "4352 B rows" in by_ratio[1].describe()
+
+
+def test_a_full_page_is_its_run_of_low_ratio_rows_computed_on_the_device():
+    pages = torch.tensor([5, 2], dtype=torch.int64)
+    assert room_pool_pages(pages, 4).tolist() == [20, 21, 22, 23, 8, 9, 10, 11]
+    assert room_pool_pages(pages, 1) is pages
+    assert room_pool_pages([3], 2) == [6, 7]
+
+
+def test_aiter_page8_low_ratio_pool_is_listed_unreadable_with_its_bytes(v41):
+    pool = v41[0]
+    pool.index_pools[1].index_k_page8 = True
+    try:
+        listed = {p.ratio: p for p in index_pools(pool, shipped_layouts())}
+    finally:
+        pool.index_pools[1].index_k_page8 = False
+    assert not listed[1].readable and "page-8" in listed[1].reason and listed[1].code == "layout_unknown"
+    assert listed[1].bytes_per_page == 4 * 4352  # one layer, four 64-slot rows per full page
+    assert listed[4].readable and listed[2].readable
+
+
+def _sides(v41, **config):
+    prefill_pool, decode_pool = v41
+    runtime, sink, registry = make_runtime(**config)
+    prefill = build_side(runtime, "prefill", prefill_pool, v41world.kv_args_of(prefill_pool), host="127.0.0.1")
+    decode = build_side(runtime, "decode", decode_pool, v41world.kv_args_of(decode_pool))
+    return runtime, sink, registry, prefill, decode
+
+
+def _room_flow(prefill, decode):
+    n = v41world.ROOM_TOKENS
+    prefill.monitor.room_sent(RoomId(ROOM), torch.tensor(v41world.PREFILL_PAGES[1:]), n)
+    decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))
+    decode.monitor.room_received(RoomId(ROOM), torch.tensor(v41world.DECODE_PAGES[1:]), n, None, {"rid": "r"})
+
+
+def _sample(registry, name, **labels):
+    """The sum of `name`'s samples whose labels include `labels` (the process labels aside)."""
+    return sum(sample.value for metric in registry.collect() for sample in metric.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def _coverage(registry, outcome, reason):
+    return _sample(registry, "dsv4_idxk_probe_coverage_bytes_total", path="pd", outcome=outcome, reason=reason)
+
+
+def test_the_prefill_exchange_answers_each_pools_digest(v41):
+    runtime, sink, _, prefill, decode = _sides(v41)
+    try:
+        prefill.monitor.room_sent(RoomId(ROOM), torch.tensor(v41world.PREFILL_PAGES[1:]), v41world.ROOM_TOKENS)
+        sink.wait_for(2, stage="prefill_send", kind="index_pool")
+        sink.wait_for(1, stage="prefill_send", kind="room")
+        decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))
+        c4 = decode.fetch(RoomId(ROOM).key)
+        r1 = fetch_pool_digest(decode, pool_key(RoomId(ROOM).key, 1))
+        assert (c4.layer_ids, r1.layer_ids) == ((1, 3), (4,))
+        assert r1.n_pages == 12  # three full pages, four rows each
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("ratio, row, offset, segment", [
+    (1, 5, 10, "payload"),  # full page 1, its second 64-token row
+    (2, 4, 64 * 64 + 4 * 17, "scale"),  # the tail page's first row, slot 17's scale
+])
+def test_a_fault_in_a_low_ratio_pool_is_found_in_that_pool_with_its_cell(v41, ratio, row, offset, segment):
+    prefill_pool, decode_pool = v41
+    v41world.transfer(prefill_pool, decode_pool)
+    k = v41world.rows_per_page(decode_pool, ratio)
+    physical = v41world.DECODE_PAGES[1 + row // k] * k + row % k
+    indexer_row_buffers(decode_pool.index_pools[ratio])[0][physical, offset] ^= 0x10
+    runtime, sink, _, prefill, decode = _sides(v41)
+    try:
+        _room_flow(prefill, decode)
+        c4 = sink.wait_for(1, stage="decode_recv", kind="room")[0]
+        pools = {r["pool"]: r for r in sink.wait_for(2, stage="decode_recv", kind="index_pool")}
+    finally:
+        runtime.close()
+        v41world.transfer(prefill_pool, decode_pool)  # the next test starts clean
+    assert c4["verdict"] == "match" and "pool" not in c4  # the C4 pool's records read as before
+    other = 3 - ratio
+    assert pools[other]["verdict"] == "match", pools[other]
+    bad = pools[ratio]
+    assert (bad["verdict"], bad["layout"]) == ("mismatch", f"fp4_r{ratio}")
+    loc = bad["localisation"]
+    assert (loc["pool"], loc["layers"], loc["pages"], loc["segments"]) == (ratio, [4 if ratio == 1 else 5], [row], [segment])
+
+
+def test_a_clean_v41_room_matches_in_every_pool(v41):
+    v41world.transfer(*v41)
+    runtime, sink, registry, prefill, decode = _sides(v41)
+    try:
+        _room_flow(prefill, decode)
+        records = sink.wait_for(1, stage="decode_recv", kind="room") + sink.wait_for(
+            2, stage="decode_recv", kind="index_pool")
+        sent = sink.wait_for(2, stage="prefill_send", kind="index_pool")
+    finally:
+        runtime.close()
+    assert [r["verdict"] for r in records] == ["match"] * 3
+    assert sorted((r["pool"], r["layout"]) for r in sent) == [(1, "fp4_r1"), (2, "fp4_r2")]
+
+
+def test_bytes_of_an_unreadable_low_ratio_pool_are_counted_unverified_per_room(v41):
+    decode_pool = v41[1]
+    decode_pool.index_pools[1].index_k_page8 = True  # aiter's row-group order: no layout describes it
+    try:
+        runtime, sink, registry, prefill, decode = _sides(v41)
+    finally:
+        decode_pool.index_pools[1].index_k_page8 = False
+    try:
+        assert decode.active and [p.ratio for p in decode.pool_sides] == [2]
+        before = _coverage(registry, "unverified", "layout_unknown")
+        _room_flow(prefill, decode)
+        sink.wait_for(1, stage="decode_recv", kind="index_pool")
+        counted = _coverage(registry, "unverified", "layout_unknown") - before
+    finally:
+        runtime.close()
+    assert counted == 3 * 4 * 4352  # three full pages of the ratio-1 pool's one layer
+
+
+# %% a side that reads nothing says so
+
+
+def _info(registry, state, reason):
+    return _sample(registry, "dsv4_idxk_probe_info", state=state, reason=reason)
+
+
+def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_unverified(v41):
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    runtime, sink, registry = make_runtime(layout="bf16")  # forced: no pool of this rig has bf16 rows
+    try:
+        side = build_side(runtime, "decode", v41[1], v41world.kv_args_of(v41[1]))
+        assert isinstance(side, InactiveSide) and side.code == "layout_unknown"
+        assert _info(registry, "inactive", "layout_unknown") == 1
+        assert _info(registry, "on", "running") == 0
+        n = v41world.ROOM_TOKENS
+        req = SimpleNamespace(origin_input_ids=list(range(v41world.PREFIX_TOKENS + n)),
+                              kv=SimpleNamespace(cache_protected_len=v41world.PREFIX_TOKENS),
+                              cache_protected_len=v41world.PREFIX_TOKENS, bootstrap_room=ROOM)
+        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=req))
+        counted = _coverage(registry, "unverified", "layout_unknown")
+    finally:
+        runtime.close()
+    per_page = 2 * 8448 + 4 * 4352 + 2 * 4352  # C4: two layers of one 8448 B row; r1: 4 rows; r2: 2 rows
+    assert counted == 3 * per_page
+
+
+def test_an_npu_indexer_is_not_read_as_its_unwritten_packed_rows(v41):
+    """NPU writes index-K to its own PA_ND buffers; the packed rows the transfer registers
+    stay zero on both sides: digesting them would say match and verify nothing."""
+    pool = v41[1]
+    pool.index_pools[4].has_npu_storage = True  # what NPUDeepSeekV4IndexerPool answers
+    runtime, sink, registry = make_runtime()
+    try:
+        side = build_side(runtime, "decode", pool, v41world.kv_args_of(pool))
+        assert isinstance(side, InactiveSide) and "NPU indexer" in side.reason
+        assert _info(registry, "inactive", "layout_unknown") == 1
+    finally:
+        del pool.index_pools[4].has_npu_storage
+        runtime.close()

@@ -1,0 +1,88 @@
+"""A DeepSeek-V4.1-shaped pair (``ServerOptions(model="v41")``: compress_ratios
+[0, 4, 0, 4, 1, 2], SGLang 0.5.23's real pool with index_pools {4: fp8, 1: fp4,
+2: fp4}): both sides digest every index pool of every room, each pool's records name
+its layout, and a byte decode flips in the ratio-1 pool is found there, in its cell,
+while the C4 pool and the ratio-2 pool of every room match."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dsv4_idxk_probe.testbed.sglang import launch, workload
+from dsv4_idxk_probe.testbed.sglang.run import RigSession
+from dsv4_idxk_probe.testbed.sglang.standin_model import ENV_POOL_FAULT
+
+from .conftest import describe
+
+OPTIONS = launch.ServerOptions(model="v41")
+ROOMS = 12
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    # decode flips one payload byte of the ratio-1 pool (layer 4) at the first slot of the
+    # first room it decodes (standin_model.flip_pool_byte)
+    session = RigSession(tmp_path_factory.mktemp("sglang-v41"), OPTIONS, probe_config="step_interval: 4\n",
+                         env={**os.environ, ENV_POOL_FAULT: "1"})
+    try:
+        session.start()
+    except launch.LaunchError as exc:
+        pytest.fail(f"the V4.1 SGLang pair did not start: {exc}", pytrace=False)
+    yield session
+    session.stop()
+
+
+def _records(session: RigSession) -> list[dict]:
+    from dsv4_idxk_probe.roomlog.reader import expand_inputs, read_entries
+
+    entries = read_entries(expand_inputs([str(session.log_dir)]))
+    return [e.record for e in entries if e.record is not None]
+
+
+def _pool_records_complete(records: list[dict], rooms: set[str]) -> bool:
+    """Every room has each low-ratio pool's prefill_send and decode_finish record (each pool's
+    collector writes its own, behind the C4 records the phase waits for)."""
+    for role, stage in (("prefill", "prefill_send"), ("decode", "decode_finish")):
+        for ratio in (1, 2):
+            seen = {r["room"] for r in records
+                    if r.get("kind") == "index_pool" and (r["role"], r["stage"], r["pool"]) == (role, stage, ratio)}
+            if not rooms <= seen:
+                return False
+    return True
+
+
+def test_every_index_pool_is_digested_and_a_low_ratio_fault_is_found_in_its_pool(rig):
+    requests = workload.plan("v41", workload.WorkloadOptions(rooms=ROOMS, seed=5, max_new_tokens=24))
+    phase = rig.phase("v41", requests)
+    assert phase.ok, describe(phase)
+    rooms = {str(room) for room in phase.rooms.values()}
+    deadline = time.monotonic() + 60
+    records = [r for r in _records(rig) if r.get("room") in rooms]
+    while not _pool_records_complete(records, rooms) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        records = [r for r in _records(rig) if r.get("room") in rooms]
+    c4 = [r for r in records if r["kind"] == "room" and r["role"] == "decode"]
+    pools = [r for r in records if r["kind"] == "index_pool"]
+    # both sides digested every room in each low-ratio pool, with that pool's layout
+    for role, stage in (("prefill", "prefill_send"), ("decode", "decode_recv"), ("decode", "decode_finish")):
+        for ratio, layout in ((1, "fp4_r1"), (2, "fp4_r2")):
+            seen = {r["room"] for r in pools if (r["role"], r["stage"], r["pool"], r["layout"]) == (role, stage, ratio, layout)}
+            assert seen == rooms, (role, stage, ratio, sorted(rooms - seen))
+    assert {r["verdict"] for r in c4 if r["verdict"] != "skipped"} == {"match"}, describe(phase)
+    # a further pool is compared through the exchange alone: a receipt digest may be judged before
+    # prefill's collector published that pool's digest (unverified then); later stages ask again
+    assert {r["verdict"] for r in pools if r["role"] == "decode" and r["stage"] != "decode_recv"
+            and r["verdict"] != "mismatch"} == {"match"}
+    assert {r["verdict"] for r in pools if r["pool"] == 2 and r["role"] == "decode"} <= {"match", "unverified"}
+    bad = [r for r in pools if r["pool"] == 1 and r["verdict"] == "mismatch"]
+    assert len({r["room"] for r in bad}) == 1, [(r["room"], r["stage"]) for r in bad]
+    found = bad[0]
+    assert found["stage"] in ("decode_step", "decode_finish") and found["first_divergence"] == found["stage"]
+    loc = found["localisation"]
+    assert (loc["pool"], loc["layers"], loc["pages"], loc["segments"]) == (1, [4], [0], ["payload"]), loc
+    # the same room's receipt matched in that pool: the flip came after the transfer
+    receipt = [r for r in pools if r["pool"] == 1 and r["room"] == found["room"] and r["stage"] == "decode_recv"]
+    assert [r["verdict"] for r in receipt] in (["match"], ["unverified"])
