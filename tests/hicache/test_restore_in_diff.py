@@ -16,10 +16,8 @@ from .conftest import host_row
 from .test_restore_pools import backup, findings, load, settle
 
 
-@pytest.mark.parametrize("engine", ["reference", "duckdb"])
-def test_diff_reports_a_restore_mismatch_and_exits_1(hicache, make_pool, tmp_path, capsys, engine):
-    if engine == "duckdb":
-        pytest.importorskip("duckdb")
+def prefill_log_with_a_restore_mismatch(hicache, make_pool, tmp_path):
+    """Prefill's room log holding what the probe wrote for a load of a changed host row (5)."""
     env = hicache()
     pool = make_pool("fp8_indexer", "layer_first")
     backup(pool)
@@ -31,14 +29,21 @@ def test_diff_reports_a_restore_mismatch_and_exits_1(hicache, make_pool, tmp_pat
     for record in env.records:
         assert writer.emit(record)
     writer.close()
+    return tmp_path / "prefill"
 
-    status = cli(["diff", "--engine", engine, str(tmp_path / "prefill")])
+
+@pytest.mark.parametrize("engine", ["reference", "duckdb"])
+def test_diff_reports_a_restore_mismatch_and_exits_1(hicache, make_pool, tmp_path, capsys, engine):
+    if engine == "duckdb":
+        pytest.importorskip("duckdb")
+    logs = str(prefill_log_with_a_restore_mismatch(hicache, make_pool, tmp_path))
+    status = cli(["diff", "--engine", engine, logs])
     out = capsys.readouterr().out
     assert status == 1
     assert "hicache restore: 1 load(s)" in out
     assert "pool deepseek_v4_c4_indexer" in out and "host row 5 device page 7 scale" in out
 
-    assert cli(["diff", "--engine", engine, "--json", "-", str(tmp_path / "prefill")]) == 1
+    assert cli(["diff", "--engine", engine, "--json", "-", logs]) == 1
     summary = json.loads(capsys.readouterr().out)["summary"]["hicache_restore"]
     assert summary["mismatches"] == 1
     (found,) = summary["loads"]
@@ -57,17 +62,8 @@ def test_a_malformed_restore_record_is_a_skipped_line_naming_the_field(tmp_path,
 
 
 def test_the_report_lists_the_restore_mismatch_cells(hicache, make_pool, tmp_path):
-    env = hicache()
-    pool = make_pool("fp8_indexer", "layer_first")
-    backup(pool)
-    host_row(pool, 5, 1)[64 * 128 + 8] ^= 0x10
-    load(pool, device_rows=[3, 7])
-    settle(env)
-    writer = RoomLogWriter(tmp_path / "prefill", "prefill", max_bytes=1 << 20, max_files=10)
-    for record in env.records:
-        assert writer.emit(record)
-    writer.close()
+    logs = prefill_log_with_a_restore_mismatch(hicache, make_pool, tmp_path)
     page = tmp_path / "report.html"
-    assert cli(["report", str(tmp_path / "prefill"), "-o", str(page)]) == 0
+    assert cli(["report", str(logs), "-o", str(page)]) == 0
     html = page.read_text(encoding="utf-8")
     assert 'id="hicache-restore"' in html and "<td>5</td><td>7</td><td>scale</td>" in html
