@@ -19,9 +19,8 @@ from ..offline import engine
 from ..offline import coverage
 from ..offline.diff_output import exit_status, sides
 from ..offline.join import analyse
-from ..offline.printable import printable, printable_logs
+from ..offline.printable import printable
 from ..offline.results import Analysis, RoomResult
-from ..roomlog.reader import InputError
 from ..vocabulary import DECODE_STAGES, SEVERITY, VERDICTS
 
 HELP = "join prefill and decode room logs by (room, attempt) and report where index-K diverged"
@@ -59,18 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 PREFIX = "dsv4-idxk-probe diff:"
 WIDTH = 100  # the warning about one side's logs is wrapped to this many columns
-#: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
-LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        paths = engine.expand(args.logs)  # URLs stay text: the fleet engine fetches them
-    except InputError as exc:
-        print(f"{PREFIX} {printable(exc)}", file=sys.stderr)
-        return 2
-    with printable_logs(*LOGGERS):  # the reader's warnings name files and lines
-        analysis = engine.run(paths, args, PREFIX, reference=lambda p: analyse(p))
+    analysis = engine.analyse_inputs(args, PREFIX, reference=lambda p: analyse(p))  # `analyse` read at call time
     if analysis is None:
         return 2
     try:

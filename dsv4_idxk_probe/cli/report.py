@@ -13,9 +13,8 @@ import sys
 
 from ..offline import engine
 from ..offline.join import analyse
-from ..offline.printable import printable, printable_logs
+from ..offline.printable import printable
 from ..offline.report_html import render
-from ..roomlog.reader import InputError
 from .atomic import write_atomically
 
 HELP = "write an HTML report: each bad room (when, which pod, both rids, cells, what next) and timelines"
@@ -36,18 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 PREFIX = "dsv4-idxk-probe report:"
 PAGE_MODE = 0o644  # the written page: readable by all, as a web server or a colleague needs
-#: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
-LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        paths = engine.expand(args.logs)  # URLs stay text: the fleet engine fetches them
-    except InputError as exc:
-        print(f"{PREFIX} {printable(exc)}", file=sys.stderr)
-        return 2
-    with printable_logs(*LOGGERS):  # the reader's warnings name files and lines
-        analysis = engine.run(paths, args, PREFIX, reference=lambda p: analyse(p))
+    analysis = engine.analyse_inputs(args, PREFIX, reference=lambda p: analyse(p))  # `analyse` read at call time
     if analysis is None:
         return 2
     try:

@@ -27,7 +27,7 @@ from ..roomlog.reader import InputError, expand_inputs
 from . import fleet, remote
 from .diff_output import write_json
 from .join import analyse
-from .printable import printable
+from .printable import printable, printable_logs
 from .results import Analysis
 
 AUTO_BYTES = 1 << 30
@@ -97,6 +97,22 @@ def _size(paths: list[Path]) -> int:
         except OSError:
             pass
     return total
+
+
+#: Loggers that can log log data (file names) while the logs are read: made printable meanwhile.
+LOGGERS = ("dsv4_idxk_probe", "dsv4_idxk_probe.roomlog", "dsv4_idxk_probe.offline")
+
+
+def analyse_inputs(args: argparse.Namespace, prefix: str, reference=None) -> Analysis | None:
+    """`diff`'s and `report`'s reading of `args.logs`: the inputs expanded, then `run`, with the
+    reader's warnings (which name files and lines) made printable; None after a message."""
+    try:
+        paths = expand(args.logs)  # URLs stay text: the fleet engine fetches them
+    except InputError as exc:
+        print(f"{prefix} {printable(exc)}", file=sys.stderr)
+        return None
+    with printable_logs(*LOGGERS):
+        return run(paths, args, prefix, reference=reference)
 
 
 def run(paths: list[Path], args: argparse.Namespace, prefix: str, reference=None) -> Analysis | None:
