@@ -11,6 +11,7 @@ sleeper usually takes the GIL back before the waiter is scheduled.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 
@@ -62,3 +63,28 @@ class HandOff:
             if not items:
                 self._bell.acquire(timeout=check_every_s)
             self._sleeping = False
+
+
+@contextlib.contextmanager
+def every(seconds: float, call, *, first: float | None = None, name: str = "dsv4-idxk-probe-every"):
+    """Call `call()` on a daemon thread after `first` (default `seconds`) and then every
+    `seconds` while the `with` block runs: a progress line during a long wait. A failing
+    call ends the thread, never the block."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        wait = seconds if first is None else first
+        while not stop.wait(wait):
+            try:
+                call()
+            except Exception:
+                return
+            wait = seconds
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=seconds + 1)

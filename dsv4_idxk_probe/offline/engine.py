@@ -11,10 +11,8 @@ tool says so once on stderr; the fleet-only options then exit 2 (docs/fleet.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 import shutil
 import tempfile
 
+from ..background import every
 from ..roomlog.reader import InputError, expand_inputs
 from . import fleet, remote
 from .diff_output import write_json
@@ -206,23 +205,12 @@ def print_per_instance(analysis: Analysis, out, show=printable) -> None:
               f"{verdicts}", file=out)
 
 
-@contextlib.contextmanager
 def _heartbeat(prefix: str, what: str, first_s: float = 2.0, every_s: float = 10.0):
     """A line on stderr after `first_s` and every `every_s` while `what` runs: the reference
     join reports no counts of its own, and a silent minute reads as a hang."""
-    done = threading.Event()
     started = time.monotonic()
 
-    def beat() -> None:
-        wait = first_s
-        while not done.wait(wait):
-            print(f"{prefix} {what}: still reading ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
-            wait = every_s
+    def say() -> None:
+        print(f"{prefix} {what}: still reading ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
-    thread = threading.Thread(target=beat, name="dsv4-idxk-probe-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join(1.0)
+    return every(every_s, say, first=first_s, name="dsv4-idxk-probe-progress")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ...background import every
 from ..faults.summary import render, shipped_fault_spec
 from ..faults.verify import as_json
 from . import launch, workload
@@ -59,8 +59,6 @@ class NoProgress:
 def watch_rooms(session: RigSession, total: int, progress: Any, every_s: float = 2.0):
     """While requests run, count the rooms decode has finished (the oracle's decode_finish
     records, written by the servers) and hand the count to `progress` every `every_s`."""
-    stop = threading.Event()
-
     def tell() -> None:
         try:
             done = len({o.get("room") for o in session._read("oracle") if o.get("stage") == "decode_finish"})
@@ -68,17 +66,10 @@ def watch_rooms(session: RigSession, total: int, progress: Any, every_s: float =
             return
         progress.count(min(done, total), total, "rooms finished at decode", what="requests")
 
-    def watch() -> None:
-        while not stop.wait(every_s):
-            tell()
-
-    thread = threading.Thread(target=watch, name="dsv4-idxk-probe-demo-progress", daemon=True)
-    thread.start()
     try:
-        yield
+        with every(every_s, tell, name="dsv4-idxk-probe-demo-progress"):
+            yield
     finally:
-        stop.set()
-        thread.join(timeout=every_s + 1)
         tell()  # the last count, once the requests are done
 
 
