@@ -172,11 +172,9 @@ class RestoreVerifier:
 
     def after_backup(self, state, host_indices, device_indices) -> None:
         """Digest the device pages a page-path backup read, on its stream, and keep them per host row."""
-        pool = self.pool(state)
         nbytes = _moved_bytes(state, host_indices, state.geom.layers)
+        pool = self._verified_pool(state, "hicache_backup", nbytes)
         if pool is None:
-            if is_index_k_pool(state.geom.name):
-                self._count("hicache_backup", "unverified", self.why_not(state), nbytes)
             return
         host_rows, device_pages = _rows(host_indices, pool.page_size), _rows(device_indices, pool.page_size)
         host_rows = _host_copy(host_rows)  # before the digest's launch: its event covers the copy
@@ -196,13 +194,11 @@ class RestoreVerifier:
         """After the pool's last layer of a page-path load: digest the device pages it wrote,
         on its stream, and compare them with their host rows' backups on the collector.
         `context`: what the report needs besides the comparison (global layer ids ...)."""
-        pool = self.pool(state)
         if layer != state.geom.layers - 1:
             return  # the pages are complete once the last layer is loaded
         nbytes = _moved_bytes(state, host_indices, state.geom.layers)
+        pool = self._verified_pool(state, "hicache_load", nbytes)
         if pool is None:
-            if is_index_k_pool(state.geom.name):
-                self._count("hicache_load", "unverified", self.why_not(state), nbytes)
             return
         host_rows, device_pages = _rows(host_indices, pool.page_size), _rows(device_indices, pool.page_size)
         # host copies made before the digest's launch, in stream order: its event covers them
@@ -225,6 +221,14 @@ class RestoreVerifier:
                                                  host_rows=rows, device_pages=pages))
 
         self._submit(pool, device_pages, compared, "hicache_load", nbytes, key, host_rows)
+
+    def _verified_pool(self, state, path: str, nbytes: int) -> PoolRestore | None:
+        """The pool's restore set-up; None (an index-K pool's bytes counted unverified, with
+        why) where this pool is not verified."""
+        pool = self.pool(state)
+        if pool is None and is_index_k_pool(state.geom.name):
+            self._count(path, "unverified", self.why_not(state), nbytes)
+        return pool
 
     def forget_rows(self, state, host_rows: list[int]) -> None:
         """The storage tier wrote these host pages: their kept digests no longer say what the
