@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := requirements/constraints.txt
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: demo test install install-demo install-sglang install-sglang-releases install-test clean
 

@@ -44,8 +44,7 @@ def test_500_clean_rooms_all_match_through_chunked_prefill_and_prefill_prefix_hi
 def test_every_shipped_fault_is_found_where_and_when_it_shows(rig):
     # after the clean rooms: decode's pages have had occupants, so a stale page or a lost
     # write shows the previous occupant's bytes (a page never used holds zeros)
-    private = workload.prefill_fault_rooms(shipped_fault_spec())
-    requests = workload.plan("faults", workload.WorkloadOptions(rooms=48, seed=1, private=private))
+    requests = workload.plan("faults", workload.fault_workload(shipped_fault_spec(), rooms=48, seed=1))
     phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
     assert phase.ok, describe(phase)
     applied = [c for c in phase.verification.checks if c.record["applied"]]

@@ -13,8 +13,7 @@ rig = pair_fixture("sglang-overlap", launch.ServerOptions(overlap=True))
 
 
 def test_every_shipped_fault_is_found_with_the_overlap_loops(rig):
-    private = workload.prefill_fault_rooms(shipped_fault_spec())
-    requests = workload.plan("faults", workload.WorkloadOptions(rooms=32, seed=4, private=private))
+    requests = workload.plan("faults", workload.fault_workload(shipped_fault_spec(), rooms=32, seed=4))
     phase = rig.phase("faults", requests, faults=str(shipped_fault_spec()))
     assert phase.ok, describe(phase)
     assert sum(1 for c in phase.verification.checks if c.record["applied"] and c.expected) >= 8, describe(phase)

@@ -30,3 +30,16 @@ def test_no_private_rooms_leaves_the_plan_as_it_was():
     a = workload.plan("x", workload.WorkloadOptions(rooms=32, seed=3))
     b = workload.plan("x", workload.WorkloadOptions(rooms=32, seed=3, private=()))
     assert a == b
+
+
+def test_a_swap_faults_rooms_decode_long_enough_for_a_partner_to_arrive():
+    opts = workload.fault_workload(shipped_fault_spec(), rooms=48, seed=1)
+    assert opts.long_rooms == workload.swap_fault_rooms(shipped_fault_spec()) and opts.long_rooms
+    assert opts.private == workload.prefill_fault_rooms(shipped_fault_spec())
+    plan = {r.number: r for r in workload.plan("x", opts)}
+    plain = {r.number: r for r in workload.plan("x", workload.WorkloadOptions(rooms=48, seed=1, private=opts.private))}
+    for n, req in plan.items():
+        if n in opts.long_rooms:
+            assert req.max_new_tokens >= opts.long_new_tokens > plain[n].max_new_tokens
+        else:
+            assert req == plain[n]  # every other room as it was: prompts, lengths, seeds

@@ -31,8 +31,7 @@ WITH_SECRET = "step_interval: 4\nexchange:\n  secret_file: {secret}\n"
 
 
 def faults_phase(rig, name: str, seed: int):
-    requests = workload.plan(name, workload.WorkloadOptions(
-        rooms=8, seed=seed, max_new_tokens=12, private=workload.prefill_fault_rooms(FAULTS)))
+    requests = workload.plan(name, workload.fault_workload(FAULTS, rooms=8, seed=seed, max_new_tokens=12))
     return rig.phase(name, requests, faults=str(FAULTS))
 
 

@@ -77,9 +77,9 @@ def run_sglang_demo(opts: SGLangDemoOptions, out: TextIO, progress: Any = None) 
     progress = progress or NoProgress()
     faults = None if opts.no_faults else str(opts.faults or shipped_fault_spec())
     options = launch.ServerOptions(overlap=opts.overlap)
-    private = workload.prefill_fault_rooms(faults) if faults else ()
-    requests = workload.plan("demo", workload.WorkloadOptions(rooms=opts.rooms, seed=opts.seed,
-                                                               concurrency=opts.concurrency, private=private))
+    sizes = dict(rooms=opts.rooms, seed=opts.seed, concurrency=opts.concurrency)
+    requests = workload.plan("demo", workload.fault_workload(faults, **sizes) if faults
+                             else workload.WorkloadOptions(**sizes))
     if faults is not None:  # a bad spec is refused before any server starts: its fields, the model, the rooms
         check_fault_spec(faults, requests, options)
     run_dir = run_dir_for(opts.log_dir)

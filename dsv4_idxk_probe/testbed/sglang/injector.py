@@ -36,10 +36,6 @@ log = logging.getLogger("dsv4_idxk_probe.rig")
 
 INDEXER_HOST_POOL = "deepseek_v4_c4_indexer"  # the index-K host pool's pool_name
 
-# A swap due when no other room is resident waits for one this many forwards of its room
-# (its effects are placed from where it was applied, not from its after_step).
-SWAP_WAIT_FORWARDS = 16
-
 
 class Injector:
     def __init__(self, role: str, plan_file: PlanFile, rooms: Rooms, out: Out):
@@ -121,11 +117,8 @@ class Injector:
             replacement = [before[i] for i in target.layers]
         if kind == "swap_pages":
             partner = self._partner(fault, track)
-            if partner is None:
-                if track.forwards - fault.after_step < SWAP_WAIT_FORWARDS:
-                    track.waiting.add(fault.index)  # tried again at the room's next forward
-                    return
-                self.record_fault(fault, track, False, "no partner room resident", point=track.points)
+            if partner is None:  # tried again at the room's next forward, while it lives
+                track.waiting.add(fault.index)
                 return
             return self._swap(fault, track, target, partner, rng)
         if kind in ("drop_page", "partial_write"):

@@ -46,6 +46,10 @@ class WorkloadOptions:
     # prefill's memory (`before_send`) would otherwise reach the rooms that share them
     # through prefill's radix cache, on both sides alike (`prefill_fault_rooms`)
     private: tuple[int, ...] = ()
+    # rooms that must stay resident on decode while others arrive (a swap_pages fault needs a
+    # partner room there): they generate `long_new_tokens` each (`fault_workload`)
+    long_rooms: tuple[int, ...] = ()
+    long_new_tokens: int = 160
 
 
 def plan(run: str, opts: WorkloadOptions) -> list[Request]:
@@ -61,6 +65,8 @@ def plan(run: str, opts: WorkloadOptions) -> list[Request]:
             if n not in opts.private:  # a private room takes no one's pages either
                 ids[:keep] = donor[:keep]
         steps = int(rng.integers(opts.min_new_tokens, opts.max_new_tokens + 1))
+        if n in opts.long_rooms:
+            steps = max(steps, opts.long_new_tokens)
         abort = 0.05 if n in opts.aborts else None
         out.append(Request(n, f"{run}-{n}", tuple(int(i) for i in ids), steps, abort))
     return out
@@ -113,8 +119,29 @@ def prefill_fault_rooms(fault_spec_path) -> tuple[int, ...]:
     """The rooms a fault spec changes in prefill's memory (`before_send`), named by number
     (a fraction of rooms is drawn in the servers and cannot be known here): the rooms to
     keep `private` so no other room shares their pages."""
+    return _rooms_of(fault_spec_path, lambda f: f.when == "before_send")
+
+
+def swap_fault_rooms(fault_spec_path) -> tuple[int, ...]:
+    """The rooms whose fault swaps pages with another resident room: kept `long_rooms`, so
+    rooms sent after them reach decode while they still decode (on a slow, busy machine a
+    short room can come and go alone, and its swap would find no partner)."""
+    from ..faults.spec import load_fault_spec
+
+    swaps = [f for f in load_fault_spec(fault_spec_path).faults if f.kind == "swap_pages"]
+    return tuple(sorted({r for f in swaps for r in (f.room_ids or ())} | {f.with_room for f in swaps if f.with_room}))
+
+
+def fault_workload(fault_spec_path, **options) -> WorkloadOptions:
+    """WorkloadOptions for a run with this fault spec: its prefill-side rooms private, its
+    swap rooms long."""
+    return WorkloadOptions(private=prefill_fault_rooms(fault_spec_path),
+                           long_rooms=swap_fault_rooms(fault_spec_path), **options)
+
+
+def _rooms_of(fault_spec_path, wanted) -> tuple[int, ...]:
     from ..faults.spec import load_fault_spec
 
     spec = load_fault_spec(fault_spec_path)
-    return tuple(sorted({room for f in spec.faults if f.when == "before_send" for room in (f.room_ids or ())}))
+    return tuple(sorted({room for f in spec.faults if wanted(f) for room in (f.room_ids or ())}))
 
