@@ -68,16 +68,6 @@ def test_tp2_to_tp2_across_two_hosts_with_the_secret_finds_every_fault(pairs):
         prefill_log[-2000:]
 
 
-# %% prefill TP 2 -> decode TP 1 (heterogeneous TP: one decode rank takes its KV from one prefill rank)
-
-
-def test_tp2_to_tp1_finds_every_fault(pairs):
-    rig = pairs.get("tp2-tp1", launch.ServerOptions(prefill_tp=2, decode_tp=1))
-    phase = faults_phase(rig, "tp21", seed=22)
-    assert_every_fault_found(phase)
-    assert rank_logs(rig, "prefill") == 2 and rank_logs(rig, "decode") == 1
-
-
 # %% prefill PP 2 -> decode PP 1: SGLang 0.5.23 refuses it for DeepSeek-V4
 
 
@@ -125,7 +115,7 @@ def test_two_hosts_without_the_secret_match_the_oracle_but_leave_mismatches_unlo
     assert live and all(not r.get("localisation") and "vectors unavailable" in r.get("reason", "") for r in live), live[:2]
 
 
-# %% Mooncake (its TCP transport), the in-band digest forced late
+# %% prefill TP 2 -> decode TP 1 over Mooncake (its TCP transport), the in-band digest forced late
 
 
 def mooncake_missing() -> str | None:
@@ -140,11 +130,15 @@ def mooncake_missing() -> str | None:
 
 
 @pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
-def test_mooncake_with_the_digest_late_takes_every_verdict_from_the_exchange_and_finds_every_fault(pairs):
-    rig = pairs.get("mooncake-late", launch.ServerOptions(transfer_backend="mooncake"),
+def test_tp2_to_tp1_over_mooncake_with_the_digest_late_takes_every_verdict_from_the_exchange(pairs):
+    """Two topologies in one pair (one SGLang start fewer): heterogeneous TP (prefill TP 2 ->
+    decode TP 1: the decode rank takes its KV from one prefill rank) over Mooncake's TCP
+    transport, with the in-band digest forced late."""
+    rig = pairs.get("tp2-tp1-mooncake-late", launch.ServerOptions(prefill_tp=2, decode_tp=1, transfer_backend="mooncake"),
                     env={ENV_DEFER_INBAND: "1"})
     phase = faults_phase(rig, "mooncake", seed=24)
     assert_every_fault_found(phase)
+    assert rank_logs(rig, "prefill") == 2 and rank_logs(rig, "decode") == 1
     judged = [r for r in decode_records(rig) if r.get("rid") in set(phase.rooms) and r.get("verdict") in ("match", "mismatch")]
     # no room carried its digest in band: each verdict came by the late path (the exchange)
     assert judged and all(r.get("expected_room") is None for r in judged), judged[:2]
