@@ -21,7 +21,7 @@
 # servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
+steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -57,6 +57,10 @@ step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --out 
 # trip: cycles/s against the bare pool; then the wrappers' CPU per call under sync-debug "error".
 step hostpool 300 python3 -m bench.overhead --device cuda --skip-rig --reps 7 --out "$res/overhead_hostpool"
 step hicachesync 180 python3 -m bench.hicache_overhead --device cuda --standalone
+# HiCache restore verification inside serving-shaped traffic (one write-through backup per
+# room, half the rooms restore a prefix, 10 ms GPU model steps): rooms/s on/off, 7 pairs.
+step hicacheserving 240 python3 -m bench.hicache_serving --device cuda --reps 7 --target-seconds 2 --step-ms 10 \
+    --out "$res/hicache_serving"
 # The submit's parts with the engine's two output places (digest.outputs), one after the other.
 step profile 150 bash -c "python3 -m bench.submit_profile --calls 200 --out $res/profile && \
     python3 -m bench.submit_profile --calls 200 --outputs pinned --out $res/profile_pinned"

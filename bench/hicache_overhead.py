@@ -8,11 +8,25 @@ so drift hits both:
   * backup: one page-path backup of PAGES pages over all layers;
   * load, next layer: a per-layer load with the index tensors of the previous
     call (what every layer after the first sees);
+  * load, last layer: the same, at the pool's last layer, where restore
+    verification (on by default) digests the pages the load wrote;
   * load, new indices: a per-layer load with fresh index tensors each call;
 each bare (no probe), wrapped with index checks on (the default) and
 wrapped with index checks off. Round-trip mode is off throughout. The
 flusher's work (publishing counts, running the index checks) happens between
 rounds, outside the timings: it runs on its own thread.
+
+Restore verification launches a digest per backup and per load; its collector
+thread reads the host rows back. Every `--burst` calls the timing pauses until
+the collector has caught up, as it does between a serving thread's copies (a
+collector that lags makes the copying thread allocate staging buffers and
+events; `--burst 0` measures that). A probe failure on any thread (the
+collector's included) fails the run.
+
+`--count` counts instead of timing (any machine, no GPU): Python calls, C calls
+and bytecodes on the copying thread per call, with restore verification's
+digest engine on its CUDA path and its device calls faked as `bench.hook_ops`
+fakes them.
 
 Two ways to get a pool:
   * default: SGLang's real ``DeepSeekV4PagedHostPool`` (needs sglang); on CPU
@@ -29,6 +43,7 @@ raises and the script exits non-zero. A deliberately straddling page group is
 then checked to have been counted, proving the checks ran on the device.
 
 Usage:  python -m bench.hicache_overhead [--device cpu|cuda] [--standalone] [--rounds R] [--calls N]
+                                         [--burst B] [--count]
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ from prometheus_client import CollectorRegistry
 from bench.harness import Table, median, per_call_us
 from dsv4_idxk_probe.hicache import forget, probe_for
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
+from dsv4_idxk_probe.safety import error_counts
 from dsv4_idxk_probe.sglang import hicache as adapter
 
 LAYERS, PAGE, PAGES, HOST_PAGES, DEVICE_PAGES, ITEM = 4, 256, 4, 64, 64, 8448
@@ -116,9 +132,22 @@ def indices(first_page: int, device) -> torch.Tensor:
     return torch.arange(first_page * PAGE, (first_page + PAGES) * PAGE, dtype=torch.int64, device=device)
 
 
-def cpu_us(fn, calls: int) -> float:
-    """Thread CPU time per call, in microseconds, averaged over `calls` calls."""
-    return per_call_us(fn, calls, clock=time.thread_time)
+def cpu_us(fn, calls: int, burst: int = 0, between=None) -> float:
+    """Thread CPU time per call, in microseconds, averaged over `calls` calls; with `burst`,
+    `between()` runs untimed after every `burst` calls (the restore collector catching up,
+    as it does between a serving thread's copies)."""
+    if not burst or between is None:
+        return per_call_us(fn, calls, clock=time.thread_time)
+    spent, done = 0.0, 0
+    while done < calls:
+        n = min(burst, calls - done)
+        started = time.thread_time()
+        for _ in range(n):
+            fn()
+        spent += time.thread_time() - started
+        done += n
+        between()
+    return spent / calls * 1e6
 
 
 class Installed:
@@ -146,10 +175,66 @@ class Installed:
                 setattr(self.cls, name, self.cls.__dict__[name].__wrapped__)
         self.handles.clear()
 
+    def drain(self):
+        restore = probe_for(self.runtime).restore
+        if restore is not None:
+            restore.drain()
+
     def flush(self):
         checker = probe_for(self.runtime).checker
         if checker is not None:
             checker.flush()
+
+
+def faked_cuda_engine(layout, layer_ids, buffers, queue_max):
+    """Restore verification's digest engine taking its CUDA submit path, device calls faked
+    (`bench.hook_ops.fake_device_calls`): what a copy call costs the copying thread on a GPU,
+    counted on any machine."""
+    from bench.hook_ops import fake_device_calls
+    from dsv4_idxk_probe.digest import DigestEngine
+
+    return fake_device_calls(DigestEngine(layout, layer_ids, buffers, backend="triton", contents=True,
+                                          max_pending=queue_max, prealloc=4))
+
+
+def count_calls(cls, pool, calls: int) -> int:
+    """`--count`: Python calls, C calls and bytecodes on the copying thread per call, bare and
+    wrapped (index checks on, restore verification on with a faked-CUDA engine), medians."""
+    from bench.harness import CallCounter
+
+    host, device = indices(0, "cpu"), indices(8, "cpu")
+    cases = {
+        "backup": lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"),
+        "load, not the last layer": lambda: pool.load_to_device_per_layer(None, host, device, 1, "kernel"),
+        "load, last layer (digest)": lambda: pool.load_to_device_per_layer(None, host, device, LAYERS - 1, "kernel"),
+    }
+    counter, results = CallCounter(), {}
+    for variant in ("bare", "wrapped"):
+        inst = Installed(cls, True) if variant == "wrapped" else None
+        restore = None
+        if inst is not None:
+            restore = probe_for(inst.runtime).restore
+            restore._engine_factory = faked_cuda_engine
+        with inst if inst is not None else _nothing():
+            for fn in cases.values():  # registers the pool and builds its engine: not counted
+                fn()
+            for case, fn in cases.items():
+                samples = []
+                for _ in range(calls):
+                    if restore is not None:
+                        restore.drain()  # events and buffers back in their pools, as between real calls
+                    samples.append(counter.count(lambda fn=fn: fn))
+                results[(case, variant)] = {k: median(s[k] for s in samples) for k in samples[0]}
+        if inst is not None:
+            forget(inst.runtime)
+    print(f"copying-thread work per call ({LAYERS} layers, {PAGES} pages per call; restore digest engine on its CUDA "
+          f"path, device calls faked; medians over {calls} calls)")
+    table = Table(("case", "<26"), ("variant", "<8"), ("Python calls", "12.0f"), ("C calls", "8.0f"),
+                  ("bytecodes", "10.0f"))
+    print(table.header())
+    for (case, variant), r in results.items():
+        print(table.row(case, variant, r["python_calls"], r["c_calls"], r["opcodes"]))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -158,7 +243,15 @@ def main(argv=None) -> int:
     parser.add_argument("--standalone", action="store_true", help="no sglang: a minimal pool with the same methods")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--burst", type=int, default=16,
+                        help="calls between two untimed waits for the restore collector (0: never wait; a "
+                             "collector that lags allocates staging and events on the copying thread)")
+    parser.add_argument("--count", action="store_true",
+                        help="count the copying thread's calls and bytecodes instead of timing (CPU, standalone pool)")
     args = parser.parse_args(argv)
+    if args.count:
+        torch.set_num_threads(1)
+        return count_calls(StandalonePool, StandalonePool(torch.device("cpu")), min(args.calls, 200))
     dev = torch.device(args.device)
     torch.set_num_threads(1)  # tiny index tensors; keeps intra-op thread pools out of the timings
     if args.standalone:
@@ -177,6 +270,7 @@ def main(argv=None) -> int:
     cases = {
         "backup": lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"),
         "load, next layer": lambda: pool.load_to_device_per_layer(None, host, device, 1, "kernel"),
+        "load, last layer": lambda: pool.load_to_device_per_layer(None, host, device, LAYERS - 1, "kernel"),
         "load, new indices": new_indices_load,
     }
     variants = {"bare": None, "wrapped, index checks on": True, "wrapped, index checks off": False}
@@ -198,7 +292,8 @@ def main(argv=None) -> int:
                         torch.cuda.synchronize()
                         torch.cuda.set_sync_debug_mode("error")
                     try:
-                        results[case][variant].append(cpu_us(fn, args.calls))
+                        results[case][variant].append(
+                            cpu_us(fn, args.calls, args.burst, inst.drain if inst is not None else None))
                     finally:
                         if sync_check:
                             torch.cuda.set_sync_debug_mode(0)
@@ -224,7 +319,12 @@ def main(argv=None) -> int:
         print(f"sync check: no synchronising call in any timed wrapped call; device checks counted {int(got)} straddles")
 
     for inst in installs.values():
+        inst.drain()
         forget(inst.runtime)
+    failures = error_counts()
+    if failures:
+        print(f"FAIL: probe failures counted during the run: {failures}")
+        return 1
     mode = "standalone" if args.standalone else "sglang DeepSeekV4PagedHostPool"
     print(f"\ndevice={args.device} pool={mode} layers={LAYERS} pages/call={PAGES} rounds={args.rounds} calls={args.calls}")
     table = Table(("case", "<20"), ("variant", "<28"), ("median us", "9.2f"), ("added", "7.2f"), ("ratio", "6.2f"),

@@ -11,10 +11,13 @@ with what its backup read.
   digests of their host rows (`restore_compare`). A difference is a finding at stage
   `hicache_load`, localised to (pool, layer, host row, device page, segment).
 
-Nothing here waits for the device: the digest engine (digest/engine.py) launches on
-the caller's stream and its collector thread delivers the contents; the page ids are
-derived on the indices' device. Without CUDA the engine digests with the NumPy
-reference at submit time and still delivers on its collector. One engine (one
+Nothing here waits for the device, and the copying thread does only what must happen
+at that instant: it derives the device page ids on the indices' device (one division)
+and launches the digest on its stream (digest/engine.py), holding references to the
+index tensors. The engine's collector thread delivers the contents and reads the host
+rows and device page numbers back from the held tensors (`restore_rows`), then stores
+or compares. Without CUDA (the rig) the copying thread copies the pages instead and
+the collector digests the copy with the NumPy reference (`restore_snapshot`). One engine (one
 collector thread) per index-K host pool, so a model with several index-K pools has
 several engines, each with its own layout.
 
@@ -33,6 +36,7 @@ import numpy as np
 from ..digest.layout import RowLayout, Segment, shipped_layouts
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
+from .restore_rows import Captured, device_page_ids, read_rows
 from .restore_store import HostPageDigests
 
 _log = logging.getLogger("dsv4_idxk_probe.hicache")
@@ -69,6 +73,12 @@ def decode_sidecar(data, layers: int, segments: int) -> np.ndarray | None:
     return words[3:].reshape(layers, segments).copy()
 
 
+#: Staging buffers (pinned host + device, 128 KiB each for a copy of up to ~130 pages x 30
+#: layers) each pool's engine reserves at start-up: digests in flight at once before the
+#: collector gives them back. One more is allocated on the copying thread (milliseconds).
+PREALLOC = 16
+
+
 def is_index_k_pool(name: str) -> bool:
     """SGLang names its index-K host pools ``deepseek_v4_c{1,2,4}_indexer`` (and
     ``draft_indexer``): the pools whose bytes this verifies and counts."""
@@ -95,6 +105,8 @@ class PoolRestore:
     layers: int
     row_bytes: int
     page_size: int
+    keys: dict = None  # path -> the digest's room key, made once
+    snapshot: Any = None  # restore_snapshot.SnapshotDigests: a CPU pool's copy-then-digest path
 
 
 class RestoreVerifier:
@@ -144,7 +156,13 @@ class RestoreVerifier:
         layout = pool_layout(geom.name, geom.item_bytes)
         buffers = [state.views.device_layer(layer) for layer in range(geom.layers)]
         engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max)
-        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size)
+        snapshot = None
+        if getattr(engine, "backend", None) == "reference":  # no GPU: digests would run on the copying thread
+            from .restore_snapshot import SnapshotDigests
+
+            snapshot = SnapshotDigests(engine)
+        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size,
+                           {path: f"{path}:{geom.name}" for path in ("hicache_backup", "hicache_load")}, snapshot)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every digest submitted so far has been delivered (tests, tools; never
@@ -171,28 +189,35 @@ class RestoreVerifier:
     # -- backup and load ----------------------------------------------------------
 
     def after_backup(self, state, host_indices, device_indices) -> None:
-        """Digest the device pages a page-path backup read, on its stream, and keep them per host row."""
+        """Digest the device pages a page-path backup read, on its stream, and keep them per
+        host row. This thread derives the device page ids and launches the digest; the host
+        rows are read from the held index tensor by the collector (`restore_rows`)."""
         nbytes = _moved_bytes(state, host_indices, state.geom.layers)
         pool = self._verified_pool(state, "hicache_backup", nbytes)
         if pool is None:
             return
-        host_rows, device_pages = _rows(host_indices, pool.page_size), _rows(device_indices, pool.page_size)
-        host_rows = _host_copy(host_rows)  # before the digest's launch: its event covers the copy
-        key = state.key
+        host, key, size = Captured(host_indices), state.key, pool.page_size
 
         def stored(result) -> None:
+            rows = read_rows(host, size)
+            if rows is None:  # the index tensor was rewritten: which rows it named is unknown
+                self._count("hicache_backup", "unverified", "probe_error", nbytes)
+                self.store.forget_all(key)  # never compare a load with a digest kept under a wrong row
+                return
             if result.error or not result.contents or any(result.out_of_range):
                 self._count("hicache_backup", "unverified", "probe_error", nbytes)
-                self.store.drop(key, _ints(host_rows))  # never compare a load with a digest not taken
+                self.store.drop(key, rows)  # never compare a load with a digest not taken
                 return
-            self.store.put(key, _ints(host_rows), result.contents[0])
+            self.store.put(key, rows, result.contents[0])
             self._count("hicache_backup", "verified", "none", nbytes)
 
-        self._submit(pool, device_pages, stored, "hicache_backup", nbytes, key, host_rows)
+        self._submit(pool, device_page_ids(device_indices, size), stored, "hicache_backup", nbytes, key, host,
+                     host_indices.numel() // size)
 
     def after_load(self, state, host_indices, device_indices, layer: int, context: dict) -> None:
         """After the pool's last layer of a page-path load: digest the device pages it wrote,
-        on its stream, and compare them with their host rows' backups on the collector.
+        on its stream, and compare them with their host rows' backups on the collector, which
+        reads the host rows and device page numbers from the held tensors.
         `context`: what the report needs besides the comparison (global layer ids ...)."""
         if layer != state.geom.layers - 1:
             return  # the pages are complete once the last layer is loaded
@@ -200,16 +225,14 @@ class RestoreVerifier:
         pool = self._verified_pool(state, "hicache_load", nbytes)
         if pool is None:
             return
-        host_rows, device_pages = _rows(host_indices, pool.page_size), _rows(device_indices, pool.page_size)
-        # host copies made before the digest's launch, in stream order: its event covers them
-        host_rows, device_page_ids = _host_copy(host_rows), _host_copy(device_pages)
-        key = state.key
+        device_pages = device_page_ids(device_indices, pool.page_size)
+        host, pages_of, key, size = Captured(host_indices), Captured(device_pages), state.key, pool.page_size
 
         def compared(result) -> None:
-            if result.error or not result.contents or any(result.out_of_range):
+            rows, pages = read_rows(host, size), read_rows(pages_of, None)
+            if rows is None or pages is None or result.error or not result.contents or any(result.out_of_range):
                 self._count("hicache_load", "unverified", "probe_error", nbytes)
                 return
-            rows, pages = _ints(host_rows), _ints(device_page_ids)
             comparison = compare_load(self.store.get(key, rows), result.contents[0], rows, pages,
                                       pool.layout.segment_names)
             per_row = pool.row_bytes * pool.layers
@@ -220,7 +243,7 @@ class RestoreVerifier:
             self._report(state, comparison, dict(context, pool=pool.name, layout=pool.layout.name,
                                                  host_rows=rows, device_pages=pages))
 
-        self._submit(pool, device_pages, compared, "hicache_load", nbytes, key, host_rows)
+        self._submit(pool, device_pages, compared, "hicache_load", nbytes, key, host, host_indices.numel() // size)
 
     def _verified_pool(self, state, path: str, nbytes: int) -> PoolRestore | None:
         """The pool's restore set-up; None (an index-K pool's bytes counted unverified, with
@@ -276,30 +299,40 @@ class RestoreVerifier:
         self._count("l3", "verified", "none", nbytes)
         return True
 
-    def _submit(self, pool: PoolRestore, device_pages, callback, path: str, nbytes: int, key: int, host_rows) -> None:
-        n_pages = len(device_pages)
-        ticket = pool.engine.submit_room(f"{path}:{pool.name}", device_pages, n_pages * pool.layout.page_tokens,
-                                         callback, contents_only=True)
-        if ticket is None:  # the collector is behind: counted, never waited for
+    def _submit(self, pool: PoolRestore, device_pages, callback, path: str, nbytes: int, key: int,
+                host: Captured, n_pages: int) -> None:
+        n_tokens = n_pages * pool.layout.page_tokens
+        if pool.snapshot is not None:  # a CPU pool: the pages copied now, digested on the collector
+            ticket = pool.engine.backlog() < self.queue_max and pool.snapshot.submit(device_pages, n_pages, n_tokens,
+                                                                                     callback)
+        else:
+            ticket = pool.engine.submit_room(pool.keys[path], device_pages, n_tokens, callback, contents_only=True)
+        if not ticket:  # the collector is behind: counted, never waited for
             self._count(path, "unverified", "queue_full", nbytes)
             if path == "hicache_backup":
-                self._drop_when_copied(pool, key, host_rows)
+                self._drop_when_copied(pool, key, host)
 
-    def _drop_when_copied(self, pool: PoolRestore, key: int, host_rows) -> None:
-        """Forget these host rows' kept digests (their backup was not digested). Where the
-        rows are a host copy still on its way from the device, the collector waits for it
-        (an event recorded behind the copy): this thread never does."""
-        if not getattr(host_rows, "is_pinned", lambda: False)():
-            self.store.drop(key, _ints(host_rows))
-            return
-        import torch
+    def _drop_when_copied(self, pool: PoolRestore, key: int, host: Captured) -> None:
+        """Forget these host rows' kept digests (their backup was not digested). The rows
+        are read by the collector; where the index tensor is on a device, once the stream
+        has passed this point (an event recorded here, waited for there): this thread never
+        waits. The rare path: a full queue."""
+        copied = None
+        if getattr(host.tensor, "is_cuda", False):
+            import torch
 
-        copied = torch.cuda.Event()
-        copied.record()
+            copied = torch.cuda.Event()
+            copied.record()
+        size = pool.page_size
 
         def drop(_arg) -> None:
-            copied.synchronize()
-            self.store.drop(key, _ints(host_rows))
+            if copied is not None:
+                copied.synchronize()
+            rows = read_rows(host, size)
+            if rows is None:
+                self.store.forget_all(key)
+            else:
+                self.store.drop(key, rows)
 
         pool.engine.post(drop)
 
@@ -307,27 +340,7 @@ class RestoreVerifier:
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int):
     from ..digest.engine import DigestEngine  # torch (and Triton on CUDA): only when a pool is verified
 
-    return DigestEngine(layout, layer_ids, buffers, contents=True, max_pending=queue_max, prealloc=4)
-
-
-def _rows(indices, page_size: int):
-    """Each page group's row, as the pool computes it (`idx.reshape(-1, P)[:, 0] // P`): a new
-    tensor on the indices' device, made in stream order, read back only by the collector."""
-    return indices.reshape(-1, page_size)[:, 0] // page_size
-
-
-def _host_copy(values):
-    """A host copy of a device tensor, made in stream order (pinned, non-blocking: no wait on
-    this thread); read only once the stream has passed it (the digest's event, which is
-    recorded after it). Host tensors and lists are returned as they are."""
-    if getattr(values, "is_cuda", False):
-        return values.to("cpu", non_blocking=True)
-    return values
-
-
-def _ints(rows) -> list[int]:
-    """Row numbers as ints, from a host tensor or list (the collector's read, after the event)."""
-    return [int(r) for r in (rows.tolist() if hasattr(rows, "tolist") else rows)]
+    return DigestEngine(layout, layer_ids, buffers, contents=True, max_pending=queue_max, prealloc=PREALLOC)
 
 
 def _moved_bytes(state, host_indices, layers: int) -> int:

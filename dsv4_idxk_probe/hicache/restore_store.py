@@ -92,6 +92,16 @@ class HostPageDigests:
                 self._remember_lost(key)
         return dropped
 
+    def forget_all(self, pool: int) -> int:
+        """Forget every kept digest of a pool, remembered as lost (a backup whose rows could
+        not be read: any of them may be stale now); returns how many were kept."""
+        with self._lock:
+            keys = [k for k in self._table if k[0] == pool]
+            for key in keys:
+                del self._table[key]
+                self._remember_lost(key)
+        return len(keys)
+
     def forget_pool(self, pool: int) -> None:
         """A pool that is gone: its rows' digests go with it (not counted as evictions)."""
         with self._lock:

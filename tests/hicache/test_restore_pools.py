@@ -135,3 +135,50 @@ def test_a_pool_that_is_not_index_k_is_not_digested(hicache, make_pool):
     settle(env)
     assert env.probe.restore.pool(env.probe.state_of(pool)) is None
     assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") is None
+
+
+def _hold_collector(env, pool):
+    """Keep the pool's restore collector busy until the returned event is set."""
+    import threading
+
+    release = threading.Event()
+    state = env.probe.state_of(pool)
+    env.probe.restore.pool(state).engine.post(lambda _arg: release.wait(10))
+    return release
+
+
+def test_on_the_cpu_the_pages_are_taken_at_the_copy_and_digested_on_the_collector(hicache, make_pool):
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)  # registers the pool and its engine
+    settle(env)
+    release = _hold_collector(env, pool)
+    backup(pool)
+    for l in range(LAYERS):  # the forward overwrites the pages the backup read, before the collector gets to them
+        pool.device_buffers[l].view(torch.uint8)[DEVICE_ROWS] ^= 0x5A
+    state = env.probe.state_of(pool)
+    assert env.probe.restore.pool(state).snapshot.pending_bytes > 0  # the pages wait as a copy
+    release.set()
+    load(pool, device_rows=[0, 4])
+    settle(env)
+    assert findings(env) == []  # the kept digests are those of the bytes the backup copied
+    assert env.value("rooms_verified", stage=STAGE, verdict="match") == 1
+
+
+def test_on_the_cpu_page_copies_past_their_bound_are_counted_queue_full(hicache, make_pool):
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    state = env.probe.state_of(pool)
+    snapshot = env.probe.restore.pool(state).snapshot
+    snapshot.max_bytes = 1  # one copy is always let through; a second waits for none
+    release = _hold_collector(env, pool)
+    backup(pool)
+    backup(pool)
+    release.set()
+    settle(env)
+    row = LAYERS * pool.item_bytes
+    env.probe.publish()
+    assert env.value("coverage_bytes", path="hicache_backup", outcome="unverified", reason="queue_full") == 2 * row
+    assert snapshot.pending_bytes == 0

@@ -88,3 +88,80 @@ def test_backup_and_load_read_no_index_value_on_the_serving_thread():
     (comparison,) = reports
     assert comparison.verdict == "match" and comparison.rows == 2
     assert ("hicache_load", "verified", "none", 2 * 2 * 8448) in counted
+
+
+SHAPE_ONLY = {"numel", "dim", "size", "__get__", "__len__"}  # a tensor's shape, not its values
+COPIES = {"to", "copy_", "cpu", "clone", "contiguous", "pin_memory", "tolist", "numpy", "item"}
+
+
+class Recorded(torch.Tensor):
+    """A tensor that records what the serving thread does with it (and with tensors made from it)."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if threading.get_ident() == SERVING:
+            Recorded.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class RecordedHost(Recorded):
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if threading.get_ident() == SERVING:
+            RecordedHost.seen.append(getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _verifier_and_state(layers: int = 2):
+    geom = PoolGeometry(name="deepseek_v4_c4_indexer", layers=layers, item_bytes=8448, page_size=256, host_pages=8,
+                        layout="layer_first", page_aligned_only=True, buffers=(), page_routes=frozenset(),
+                        token_row=None)
+    views = SimpleNamespace(device_layer=lambda layer: torch.zeros((4, 8448), dtype=torch.uint8))
+    state = SimpleNamespace(key=1, geom=geom, views=views, invariants_failed={})
+    engines, reports, counted = [], [], []
+
+    def factory(layout, layer_ids, buffers, queue_max):
+        engines.append(DeferringEngine(len(layer_ids), len(layout.segments)))
+        return engines[-1]
+
+    verifier = RestoreVerifier(16, 8, lambda s, c, ctx: reports.append(c), lambda *a: counted.append(a),
+                               lambda n: None, engine_factory=factory)
+    return verifier, state, engines, reports, counted
+
+
+def test_the_copying_thread_derives_device_page_ids_only_and_leaves_host_rows_to_the_collector():
+    verifier, state, engines, reports, counted = _verifier_and_state()
+    RecordedHost.seen.clear()
+    Recorded.seen.clear()
+    host = torch.arange(2 * 256, 4 * 256).as_subclass(RecordedHost)
+    device = torch.arange(0, 2 * 256).as_subclass(Recorded)
+    verifier.after_backup(state, host, device)
+    for layer in range(2):
+        verifier.after_load(state, host, device, layer, {})
+    on_host, on_device = set(RecordedHost.seen), set(Recorded.seen)
+    assert on_host <= SHAPE_ONLY, f"the copying thread worked on the host indices: {sorted(on_host - SHAPE_ONLY)}"
+    assert not on_device & COPIES, f"the copying thread copied device indices: {sorted(on_device & COPIES)}"
+    engines[0].run_on_collector()
+    (comparison,) = reports
+    assert comparison.verdict == "match" and comparison.rows == 2  # the collector read the rows
+
+
+def test_an_index_tensor_rewritten_before_the_collector_reads_it_is_counted_and_never_compared():
+    verifier, state, engines, reports, counted = _verifier_and_state()
+    host, device = torch.arange(2 * 256, 4 * 256), torch.arange(0, 2 * 256)
+    verifier.after_backup(state, host, device)
+    host.add_(2 * 256)  # now names host rows 4 and 5, which no backup read
+    engines[0].run_on_collector()
+    assert ("hicache_backup", "unverified", "probe_error", 2 * 2 * 8448) in counted
+    assert verifier.store.get(state.key, [2, 3, 4, 5]) == [None] * 4
+    later = torch.arange(4 * 256, 6 * 256)
+    for layer in range(2):
+        verifier.after_load(state, later, device, layer, {})
+    engines[0].run_on_collector()
+    (comparison,) = reports
+    assert comparison.verdict == "unverified" and comparison.unverified_rows == [4, 5]

@@ -51,6 +51,15 @@ def test_pools_are_kept_apart_and_a_gone_pool_takes_its_rows_with_it():
     assert store.get(1, [5]) == [None] and store.get(2, [5])[0] is not None and not store.lost(1, 5)
 
 
+def test_forgetting_a_pools_digests_marks_its_rows_lost_and_leaves_other_pools():
+    store = HostPageDigests(10)
+    store.put(1, [5, 6], contents(1, 2, 1))
+    store.put(2, [5], contents(1, 1, 2))
+    assert store.forget_all(1) == 2
+    assert store.get(1, [5, 6]) == [None, None] and store.lost(1, 5) and store.lost(1, 6)
+    assert store.get(2, [5])[0] is not None and not store.lost(2, 5)
+
+
 def test_a_zero_bound_keeps_nothing_and_counts_every_row():
     evicted = []
     store = HostPageDigests(0, evicted.append)
