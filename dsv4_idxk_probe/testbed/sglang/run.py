@@ -57,6 +57,8 @@ class Phase:
 
 
 class RigSession:
+    poll_s = 0.5  # how often a phase's settling looks at the servers' records
+
     def __init__(self, run_dir: Path, options: launch.ServerOptions | None = None, *, probe_config: str = "",
                  seed: int = 0, env: dict[str, str] | None = None, probe_mode: str = "1"):
         self.run_dir = Path(run_dir).resolve()
@@ -140,7 +142,7 @@ class RigSession:
                 phase.wrong_outputs.append(o.request.rid)
         completed = {o.request.rid for o in outcomes if o.status == 200}
         owed = planned_faults(spec, requests, self.seed, completed) if spec is not None else {}
-        self._settle(completed, settle_s, owed)
+        self._settle(completed, settle_s, owed)  # settle_s: how long nothing may move
         phase.rooms = self._rooms_of({r.rid for r in requests})
         faults_seen = self._fault_records({r.rid for r in requests})
         oracle = self._oracle_records(set(phase.rooms.values()))
@@ -153,17 +155,24 @@ class RigSession:
         phase.seconds = time.monotonic() - t0
         return phase
 
-    def _settle(self, rids: set[str], timeout_s: float, owed: dict | None = None) -> None:
+    def _settle(self, rids: set[str], stall_s: float, owed: dict | None = None) -> None:
         """Wait until decode digested every completed room at `decode_finish`, the logs caught
-        up, and every fault `owed` to those rooms has its record (applied or not)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        up, and every fault `owed` to those rooms has its record (applied or not). A busy
+        machine only slows this down: the wait goes on while anything still moves (rooms
+        seen, digested, logged, faults recorded), and ends after `stall_s` without a change
+        (a stall, which the phase's checks then report)."""
+        last, moved = None, time.monotonic()
+        while time.monotonic() - moved < stall_s:
             rooms = self._rooms_of(rids)
             finished = {o["room"] for o in self._read("oracle") if o.get("stage") == "decode_finish"}
-            if (len(rooms) == len(rids) and set(rooms.values()) <= finished and self._logged(set(rooms.values()))
-                    and not unrecorded(owed or {}, self._fault_records(set(rids)))):
+            logged = self._logged(set(rooms.values()))
+            missing = unrecorded(owed or {}, self._fault_records(set(rids)))
+            if len(rooms) == len(rids) and set(rooms.values()) <= finished and logged and not missing:
                 return
-            time.sleep(0.5)
+            progress = (len(rooms), len(set(rooms.values()) & finished), logged, len(missing))
+            if progress != last:
+                last, moved = progress, time.monotonic()
+            time.sleep(self.poll_s)
 
     def _logged(self, rooms: set[int]) -> bool:
         from ...roomlog.reader import expand_inputs, read_entries
