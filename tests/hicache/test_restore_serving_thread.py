@@ -64,19 +64,7 @@ class DeferringEngine:
 
 
 def test_backup_and_load_read_no_index_value_on_the_serving_thread():
-    geom = PoolGeometry(name="deepseek_v4_c4_indexer", layers=2, item_bytes=8448, page_size=256, host_pages=8,
-                        layout="layer_first", page_aligned_only=True, buffers=(), page_routes=frozenset(),
-                        token_row=None)
-    views = SimpleNamespace(device_layer=lambda layer: torch.zeros((4, 8448), dtype=torch.uint8))
-    state = SimpleNamespace(key=1, geom=geom, views=views, invariants_failed={})
-    engines, reports, counted = [], [], []
-
-    def factory(layout, layer_ids, buffers, queue_max):
-        engines.append(DeferringEngine(len(layer_ids), len(layout.segments)))
-        return engines[-1]
-
-    verifier = RestoreVerifier(16, 8, lambda s, c, ctx: reports.append(c), lambda *a: counted.append(a),
-                               lambda n: None, engine_factory=factory)
+    verifier, state, engines, reports, counted = _verifier_and_state()
     host = torch.arange(2 * 256, 4 * 256).as_subclass(Watched)
     device = torch.arange(0, 2 * 256).as_subclass(Watched)
     verifier.after_backup(state, host, device)
