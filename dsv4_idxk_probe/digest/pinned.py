@@ -106,6 +106,12 @@ class StagingPool:
         one; allocates only when none is free.
         """
         size = _MIN_BYTES if nbytes <= _MIN_BYTES else 1 << (int(nbytes) - 1).bit_length()  # `size_class`, inlined
+        free = self._free.get(size)
+        if free:  # its own class first, without the lock: a dict read and a list pop, each atomic under the GIL
+            try:
+                return free.pop()
+            except IndexError:
+                pass
         with self._lock:  # the smallest class is also popped without it (`min_free`): a pop may find it empty
             free = self._free.get(size)
             if free:

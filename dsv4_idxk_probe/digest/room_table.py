@@ -35,6 +35,9 @@ class RoomRequest:
     key: str
     pages: Any
     n_tokens: int
+    # no page table found by an earlier submit (`PendingDigest.table`; not a field): a
+    # batch of requests builds its room table from the pages (launch.py)
+    table = None
 
     @property
     def n_pages(self) -> int:

@@ -248,30 +248,44 @@ class DecodeMonitor:
     def batch_done(self, finished: Sequence[RoomId], stepped: Sequence[tuple[RoomId, int]]) -> PendingDigest | None:
         """One decode batch in one launch: `decode_finish` for the rooms that finished in
         it, `decode_step` for `stepped` (room, its step count), which the caller passes
-        on batches where `step_due` says so. A batch of 64 rooms costs one enqueue."""
+        on batches where `step_due` says so. A batch of 64 rooms costs one enqueue.
+
+        Per room, the serving thread looks the room up and hands it the batch's ticket,
+        and the engine copies its room-table row as the receipt found its page table
+        (`launch._known_tables`); the batch's (room, stage, step) jobs are made on the
+        collector (`_batch_jobs`). `stepped` is held, not copied (the caller makes one
+        per batch)."""
         rooms = self._rooms
-        jobs: list[tuple[_Room, str, int | None]] = []
+        done: list[_Room] = []
         for room in finished:
             state = rooms.get(room.key)
             if state is not None:
                 state.finished = True
-                jobs.append((state, "decode_finish", None))
-        for room, step in stepped:
-            state = rooms.get(room.key)
-            if state is not None:
-                jobs.append((state, "decode_step", step))
-        if not jobs:
+                done.append(state)
+        states: list = []
+        for room, _ in stepped:
+            states.append(rooms.get(room.key))
+        if None in states:  # rooms no longer tracked (retired since): left out
+            kept = [(state, pair) for state, pair in zip(states, stepped) if state is not None]
+            states, stepped = [state for state, _ in kept], [pair for _, pair in kept]
+        if done:
+            states = done + states
+        if not states:
             return None
         if _digest_observers:
-            self._observe(jobs)
+            self._observe(_batch_jobs(states, len(done), stepped))
         t_ns = _monotonic_ns()
-        pending = self.engine.submit([job[0] for job in jobs], partial(self._on_results, jobs, t_ns))
+        pending = self.engine.submit(states, partial(self._on_batch, states, len(done), stepped, t_ns))
         if pending is None:
-            self._dropped(jobs, t_ns)
+            self._dropped(_batch_jobs(states, len(done), stepped), t_ns)
             return None
-        for job in jobs:
-            job[0].tickets.append(pending)
+        for state in states:
+            state.tickets.append(pending)
         return pending
+
+    def _on_batch(self, states: list, n_finished: int, stepped: Sequence, t_ns: int, batch: BatchResult) -> None:
+        """A `batch_done` batch's results (collector thread): its jobs, then `_on_results`."""
+        self._on_results(_batch_jobs(states, n_finished, stepped), t_ns, batch)
 
     def room_skipped(self, room: RoomId, reason: str, stage: str = "decode_recv", extra: dict | None = None,
                      n_tokens: int | None = None) -> None:
@@ -524,6 +538,14 @@ class DecodeMonitor:
         coverage = RoomCoverage()
         coverage.fold("skipped", why)
         coverage.count(self.metrics, estimated_bytes(self.engine, n_tokens))
+
+
+def _batch_jobs(states: list, n_finished: int, stepped: Sequence) -> list[tuple[_Room, str, int | None]]:
+    """A `batch_done` batch's (room, stage, step) jobs, in its launch's order: its first
+    `n_finished` rooms finished, the rest stepped, with the step counts of `stepped`."""
+    jobs: list[tuple[_Room, str, int | None]] = [(state, "decode_finish", None) for state in states[:n_finished]]
+    jobs += [(state, "decode_step", pair[1]) for state, pair in zip(states[n_finished:], stepped)]
+    return jobs
 
 
 def _coverage_of(state: _Room) -> RoomCoverage:
