@@ -6,11 +6,12 @@ each line in the writer's exact format with its checksum, fast (one digest text 
 reused by its records). Every `--mismatch-every`-th room is corrupted at decode_finish and
 every `--unverified-every`-th has no prefill record, so both engines do real comparisons.
 
-Then `dsv4-idxk-probe diff` runs as a child process: the DuckDB engine on the whole set,
-and both engines on a subset of `--reference-records` records generated the same way (the
+Then `dsv4-idxk-probe diff` runs as a child process: the DuckDB engine with the native line
+pass on the whole set (`--python-pass`: its pure-Python pass too), and it and the reference
+on a subset of `--reference-records` records generated the same way (the
 reference on 10^7 records would take ~an hour and ~15 GB here). Reported per engine: wall,
 CPU (user + sys, all threads), peak RSS of the process (DuckDB included: `wait4`'s
-ru_maxrss), microseconds of CPU per record; the ratio of CPU per record is the per-core
+ru_maxrss, taken by a small wrapper so that this process's own size does not count), microseconds of CPU per record; the ratio of CPU per record is the per-core
 speed-up. Both engines' summaries on the subset must be equal.
 
     python -m bench.fleet_diff --records 10000000 --files 1000
@@ -127,12 +128,32 @@ def check_format(root: Path) -> None:
     assert encode_line(record) == first, "generated line differs from the writer's"
 
 
+# Linux counts a parent's resident size at fork in the child's ru_maxrss (the high-water mark
+# survives exec), and this process holds ~1 GB after generating (a buffer per open file): each
+# diff is forked from a small wrapper instead, which reports its own child's peak.
+_WRAP = ("import os, sys\n"
+         "pid = os.fork()\n"
+         "if pid == 0:\n"
+         "    os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
+         "_, status, usage = os.wait4(pid, 0)\n"
+         "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+         "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+# what each engine row runs: `diff --engine`, and the fleet engine's line pass (docs/fleet.md)
+ENGINES = {"native": ("duckdb", "1"), "duckdb-python": ("duckdb", "0"), "reference": ("reference", None)}
+
+
 def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "dsv4_idxk_probe", "diff", str(root / "prefill"), str(root / "decode"),
-           "--engine", engine, "--json", str(out), *extra]
+    cli_engine, native = ENGINES[engine]
+    rss_file = out.with_suffix(".maxrss")
+    cmd = [sys.executable, "-c", _WRAP, str(rss_file), "-m", "dsv4_idxk_probe", "diff", str(root / "prefill"), str(root / "decode"),
+           "--engine", cli_engine, "--json", str(out), *extra]
+    env = dict(os.environ)
+    if native is not None:
+        env["DSV4_IDXK_PROBE_FLEET_NATIVE"] = native
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=env)
     stderr = proc.stderr.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)
     proc.stderr.close()
@@ -141,11 +162,14 @@ def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
         head = f.read(1 << 20).split(b',"rooms":[')[0] + b"}"
     return {
         "engine": engine,
-        "command": " ".join(["dsv4-idxk-probe", "diff", "PREFILL", "DECODE", "--engine", engine, "--json", "OUT", *extra]),
+        "command": " ".join(([f"DSV4_IDXK_PROBE_FLEET_NATIVE={native}"] if native is not None else [])
+                            + ["dsv4-idxk-probe", "diff", "PREFILL", "DECODE", "--engine", cli_engine, "--json", "OUT",
+                               *extra]),
+        "line_pass": next((ln for ln in stderr.splitlines() if "line pass:" in ln), "").split("] ")[-1],
         "exit_status": os.waitstatus_to_exitcode(status),
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
-        "max_rss_mib": usage.ru_maxrss / 1024,
+        "max_rss_mib": int(rss_file.read_text()) / 1024,
         "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # the machine is shared
         "summary": json.loads(head)["summary"],
         "stderr_tail": stderr[-1500:],
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mismatch-every", type=int, default=1000)
     parser.add_argument("--unverified-every", type=int, default=10_000)
     parser.add_argument("--memory-limit", default="1GB")
+    parser.add_argument("--python-pass", action="store_true",
+                        help="also run the fleet engine's pure-Python line pass (its fallback without the native module)")
     parser.add_argument("--dir", type=Path, help="where the logs go (default: a temporary directory, removed)")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
@@ -185,10 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             check_format(root / name)
             print(f"{name}: {expected['records']:,} records, {expected['rooms']:,} rooms, "
                   f"{expected['bytes'] / 1e9:.2f} GB in {expected['files']} files, generated in {gen_s:.0f} s", flush=True)
-            engines = ["duckdb"] + (["reference"] if name == "subset" or len(sets) == 1 else [])
+            engines = ["native"] + (["duckdb-python"] if args.python_pass else []) \
+                + (["reference"] if name == "subset" or len(sets) == 1 else [])
             for engine in engines:
                 r = run_diff(root / name, engine, root / f"{name}-{engine}.json", ["--memory-limit", args.memory_limit]
-                             if engine == "duckdb" else [])
+                             if engine != "reference" else [])
                 s = r["summary"]
                 found = {"rooms": s["rooms"], "mismatch": s["room_verdicts"].get("mismatch", 0),
                          "unverified": s["room_verdicts"].get("unverified", 0)}
@@ -204,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not r["correct"]:
                     print(r["stderr_tail"], file=sys.stderr)
             same = [r for r in runs if r["set"] == name]
-            if len(same) == 2:
-                a, b = same
-                results[f"{name}_summaries_equal"] = a["summary"] == b["summary"]
+            if len(same) >= 2:
+                results[f"{name}_summaries_equal"] = all(r["summary"] == same[0]["summary"] for r in same)
+            if "reference" in engines and len(engines) > 1:  # the whole JSON, byte for byte
+                ref_json = (root / f"{name}-reference.json").read_bytes()
+                results[f"{name}_json_equal"] = all((root / f"{name}-{e}.json").read_bytes() == ref_json
+                                                    for e in engines if e != "reference")
             shutil.rmtree(root / name, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -214,24 +244,25 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["set"], r["engine"]): r for r in runs}
     ref = by.get(("subset", "reference")) or by.get(("full", "reference"))
     if ref:
-        same_set = by[(ref["set"], "duckdb")]
+        same_set = by[(ref["set"], "native")]
         results["per_core_speedup_same_data"] = ref["cpu_s"] / same_set["cpu_s"]
         results["wall_speedup_same_data"] = ref["wall_s"] / same_set["wall_s"]
-        full = by[("full", "duckdb")]
+        full = by[("full", "native")]
         results["per_core_speedup_per_record_full_vs_reference"] = ref["cpu_us_per_record"] / full["cpu_us_per_record"]
-    table = Table(("set", "<7"), ("engine", "<10"), ("records", ">11,"), ("files", ">6"), ("wall s", ">8.1f"),
+    table = Table(("set", "<7"), ("engine", "<13"), ("records", ">11,"), ("files", ">6"), ("wall s", ">8.1f"),
                   ("cpu s", ">8.1f"), ("us/rec", ">7.2f"), ("RSS MiB", ">8.0f"), ("ok", ">3"))
     print(table.header())
     for r in runs:
         print(table.row(r["set"], r["engine"], r["records"], r["files"], r["wall_s"], r["cpu_s"],
                         r["cpu_us_per_record"], r["max_rss_mib"], "yes" if r["correct"] else "NO"))
     for key in ("per_core_speedup_same_data", "wall_speedup_same_data", "per_core_speedup_per_record_full_vs_reference",
-                "subset_summaries_equal", "full_summaries_equal"):
+                "subset_summaries_equal", "full_summaries_equal", "subset_json_equal", "full_json_equal"):
         if key in results:
             print(f"{key}: {results[key]:.2f}" if isinstance(results[key], float) else f"{key}: {results[key]}")
     if args.out:
         write_result(args.out.parent, args.out.name, results)
-    return 0 if all(r["correct"] for r in runs) and results.get("subset_summaries_equal", results.get("full_summaries_equal", True)) else 1
+    equal = all(v for k, v in results.items() if k.endswith(("_summaries_equal", "_json_equal")))
+    return 0 if all(r["correct"] for r in runs) and equal else 1
 
 
 if __name__ == "__main__":

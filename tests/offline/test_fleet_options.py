@@ -19,6 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 duckdb = pytest.importorskip("duckdb")
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def line_pass(request, monkeypatch):
+    """Every test on both line passes of the fleet engine (test_fleet_native checks the
+    native one is built)."""
+    from dsv4_idxk_probe.offline.fleet import native
+
+    if request.param == "python":
+        monkeypatch.setenv(native.ENV, "0")
+    else:
+        monkeypatch.delenv(native.ENV, raising=False)
+        if native.module() is None:
+            pytest.skip("the native line pass is not built")
+    return request.param
+
+
 def fleet_logs(root: Path, n: int = 10, *, bad: int | None = None) -> tuple[Path, Path]:
     """Rooms 1..n: prefill on pod p-<i%2>, decode on pod d-<i%3>; room i's records at
     ts 1000 + 10 i (prefill) and 1000 + 10 i + 1.. (decode). Room `bad` mismatches at decode_finish."""

@@ -77,21 +77,27 @@ def _distribute(con, group: list[FileScan], stats, py_keys: set) -> None:
     stats.canonical_records += con.execute("SELECT count(*) FROM batch WHERE canon").fetchall()[0][0]
     stats.odd_lines += len(odd)
     if odd:
-        insert_rows(con, "odd", ("fid", "line"), odd)
-        by_file: dict[int, list[int]] = {}
-        for fid, line in odd:
-            by_file.setdefault(fid, []).append(line)
-        scans = {s.order: s for s in group}
-        rows: list = []
-        for fid, wanted in by_file.items():
-            for line, raw in lines_of(scans[fid].path, wanted):
-                try:
-                    rec = decode_line(raw)
-                except LineError:
-                    continue
-                _note_record(rec, fid, line, py_keys, rows)
-        insert_rows(con, "pyrecs", PYRECS, rows)
+        note_odd_lines(con, group, odd, py_keys)
     con.execute("DROP TABLE batch")
+
+
+def note_odd_lines(con, group: list[FileScan], odd: list, py_keys: set) -> None:
+    """Odd lines (fid, line), sorted: into `odd`, and their room records' keys to the
+    Python join (their times and instances into `pyrecs`)."""
+    insert_rows(con, "odd", ("fid", "line"), odd)
+    by_file: dict[int, list[int]] = {}
+    for fid, line in odd:
+        by_file.setdefault(fid, []).append(line)
+    scans = {s.order: s for s in group}
+    rows: list = []
+    for fid, wanted in by_file.items():
+        for line, raw in lines_of(scans[fid].path, wanted):
+            try:
+                rec = decode_line(raw)
+            except LineError:
+                continue
+            _note_record(rec, fid, line, py_keys, rows)
+    insert_rows(con, "pyrecs", PYRECS, rows)
 
 
 def lines_of(path: Path, wanted: list[int]) -> Iterator[tuple[int, bytes]]:
@@ -126,7 +132,7 @@ def _note_record(rec: Any, file_rank: int, line: int, py_keys: set, rows: list) 
 
 def slow_file_keys(scan: FileScan, py_keys: set, con) -> None:
     """Keys of a file the reference reader reads: all of them go to the Python join."""
-    scan.h, scan.line, scan.length = [], [], []
+    scan.h, scan.line, scan.length, scan.rows, scan.odd = [], [], [], [], []
     rows: list = []
     with closing(read_file(scan.path)) as entries:
         for entry in entries:

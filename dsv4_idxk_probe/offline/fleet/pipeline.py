@@ -20,6 +20,8 @@ from .classify import classify
 from .duck import DEFAULT_MEMORY_LIMIT, connect, insert_rows
 from .filters import Filters
 from .ingest import ingest_batch, slow_file_keys
+from .ingest_native import ingest_native_batch
+from . import native as native_pass
 from .ingest_sql import SCHEMA
 from .instances import clean_coverage, per_instance as per_instance_summary
 from .judge import judge_complex
@@ -28,6 +30,7 @@ from .summary import merge
 
 BATCH_BYTES = 512 << 20  # fast files handed to DuckDB per ingest query (text bytes)
 BATCH_FILES = 256
+BATCH_ROWS = 400_000  # native rows handed to DuckDB per insert (~100 bytes each until then)
 
 
 class Progress:
@@ -61,6 +64,7 @@ def analyse_fleet(
     The caller closes the result (`close()`) once its JSON is written: the clean rooms
     stay in DuckDB until then."""
     paths = list(paths)
+    native = native_pass.module()
     names = names or {}  # local copy -> what to call it (a URL fetched by `remote`)
 
     def name(p) -> str:
@@ -68,6 +72,7 @@ def analyse_fleet(
 
     filters = filters or Filters()
     say = Progress(progress)
+    say(native_pass.describe(), force=True)
     analysis = FleetAnalysis(files=[name(p) for p in paths])
     stats = analysis.stats
     stats.files = len(paths)
@@ -80,7 +85,7 @@ def analyse_fleet(
     try:
         con.execute(SCHEMA)
         py_keys: set = set()
-        scans = _scan_and_ingest(con, ordered, name, stats, py_keys, say)
+        scans = _scan_and_ingest(con, ordered, name, stats, py_keys, say, native)
         stats.seconds["scan_and_ingest"] = time.monotonic() - t0
         say(f"scanned {len(ordered):,} files: {stats.canonical_records:,} canonical room records, "
             f"{stats.odd_lines:,} other lines; classifying", force=True)
@@ -110,9 +115,11 @@ def analyse_fleet(
     return analysis
 
 
-def _scan_and_ingest(con, ordered: list[Path], name, stats: FleetStats, py_keys: set, say) -> list[FileScan]:
-    """Scan every file in reading order; hand fast files to DuckDB in batches and slow
-    files' keys to the Python join, on a worker thread that owns the connection."""
+def _scan_and_ingest(con, ordered: list[Path], name, stats: FleetStats, py_keys: set, say,
+                     native=None) -> list[FileScan]:
+    """Scan every file in reading order (the native pass when `native`); hand fast files to
+    DuckDB in batches and slow files' keys to the Python join, on a worker thread that owns
+    the connection."""
     scans: list[FileScan] = []
     batch: list[FileScan] = []
     batch_bytes = 0
@@ -130,6 +137,8 @@ def _scan_and_ingest(con, ordered: list[Path], name, stats: FleetStats, py_keys:
                 kind, item = job
                 if kind == "batch":
                     ingest_batch(con, item, stats, py_keys)
+                elif kind == "native":
+                    ingest_native_batch(con, item, stats, py_keys)
                 else:
                     slow_file_keys(item, py_keys, con)
             except BaseException as exc:  # re-raised by the scanning thread
@@ -141,24 +150,30 @@ def _scan_and_ingest(con, ordered: list[Path], name, stats: FleetStats, py_keys:
         for i, path in enumerate(ordered):
             if failed:
                 break
-            scan = scan_file(path, i)
+            scan = native_pass.scan_file(path, i, native) if native else scan_file(path, i)
             scan.name = name(path)
             scans.append(scan)
             stats.lines += scan.n_valid
             if scan.fast:
                 stats.fast_files += 1
                 batch.append(scan)
-                batch_bytes += scan.text_bytes
-                if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_FILES:
-                    jobs.put(("batch", batch))
-                    batch, batch_bytes = [], 0
+                if native:
+                    batch_bytes += native_pass.rows_of(scan)
+                    if batch_bytes >= BATCH_ROWS:
+                        jobs.put(("native", batch))
+                        batch, batch_bytes = [], 0
+                else:
+                    batch_bytes += scan.text_bytes
+                    if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_FILES:
+                        jobs.put(("batch", batch))
+                        batch, batch_bytes = [], 0
             else:
                 stats.slow_files += 1
                 jobs.put(("slow", scan))
             say(f"scanned {i + 1:,}/{len(ordered):,} files, {stats.lines:,} lines checked "
                 f"({stats.slow_files:,} files for the reference reader)")
         if batch and not failed:
-            jobs.put(("batch", batch))
+            jobs.put(("native" if native else "batch", batch))
     finally:
         jobs.put(None)
         thread.join()

@@ -42,6 +42,8 @@ class FileScan:
     n_valid: int = 0
     text_bytes: int = 0
     name: str = ""  # what outputs call the file (its path, or the URL it was fetched from)
+    rows: list = field(default_factory=list)  # the native pass: column dicts per chunk (`native.py`)
+    odd: list = field(default_factory=list)  # the native pass: odd line numbers per chunk
 
 
 def open_log(path: Path) -> tuple[BinaryIO, bool]:
@@ -122,17 +124,22 @@ def check_chunk(data: bytes, first_line: int, final: bool, scan: FileScan) -> in
     return n if torn_tail != "dropped" else n + 1
 
 
-def scan_file(path: Path, order: int) -> FileScan:
-    """Checksum every line of one file; decide whether DuckDB may read it."""
-    scan = FileScan(path, order)
+def refused_name(path: Path) -> str | None:
+    """Why a file's name keeps it off the fast path (the reference reads it), or None."""
     name = str(path)
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:  # the reference writes such a room with the stdlib's JSON
-        scan.fast, scan.why = False, "file name is not UTF-8"
-        return scan
-    if "\x00" in name:
-        scan.fast, scan.why = False, "file name"
+        return "file name is not UTF-8"
+    return "file name" if "\x00" in name else None
+
+
+def scan_file(path: Path, order: int) -> FileScan:
+    """Checksum every line of one file; decide whether DuckDB may read it."""
+    scan = FileScan(path, order)
+    why = refused_name(path)
+    if why is not None:
+        scan.fast, scan.why = False, why
         return scan
     try:
         f, scan.gzip = open_log(path)

@@ -1,0 +1,710 @@
+/* The fleet engine's native line pass (docs/fleet.md, "The native pass").
+ *
+ * One pass over a chunk of a room log (complete lines; the last may lack its newline when
+ * `final`): per line the xxh64 checksum, the byte-for-byte canonical split (the line is the
+ * writer's `encode_line` output for a plain room record, key order and spelling included),
+ * the fields the fleet engine keeps, the digest's 64-bit hash and, for a prefill digest,
+ * the checks `pack_digest` makes. Canonical room records become compact rows; every other
+ * line whose checksum holds is *odd* (the reference reads it). A line that fails its
+ * checksum, an empty or short line, or a line over the reader's bound make the file *slow*
+ * (status 1), except a failing last line without newline (status 2: the caller asks
+ * `is_torn_tail`). The pass itself runs without the GIL.
+ *
+ * xxh64 is written from its public specification (seed 0), tested against `xxhash`.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+#if defined(__GLIBC__)
+#include <locale.h>
+#define HAVE_STRTOD_L 1
+static locale_t c_locale;  /* strtod_l in the C locale: correctly rounded, whatever setlocale says */
+#endif
+
+/* ---- xxh64 ---------------------------------------------------------------------------- */
+
+#define P1 0x9E3779B185EBCA87ULL
+#define P2 0xC2B2AE3D27D4EB4FULL
+#define P3 0x165667B19E3779F9ULL
+#define P4 0x85EBCA77C2B2AE63ULL
+#define P5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }  /* little-endian hosts */
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t xround(uint64_t acc, uint64_t lane) { acc += lane * P2; acc = rotl64(acc, 31); return acc * P1; }
+static inline uint64_t xmerge(uint64_t acc, uint64_t v) { acc ^= xround(0, v); return acc * P1 + P4; }
+
+static uint64_t xxh64(const uint8_t *p, size_t len)
+{
+    const uint8_t *end = p + len;
+    uint64_t acc;
+    if (len >= 32) {
+        uint64_t v1 = P1 + P2, v2 = P2, v3 = 0, v4 = (uint64_t)0 - P1;
+        const uint8_t *limit = end - 32;
+        do {
+            v1 = xround(v1, rd64(p)); v2 = xround(v2, rd64(p + 8));
+            v3 = xround(v3, rd64(p + 16)); v4 = xround(v4, rd64(p + 24));
+            p += 32;
+        } while (p <= limit);
+        acc = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
+        acc = xmerge(acc, v1); acc = xmerge(acc, v2); acc = xmerge(acc, v3); acc = xmerge(acc, v4);
+    } else {
+        acc = P5;
+    }
+    acc += (uint64_t)len;
+    while (p + 8 <= end) { acc ^= xround(0, rd64(p)); acc = rotl64(acc, 27) * P1 + P4; p += 8; }
+    if (p + 4 <= end) { acc ^= (uint64_t)rd32(p) * P1; acc = rotl64(acc, 23) * P2 + P3; p += 4; }
+    while (p < end) { acc ^= (uint64_t)(*p) * P5; acc = rotl64(acc, 11) * P1; p++; }
+    acc ^= acc >> 33; acc *= P2; acc ^= acc >> 29; acc *= P3; acc ^= acc >> 32;
+    return acc;
+}
+
+/* ---- vocabulary (set once from Python: vocabulary.STAGES, VERDICTS) ----------------------- */
+
+#define MAX_WORDS 16
+static char *stages[MAX_WORDS], *verdicts[MAX_WORDS];
+static Py_ssize_t stage_len[MAX_WORDS], verdict_len[MAX_WORDS];
+static int n_stages = 0, n_verdicts = 0;
+static long long max_line_bytes = 8LL << 20;
+
+/* ---- the canonical split -------------------------------------------------------------- */
+
+typedef struct { const uint8_t *p, *end; } Cur;
+
+#define SUFFIX_LEN 24  /* ,"h":"<16 hex>"} */
+#define MAX_DEPTH 64
+#define MAX_FAST_SEGMENTS 8
+
+static inline int lit(Cur *c, const char *s, size_t n)
+{
+    if ((size_t)(c->end - c->p) < n || memcmp(c->p, s, n) != 0) return 0;
+    c->p += n;
+    return 1;
+}
+#define LIT(c, s) lit((c), (s), sizeof(s) - 1)
+
+static inline int ch(Cur *c, char x)
+{
+    if (c->p >= c->end || *c->p != (uint8_t)x) return 0;
+    c->p++;
+    return 1;
+}
+#define CH(c, x) ch((c), (x))
+
+/* byte classes: 1 plain (printable ASCII, no quote nor backslash), 2 lowercase hex digit */
+static uint8_t cls[256];
+
+static void init_classes(void)
+{
+    for (int b = 0x20; b <= 0x7E; b++) cls[b] = (b != '"' && b != '\\') ? 1 : 0;
+    for (int b = '0'; b <= '9'; b++) cls[b] |= 2;
+    for (int b = 'a'; b <= 'f'; b++) cls[b] |= 2;
+}
+
+static inline int plain(uint8_t b) { return cls[b] & 1; }
+
+/* "..." of printable ASCII without quote or backslash (its text is its value); span out */
+static int simple_str(Cur *c, const uint8_t **s, Py_ssize_t *n, int no_comma)
+{
+    if (c->p >= c->end || *c->p != '"') return 0;
+    const uint8_t *q = c->p + 1;
+    while (q < c->end && plain(*q) && !(no_comma && *q == ',')) q++;
+    if (q >= c->end || *q != '"') return 0;
+    *s = c->p + 1;
+    *n = q - (c->p + 1);
+    c->p = q + 1;
+    return 1;
+}
+
+static int str_or_null(Cur *c, const uint8_t **s, Py_ssize_t *n)
+{
+    if (LIT(c, "null")) { *s = NULL; *n = -1; return 1; }
+    return simple_str(c, s, n, 0);
+}
+
+/* an integer: 0 or [1-9][0-9]{0,maxd-1}, optionally negative */
+static int integer(Cur *c, int neg_ok, int maxd, long long *out)
+{
+    const uint8_t *q = c->p;
+    int neg = 0;
+    if (neg_ok && q < c->end && *q == '-') { neg = 1; q++; }
+    if (q >= c->end || *q < '0' || *q > '9') return 0;
+    if (*q == '0') {
+        if (neg) return 0;
+        c->p = q + 1;
+        *out = 0;
+        return 1;
+    }
+    long long v = 0;
+    int d = 0;
+    while (q < c->end && *q >= '0' && *q <= '9') { v = v * 10 + (*q - '0'); q++; if (++d > maxd) return 0; }
+    c->p = q;
+    *out = neg ? -v : v;
+    return 1;
+}
+
+static inline int hex16_str(Cur *c)
+{
+    if (c->end - c->p < 18 || c->p[0] != '"' || c->p[17] != '"') return 0;
+    const uint8_t *q = c->p + 1;
+#ifdef __SSE2__
+    __m128i x = _mm_loadu_si128((const __m128i *)q);
+    __m128i digit = _mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8('0' - 1)), _mm_cmpgt_epi8(_mm_set1_epi8('9' + 1), x));
+    __m128i af = _mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8('a' - 1)), _mm_cmpgt_epi8(_mm_set1_epi8('f' + 1), x));
+    if (_mm_movemask_epi8(_mm_or_si128(digit, af)) != 0xFFFF) return 0;
+#else
+    unsigned ok = 2;
+    for (int i = 0; i < 16; i++) ok &= cls[q[i]];
+    if (!ok) return 0;
+#endif
+    c->p += 18;
+    return 1;
+}
+
+/* any JSON value, strictly and compactly spelled (no whitespace, plain strings): the
+ * reference parses it, and its bytes are all that is hashed. */
+static int skip_value(Cur *c, int depth)
+{
+    if (c->p >= c->end || depth > MAX_DEPTH) return 0;
+    uint8_t b = *c->p;
+    if (b == '"') { const uint8_t *s; Py_ssize_t n; return simple_str(c, &s, &n, 0); }
+    if (b == '{') {
+        c->p++;
+        if (c->p < c->end && *c->p == '}') { c->p++; return 1; }
+        for (;;) {
+            const uint8_t *s; Py_ssize_t n;
+            if (!simple_str(c, &s, &n, 0) || !CH(c, ':') || !skip_value(c, depth + 1)) return 0;
+            if (CH(c, ',')) continue;
+            return CH(c, '}');
+        }
+    }
+    if (b == '[') {
+        c->p++;
+        if (c->p < c->end && *c->p == ']') { c->p++; return 1; }
+        for (;;) {
+            if (!skip_value(c, depth + 1)) return 0;
+            if (CH(c, ',')) continue;
+            return CH(c, ']');
+        }
+    }
+    if (LIT(c, "null") || LIT(c, "true") || LIT(c, "false")) return 1;
+    /* -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)? */
+    const uint8_t *q = c->p;
+    if (q < c->end && *q == '-') q++;
+    if (q >= c->end || *q < '0' || *q > '9') return 0;
+    if (*q == '0') q++;
+    else while (q < c->end && *q >= '0' && *q <= '9') q++;
+    if (q < c->end && *q == '.') {
+        q++;
+        if (q >= c->end || *q < '0' || *q > '9') return 0;
+        while (q < c->end && *q >= '0' && *q <= '9') q++;
+    }
+    if (q < c->end && (*q == 'e' || *q == 'E')) {
+        q++;
+        if (q < c->end && (*q == '+' || *q == '-')) q++;
+        if (q >= c->end || *q < '0' || *q > '9') return 0;
+        while (q < c->end && *q >= '0' && *q <= '9') q++;
+    }
+    c->p = q;
+    return 1;
+}
+
+/* A prefill digest as `pack_digest` accepts it, spelled as the writer writes it:
+ * {"key":K,"signature":HEX,"n_tokens":N,"layer_ids":[..],"segments":[1..8 names],
+ *  "room":R,"layer_segment":[rows of len(segments) HEX],"pages":[HEX..]}, as many rows as layer ids. */
+static int strict_digest(Cur *c, long long *n_tokens, long long *cells)
+{
+    const uint8_t *s; Py_ssize_t n;
+    long long v, n_ids = 0, n_segs = 0, n_rows = 0, n_pages = 0;
+    if (!LIT(c, "{\"key\":") || !simple_str(c, &s, &n, 0) || !LIT(c, ",\"signature\":") || !hex16_str(c)
+        || !LIT(c, ",\"n_tokens\":") || !integer(c, 0, 12, n_tokens) || !LIT(c, ",\"layer_ids\":["))
+        return 0;
+    if (!CH(c, ']')) {
+        for (;;) {
+            if (!integer(c, 1, 18, &v)) return 0;
+            n_ids++;
+            if (CH(c, ',')) continue;
+            if (!CH(c, ']')) return 0;
+            break;
+        }
+    }
+    if (!LIT(c, ",\"segments\":[")) return 0;
+    for (;;) {
+        if (!simple_str(c, &s, &n, 1)) return 0;
+        if (++n_segs > MAX_FAST_SEGMENTS) return 0;
+        if (CH(c, ',')) continue;
+        if (!CH(c, ']')) return 0;
+        break;
+    }
+    if (!LIT(c, ",\"room\":") || !simple_str(c, &s, &n, 0) || !LIT(c, ",\"layer_segment\":[")) return 0;
+    if (!CH(c, ']')) {
+        for (;;) {
+            if (!CH(c, '[')) return 0;
+            for (long long k = 0; k < n_segs; k++) {
+                if (k && !CH(c, ',')) return 0;
+                if (!hex16_str(c)) return 0;
+            }
+            if (!CH(c, ']')) return 0;
+            n_rows++;
+            if (CH(c, ',')) continue;
+            if (!CH(c, ']')) return 0;
+            break;
+        }
+    }
+    if (!LIT(c, ",\"pages\":[")) return 0;
+    if (!CH(c, ']')) {
+        for (;;) {
+            if (!hex16_str(c)) return 0;
+            n_pages++;
+            if (CH(c, ',')) continue;
+            if (!CH(c, ']')) return 0;
+            break;
+        }
+    }
+    if (!CH(c, '}') || n_rows != n_ids) return 0;
+    *cells = n_ids * n_pages;
+    return 1;
+}
+
+/* one word of a vocabulary, quoted; its index or -1 */
+static int word(Cur *c, char **words, Py_ssize_t *lens, int n)
+{
+    for (int i = 0; i < n; i++) {
+        Py_ssize_t L = lens[i];
+        if (c->end - c->p >= L + 2 && c->p[0] == '"' && c->p[L + 1] == '"' && memcmp(c->p + 1, words[i], L) == 0) {
+            c->p += L + 2;
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* A `ts` the regex admits, as the writer spells a float: Python's repr (orjson writes the
+ * same), that is the shortest spelling that reads back, in fixed notation (>= 1e-4), or an
+ * integer. Returns 0 (not so spelled: odd), 1 (*value exact: an integer, or at most 15
+ * significant digits, N / 10^k of two exact doubles in one correctly rounded division,
+ * Clinger's fast path) or 2 (16-17 digits: *value from strtod_l where there is one, else
+ * NaN; the caller compares repr(value) with the text, holding the GIL). */
+static int ts_spelling(const uint8_t *p, const uint8_t *end, double *value)
+{
+    static const double pow10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+                                   1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+    const uint8_t *start = p, *dot = memchr(p, '.', end - p);
+    uint64_t n = 0;
+    int digits = 0;
+    if (!dot) {
+        for (; p < end; p++) n = n * 10 + (uint64_t)(*p - '0');
+        *value = (double)n;
+        return 1;
+    }
+    const uint8_t *f = dot + 1;
+    int zeros = 1;
+    for (const uint8_t *q = f; q < end; q++) zeros &= *q == '0';
+    if (zeros) {
+        if (end - f != 1) return 0;  /* N.0 only */
+        for (; p < dot; p++) n = n * 10 + (uint64_t)(*p - '0');
+        *value = (double)n;
+        return 1;
+    }
+    if (end[-1] == '0') return 0;  /* a trailing zero: not the shortest spelling */
+    if (dot - start == 1 && *start == '0' && end - f >= 4 && memcmp(f, "0000", 4) == 0) return 0;  /* < 1e-4 */
+    for (; p < end; p++) {
+        if (p == dot) continue;
+        if (n || *p != '0') digits++;
+        if (digits > 17) return 0;
+        if (digits <= 15) n = n * 10 + (uint64_t)(*p - '0');
+    }
+    if (digits <= 15) {
+        *value = (double)n / pow10[end - f];
+        return 1;
+    }
+    *value = NAN;
+#ifdef HAVE_STRTOD_L
+    char buf[40];
+    if (c_locale && end - start < (Py_ssize_t)sizeof buf) {
+        memcpy(buf, start, end - start);
+        buf[end - start] = 0;
+        *value = strtod_l(buf, NULL, c_locale);
+    }
+#endif
+    return 2;
+}
+
+typedef struct {
+    long long line, attempt, step, tokens, cells;
+    Py_ssize_t ts_off, ts_len;
+    double ts;  /* NaN: null, or (ts_check) read with the GIL */
+    int ts_check;  /* repr(ts) must be the text: checked with the GIL */
+    uint64_t dh;
+    int8_t stage, live;
+    uint8_t flags;  /* 1: a digest; 2: a prefill digest pack_digest accepts */
+    Py_ssize_t room_off, room_len, inst_off, inst_len, lay_off, lay_len, rid_off, rid_len;
+} Row;
+
+#define NULL_INT ((long long)INT64_MIN)
+
+/* the body of a line (up to its checksum member) as the writer's record, or 0 (odd) */
+static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r)
+{
+    Cur c = {start, head_end};
+    const uint8_t *s; Py_ssize_t n;
+    long long v;
+    if (!LIT(&c, "{\"v\":1,\"kind\":\"room\",\"ts\":")) return 0;
+    r->ts_check = 0;
+    if (LIT(&c, "null")) { r->ts_len = -1; r->ts = NAN; }
+    else {
+        /* (0|[1-9][0-9]{0,10})(\.[0-9]{1,20})? */
+        const uint8_t *q = c.p;
+        if (q >= c.end || *q < '0' || *q > '9') return 0;
+        if (*q == '0') q++;
+        else { int d = 0; while (q < c.end && *q >= '0' && *q <= '9') { q++; if (++d > 11) return 0; } }
+        if (q < c.end && *q == '.') {
+            q++;
+            int d = 0;
+            while (q < c.end && *q >= '0' && *q <= '9') { q++; if (++d > 20) return 0; }
+            if (!d) return 0;
+        }
+        r->ts_off = c.p - base;
+        r->ts_len = q - c.p;
+        int spelled = ts_spelling(c.p, q, &r->ts);
+        if (!spelled) return 0;
+        r->ts_check = spelled == 2;
+        c.p = q;
+    }
+    if (!LIT(&c, ",\"role\":") || !str_or_null(&c, &s, &n)) return 0;
+    if (!LIT(&c, ",\"instance\":") || !str_or_null(&c, &s, &n)) return 0;
+    r->inst_off = s ? s - base : 0; r->inst_len = n;
+    if (!LIT(&c, ",\"room\":") || !simple_str(&c, &s, &n, 0) || n < 1 || n > 256) return 0;
+    r->room_off = s - base; r->room_len = n;
+    if (!LIT(&c, ",\"attempt\":") || !integer(&c, 0, 18, &r->attempt)) return 0;
+    if (!LIT(&c, ",\"stage\":") || (r->stage = (int8_t)word(&c, stages, stage_len, n_stages)) < 0) return 0;
+    if (!LIT(&c, ",\"step\":")) return 0;
+    if (LIT(&c, "null")) r->step = NULL_INT;
+    else if (!integer(&c, 1, 18, &r->step)) return 0;
+    if (!LIT(&c, ",\"layout\":") || !str_or_null(&c, &s, &n)) return 0;
+    r->lay_off = s ? s - base : 0; r->lay_len = n;
+    if (!LIT(&c, ",\"digest\":")) return 0;
+    r->flags = 0;
+    r->tokens = NULL_INT;
+    r->cells = NULL_INT;
+    r->dh = 0;
+    if (!LIT(&c, "null")) {
+        const uint8_t *d0 = c.p;
+        long long nt = 0, cells = 0;
+        if (c.p >= c.end || *c.p != '{') return 0;
+        if (strict_digest(&c, &nt, &cells)) {  /* the writer's digest: the common case, any stage */
+            r->flags = 1;
+            if (r->stage == 0) {
+                r->flags = 3;
+                r->tokens = nt;
+                r->cells = cells;
+            }
+        } else {
+            c.p = d0;
+            if (!skip_value(&c, 0)) return 0;
+            r->flags = 1;
+        }
+        r->dh = xxh64(d0, c.p - d0);
+    }
+    if (!LIT(&c, ",\"verdict\":")) return 0;
+    if (LIT(&c, "null")) r->live = -1;
+    else if ((r->live = (int8_t)word(&c, verdicts, verdict_len, n_verdicts)) < 0) return 0;
+    if (!LIT(&c, ",\"reason\":") || !str_or_null(&c, &s, &n)) return 0;
+    if (!LIT(&c, ",\"expected_room\":") || !str_or_null(&c, &s, &n)) return 0;
+    if (!LIT(&c, ",\"localisation\":null,\"first_divergence\":") || !str_or_null(&c, &s, &n)) return 0;
+    if (LIT(&c, ",\"tokens\":")) {
+        if (!integer(&c, 0, 12, &v)) return 0;
+        if (!(r->flags & 1)) r->tokens = v;
+    }
+    if (!LIT(&c, ",\"rid\":") || !str_or_null(&c, &s, &n) || n == 0) return 0;
+    r->rid_off = s ? s - base : 0; r->rid_len = n;
+    return c.p == c.end;
+}
+
+/* ---- the chunk ------------------------------------------------------------------------ */
+
+static int hexval(uint8_t b) { return b >= '0' && b <= '9' ? b - '0' : (b >= 'a' && b <= 'f' ? b - 'a' + 10 : -1); }
+
+/* the checksum member at the end of [start, end) holds; 0 if not */
+static int checksum_ok(const uint8_t *start, const uint8_t *end)
+{
+    Py_ssize_t len = end - start;
+    if (len < SUFFIX_LEN + 2) return 0;
+    const uint8_t *suf = end - SUFFIX_LEN;
+    if (memcmp(suf, ",\"h\":\"", 6) != 0 || end[-2] != '"' || end[-1] != '}') return 0;
+    uint64_t want = 0;
+    for (int i = 0; i < 16; i++) {
+        int h = hexval(suf[6 + i]);
+        if (h < 0) return 0;
+        want = (want << 4) | (uint64_t)h;
+    }
+    return xxh64(start, suf - start) == want;
+}
+
+typedef struct {
+    Row *rows; Py_ssize_t n_rows, cap_rows;
+    long long *odd; Py_ssize_t n_odd, cap_odd;
+    int status; const char *why;
+    Py_ssize_t n_lines, n_valid, torn_off;
+} Out;
+
+static int push_row(Out *o, const Row *r)
+{
+    if (o->n_rows == o->cap_rows) {
+        Py_ssize_t cap = o->cap_rows ? o->cap_rows * 2 : 4096;
+        Row *nr = realloc(o->rows, cap * sizeof(Row));
+        if (!nr) return 0;
+        o->rows = nr; o->cap_rows = cap;
+    }
+    o->rows[o->n_rows++] = *r;
+    return 1;
+}
+
+static int push_odd(Out *o, long long line)
+{
+    if (o->n_odd == o->cap_odd) {
+        Py_ssize_t cap = o->cap_odd ? o->cap_odd * 2 : 256;
+        long long *no = realloc(o->odd, cap * sizeof(long long));
+        if (!no) return 0;
+        o->odd = no; o->cap_odd = cap;
+    }
+    o->odd[o->n_odd++] = line;
+    return 1;
+}
+
+/* returns 0 on out-of-memory */
+static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int final, Out *o)
+{
+    const uint8_t *p = data, *end = data + size;
+    long long line = first_line;
+    while (p < end) {
+        const uint8_t *nl = memchr(p, '\n', end - p);
+        int tail = nl == NULL;  /* the file's last line, without newline (only when final) */
+        const uint8_t *le = tail ? end : nl;
+        Py_ssize_t len = le - p;
+        o->n_lines++;
+        if (len > max_line_bytes) { o->status = 1; o->why = "line over the reader's bound"; return 1; }
+        if (len < SUFFIX_LEN + 2) {
+            if (tail && final) return 1;  /* a short torn tail: dropped, as the Python scan does */
+            o->status = 1; o->why = "short or empty line"; return 1;
+        }
+        if (!checksum_ok(p, le)) {
+            if (tail && final) { o->status = 2; o->torn_off = p - data; return 1; }
+            o->status = 1; o->why = "a line fails its checksum"; return 1;
+        }
+        o->n_valid++;
+        Row r;
+        r.line = line;
+        if (canonical(data, p, le - SUFFIX_LEN, &r)) { if (!push_row(o, &r)) return 0; }
+        else if (!push_odd(o, line)) return 0;
+        line++;
+        p = tail ? end : nl + 1;
+    }
+    return 1;
+}
+
+/* a str for data[off:off+len] (None when len < 0), reusing the last one when equal */
+static PyObject *text(const uint8_t *data, Py_ssize_t off, Py_ssize_t len, PyObject **last, const uint8_t **lp,
+                      Py_ssize_t *ll)
+{
+    if (len < 0) Py_RETURN_NONE;
+    if (*last && *ll == len && memcmp(*lp, data + off, len) == 0) { Py_INCREF(*last); return *last; }
+    PyObject *s = PyUnicode_DecodeASCII((const char *)data + off, len, NULL);
+    if (!s) return NULL;
+    Py_XDECREF(*last);
+    Py_INCREF(s);
+    *last = s; *lp = data + off; *ll = len;
+    return s;
+}
+
+/* the text of a `ts` the split accepted, as a double (NaN: null) */
+static double number(const uint8_t *data, Py_ssize_t off, Py_ssize_t len)
+{
+    char buf[40];
+    if (len < 0 || len >= (Py_ssize_t)sizeof buf) return NAN;
+    memcpy(buf, data + off, len);
+    buf[len] = 0;
+    return PyOS_string_to_double(buf, NULL, NULL);
+}
+
+/* Rows whose ts has 16-17 digits: kept when the text is repr(ts) (the writer's spelling),
+ * else their lines join the odd ones (both lists stay in line order). 0: an exception. */
+static int repr_checks(const uint8_t *data, Out *o)
+{
+    Py_ssize_t kept = 0, n_bad = 0;
+    long long *bad = NULL;
+    for (Py_ssize_t i = 0; i < o->n_rows; i++) {
+        Row *r = &o->rows[i];
+        if (r->ts_check) {
+            if (isnan(r->ts)) r->ts = number(data, r->ts_off, r->ts_len);
+            if (PyErr_Occurred()) { free(bad); return 0; }
+            char *text = PyOS_double_to_string(r->ts, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+            if (!text) { free(bad); return 0; }
+            int same = (Py_ssize_t)strlen(text) == r->ts_len && memcmp(text, data + r->ts_off, r->ts_len) == 0;
+            PyMem_Free(text);
+            if (!same) {
+                if (!bad && !(bad = malloc(o->n_rows * sizeof(long long)))) { PyErr_NoMemory(); return 0; }
+                bad[n_bad++] = r->line;
+                continue;
+            }
+        }
+        o->rows[kept++] = *r;
+    }
+    o->n_rows = kept;
+    if (!n_bad) return 1;
+    long long *merged = malloc((o->n_odd + n_bad) * sizeof(long long));
+    if (!merged) { free(bad); PyErr_NoMemory(); return 0; }
+    Py_ssize_t a = 0, b = 0, m = 0;
+    while (a < o->n_odd || b < n_bad)
+        merged[m++] = (b >= n_bad || (a < o->n_odd && o->odd[a] < bad[b])) ? o->odd[a++] : bad[b++];
+    free(o->odd);
+    free(bad);
+    o->odd = merged;
+    o->n_odd = o->cap_odd = m;
+    return 1;
+}
+
+#define COLUMN(name, ctype, expr)                                               \
+    do {                                                                        \
+        PyObject *b_ = PyBytes_FromStringAndSize(NULL, n * sizeof(ctype));      \
+        if (!b_) goto fail;                                                     \
+        ctype *a_ = (ctype *)PyBytes_AS_STRING(b_);                             \
+        for (Py_ssize_t i = 0; i < n; i++) { const Row *r = &o.rows[i]; a_[i] = (ctype)(expr); } \
+        if (PyDict_SetItemString(cols, name, b_) < 0) { Py_DECREF(b_); goto fail; } \
+        Py_DECREF(b_);                                                          \
+    } while (0)
+
+static PyObject *scan_chunk(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    long long first_line;
+    int final;
+    if (!PyArg_ParseTuple(args, "y*Lp", &buf, &first_line, &final)) return NULL;
+    Out o;
+    memset(&o, 0, sizeof o);
+    int ok;
+    const uint8_t *data = buf.buf;
+    Py_BEGIN_ALLOW_THREADS
+    ok = scan(data, buf.len, first_line, final, &o);
+    Py_END_ALLOW_THREADS
+    PyObject *cols = NULL, *result = NULL;
+    PyObject *lists[4] = {NULL, NULL, NULL, NULL};
+    if (!ok) { PyErr_NoMemory(); goto fail; }
+    if (!repr_checks(data, &o)) goto fail;
+    Py_ssize_t n = o.n_rows;
+    cols = PyDict_New();
+    if (!cols) goto fail;
+    COLUMN("line", long long, r->line);
+    COLUMN("attempt", long long, r->attempt);
+    COLUMN("step", long long, r->step);
+    COLUMN("ts", double, r->ts);
+    COLUMN("tokens", long long, r->tokens);
+    COLUMN("cells", long long, r->cells);
+    COLUMN("dh", uint64_t, r->dh);
+    COLUMN("flags", uint8_t, r->flags);
+    COLUMN("stage", int8_t, r->stage);
+    COLUMN("live", int8_t, r->live);
+    {
+        PyObject *last[4] = {NULL, NULL, NULL, NULL};
+        const uint8_t *lp[4] = {NULL, NULL, NULL, NULL};
+        Py_ssize_t ll[4] = {0, 0, 0, 0};
+        for (int k = 0; k < 4; k++) if (!(lists[k] = PyList_New(n))) goto strings_fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Row *r = &o.rows[i];
+            Py_ssize_t off[4] = {r->room_off, r->inst_off, r->lay_off, r->rid_off};
+            Py_ssize_t len[4] = {r->room_len, r->inst_len, r->lay_len, r->rid_len};
+            for (int k = 0; k < 4; k++) {
+                PyObject *s = text(data, off[k], len[k], &last[k], &lp[k], &ll[k]);
+                if (!s) goto strings_fail;
+                PyList_SET_ITEM(lists[k], i, s);
+            }
+        }
+        for (int k = 0; k < 4; k++) Py_XDECREF(last[k]);
+        goto strings_done;
+    strings_fail:
+        for (int k = 0; k < 4; k++) Py_XDECREF(last[k]);
+        goto fail;
+    strings_done:;
+    }
+    static const char *names[4] = {"room", "instance", "layout", "rid"};
+    for (int k = 0; k < 4; k++) {
+        if (PyDict_SetItemString(cols, names[k], lists[k]) < 0) goto fail;
+        Py_CLEAR(lists[k]);
+    }
+    PyObject *odd = PyBytes_FromStringAndSize((const char *)o.odd, o.n_odd * sizeof(long long));
+    if (!odd) goto fail;
+    result = Py_BuildValue("(isnnnNN)", o.status, o.why ? o.why : "", o.n_lines, o.n_valid, o.torn_off, cols, odd);
+    cols = NULL;
+fail:
+    for (int k = 0; k < 4; k++) Py_XDECREF(lists[k]);
+    Py_XDECREF(cols);
+    free(o.rows);
+    free(o.odd);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyObject *py_xxh64(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    uint64_t h = xxh64(buf.buf, buf.len);
+    PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static int set_words(PyObject *seq, char **words, Py_ssize_t *lens, int *count)
+{
+    PyObject *fast = PySequence_Fast(seq, "a sequence of str");
+    if (!fast) return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > MAX_WORDS) { Py_DECREF(fast); PyErr_SetString(PyExc_ValueError, "too many words"); return 0; }
+    for (int i = 0; i < *count; i++) free(words[i]);
+    *count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t L;
+        const char *s = PyUnicode_AsUTF8AndSize(PySequence_Fast_GET_ITEM(fast, i), &L);
+        if (!s) { Py_DECREF(fast); return 0; }
+        words[i] = malloc(L + 1);
+        memcpy(words[i], s, L + 1);
+        lens[i] = L;
+        *count = (int)i + 1;
+    }
+    Py_DECREF(fast);
+    return 1;
+}
+
+static PyObject *configure(PyObject *self, PyObject *args)
+{
+    PyObject *st, *vd;
+    if (!PyArg_ParseTuple(args, "OOL", &st, &vd, &max_line_bytes)) return NULL;
+    if (!set_words(st, stages, stage_len, &n_stages) || !set_words(vd, verdicts, verdict_len, &n_verdicts)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scan_chunk", scan_chunk, METH_VARARGS,
+     "scan_chunk(data, first_line, final) -> (status, why, n_lines, n_valid, torn_offset, columns, odd_lines)"},
+    {"xxh64", py_xxh64, METH_VARARGS, "xxh64(data) -> int: xxh64 with seed 0"},
+    {"configure", configure, METH_VARARGS, "configure(stages, verdicts, max_line_bytes)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cscan", "The fleet engine's native line pass.", -1, methods};
+
+PyMODINIT_FUNC PyInit_cscan(void)
+{
+    init_classes();
+#ifdef HAVE_STRTOD_L
+    c_locale = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,114 @@
+"""The native line pass (`cscan.c`), when the install could build it.
+
+One compiled pass per chunk of a file: the line checksum, the canonical split (the line is
+byte for byte what the writer's `encode_line` writes for a plain room record), the fields
+the engine keeps, the digest's hash and the `pack_digest` checks of a prefill digest. It
+replaces the Python scan and DuckDB's JSON ingest for the fast files: canonical room
+records come back as compact columns, every other line whose checksum holds is *odd*
+(the reference reads it, as on the pure-Python path). What makes a file *slow* is the
+Python scan's rule, line for line (`scan.check_chunk`).
+
+`module()` is None when the extension was not built (no C compiler at install) or when
+`DSV4_IDXK_PROBE_FLEET_NATIVE=0`: then the pure-Python scan and DuckDB's ingest run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ...roomlog.reader import MAX_FILE_BYTES, MAX_LINE_BYTES, TORN, is_torn_tail
+from ...vocabulary import STAGES, VERDICTS
+from .scan import CHUNK_BYTES, FileScan, open_log, refused_name
+
+log = logging.getLogger("dsv4_idxk_probe.roomlog")
+
+ENV = "DSV4_IDXK_PROBE_FLEET_NATIVE"
+
+try:
+    from . import cscan
+except ImportError:  # not built: the pure-Python path
+    cscan = None
+else:
+    cscan.configure(STAGES, VERDICTS, MAX_LINE_BYTES)
+
+
+def module():
+    """The compiled module, or None (not built, or turned off by the environment)."""
+    if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
+        return None
+    return cscan
+
+
+def describe() -> str:
+    """Which line pass `diff` takes, for its progress output."""
+    if cscan is None:
+        return "line pass: pure Python + DuckDB (the native module was not built)"
+    if module() is None:
+        return f"line pass: pure Python + DuckDB ({ENV}=0)"
+    return "line pass: native (cscan)"
+
+
+def scan_file(path: Path, order: int, native) -> FileScan:
+    """The native pass over one file: its canonical rows (`scan.rows`) and odd line numbers
+    (`scan.odd`), or `fast` False with the reason (the reference reader reads it)."""
+    scan = FileScan(path, order)
+    why = refused_name(path)
+    if why is not None:
+        scan.fast, scan.why = False, why
+        return scan
+    try:
+        f, scan.gzip = open_log(path)
+        with f:
+            carry = b""
+            line = 1
+            total = 0
+            while True:
+                block = f.read(CHUNK_BYTES)
+                total += len(block)
+                if total > MAX_FILE_BYTES:
+                    return _slow(scan, "file over the reader's bound")
+                data = carry + block if carry else block
+                final = not block
+                if not final:
+                    cut = data.rfind(b"\n") + 1
+                    if cut == 0:
+                        if len(data) > MAX_LINE_BYTES:
+                            return _slow(scan, "line over the reader's bound")
+                        carry = data
+                        continue
+                    data, carry = data[:cut], data[cut:]
+                else:
+                    carry = b""
+                scan.text_bytes += len(data)
+                status, why, n_lines, n_valid, torn_at, cols, odd = native.scan_chunk(data, line, final)
+                if status == 1:
+                    return _slow(scan, why)
+                if status == 2:  # the last line, without newline, fails: torn, or an error
+                    if not is_torn_tail(data[torn_at:]):
+                        return _slow(scan, "a line fails its checksum")
+                    log.warning("%s:%d: %s", scan.path, line + n_lines - 1, TORN)
+                line += n_lines
+                scan.n_valid += n_valid
+                if cols["room"]:
+                    scan.rows.append(cols)
+                if odd:
+                    scan.odd.append(np.frombuffer(odd, np.int64))
+                if final:
+                    return scan
+    except (OSError, EOFError, zlib.error) as exc:
+        return _slow(scan, f"unreadable: {exc.__class__.__name__}")
+
+
+def _slow(scan: FileScan, why: str) -> FileScan:
+    scan.fast, scan.why = False, why
+    scan.rows, scan.odd, scan.n_valid = [], [], 0
+    return scan
+
+
+def rows_of(scan: FileScan) -> int:
+    return sum(len(c["room"]) for c in scan.rows)
