@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,9 @@ FAILED_ON_PURPOSE = "dsv4-idxk-probe rig: transfer failed on purpose"
 
 # the timings decode applies (the transfer kinds too: their WRITE's landing is restored on decode)
 DECODE_WHENS = ("in_flight", "after_recv", "after_step")
+# A decode forward holding a room whose swap waits for a partner sleeps this long: 16 s over
+# a 160-step swap room (workload.fault_workload), time for prefill to send the next rooms.
+SWAP_WAIT_PAUSE_S = 0.1
 
 
 @dataclass
@@ -157,6 +161,7 @@ def _decode_forward_faults(forward_batch) -> None:
     rig = _rig
     if rig is None or not forward_batch.forward_mode.is_decode():
         return
+    waiting = False
     for idx in forward_batch.req_pool_indices.tolist():
         track = rig.rooms.by_pool_idx.get(int(idx))
         if track is None:
@@ -169,6 +174,12 @@ def _decode_forward_faults(forward_batch) -> None:
             if fault.after_step == done or fault.index in track.waiting:
                 track.waiting.discard(fault.index)
                 rig.injector.apply(fault, track)
+        waiting = waiting or bool(track.waiting)
+    if waiting:
+        # a swap waits for a partner room: slow this room's decode so prefill's next rooms
+        # arrive while it still decodes (on a quiet machine a room's 160 decode steps can
+        # take less than one prefill, and decode would then hold one room at a time)
+        time.sleep(SWAP_WAIT_PAUSE_S)
 
 
 def _on_release(wrapped, instance, args, kwargs):

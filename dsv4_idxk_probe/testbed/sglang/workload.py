@@ -124,8 +124,9 @@ def prefill_fault_rooms(fault_spec_path) -> tuple[int, ...]:
 
 def swap_fault_rooms(fault_spec_path) -> tuple[int, ...]:
     """The rooms whose fault swaps pages with another resident room: kept `long_rooms`, so
-    rooms sent after them reach decode while they still decode (on a slow, busy machine a
-    short room can come and go alone, and its swap would find no partner)."""
+    rooms sent after them reach decode while they still decode (a short room can come and
+    go alone, and its swap would find no partner; the rig also slows a waiting swap's room,
+    `hooks.SWAP_WAIT_PAUSE_S`)."""
     from ..faults.spec import load_fault_spec
 
     swaps = [f for f in load_fault_spec(fault_spec_path).faults if f.kind == "swap_pages"]
