@@ -13,6 +13,7 @@ from tests.offline.test_fleet_equivalence import assert_same, hostile_set, raw_l
 from tests.support.logdata import Fault, RoomPlan, room_records
 
 from dsv4_idxk_probe.offline import fleet
+from dsv4_idxk_probe.offline.fleet import scan as fleet_scan
 from dsv4_idxk_probe.roomlog import encode_line
 from dsv4_idxk_probe.roomlog.reader import expand_inputs
 
@@ -275,7 +276,7 @@ def test_bad_checksum_torn_tail_and_odd_lines_give_the_reference_findings(tmp_pa
     cscan()
     monkeypatch.delenv(native.ENV, raising=False)
     if chunk:
-        monkeypatch.setattr(native, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(fleet_scan, "CHUNK_BYTES", chunk)  # the chunks both passes read (`line_chunks`)
     inputs = _bad_files(tmp_path / "logs")
     report = assert_same(capsys, tmp_path, *inputs)
     assert report["summary"]["bad_lines"] >= 2

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...roomlog.reader import MAX_FILE_BYTES, MAX_LINE_BYTES, TORN, is_torn_tail
+from ...roomlog.reader import MAX_LINE_BYTES, TORN, is_torn_tail
 from ...vocabulary import STAGES, VERDICTS
-from .scan import CHUNK_BYTES, FileScan, open_log, refused_name
+from .scan import FileScan, SlowFile, line_chunks, open_log, refused_name
 
 log = logging.getLogger("dsv4_idxk_probe.roomlog")
 
@@ -64,26 +64,8 @@ def scan_file(path: Path, order: int, native) -> FileScan:
     try:
         f, scan.gzip = open_log(path)
         with f:
-            carry = b""
             line = 1
-            total = 0
-            while True:
-                block = f.read(CHUNK_BYTES)
-                total += len(block)
-                if total > MAX_FILE_BYTES:
-                    return _slow(scan, "file over the reader's bound")
-                data = carry + block if carry else block
-                final = not block
-                if not final:
-                    cut = data.rfind(b"\n") + 1
-                    if cut == 0:
-                        if len(data) > MAX_LINE_BYTES:
-                            return _slow(scan, "line over the reader's bound")
-                        carry = data
-                        continue
-                    data, carry = data[:cut], data[cut:]
-                else:
-                    carry = b""
+            for data, final in line_chunks(f):
                 scan.text_bytes += len(data)
                 status, why, n_lines, n_valid, torn_at, cols, odd = native.scan_chunk(data, line, final)
                 if status == 1:
@@ -98,10 +80,11 @@ def scan_file(path: Path, order: int, native) -> FileScan:
                     scan.rows.append(cols)
                 if odd:
                     scan.odd.append(np.frombuffer(odd, np.int64))
-                if final:
-                    return scan
+    except SlowFile as exc:
+        return _slow(scan, str(exc))
     except (OSError, EOFError, zlib.error) as exc:
         return _slow(scan, f"unreadable: {exc.__class__.__name__}")
+    return scan
 
 
 def _slow(scan: FileScan, why: str) -> FileScan:

@@ -134,6 +134,34 @@ def refused_name(path: Path) -> str | None:
     return "file name" if "\x00" in name else None
 
 
+class SlowFile(Exception):
+    """A file the fast path does not take (the reference reader reads it); why, in words."""
+
+
+def line_chunks(f):
+    """A log file's text in chunks of whole lines: (data, final), the last chunk (final) holding
+    any unterminated last line. Raises SlowFile past the reader's bounds (file, line)."""
+    carry = b""
+    total = 0
+    while True:
+        block = f.read(CHUNK_BYTES)
+        total += len(block)
+        if total > MAX_FILE_BYTES:
+            raise SlowFile("file over the reader's bound")
+        data = carry + block if carry else block
+        if not block:
+            yield data, True
+            return
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            if len(data) > MAX_LINE_BYTES:
+                raise SlowFile("line over the reader's bound")
+            carry = data
+            continue
+        data, carry = data[:cut], data[cut:]
+        yield data, False
+
+
 def scan_file(path: Path, order: int) -> FileScan:
     """Checksum every line of one file; decide whether DuckDB may read it."""
     scan = FileScan(path, order)
@@ -144,28 +172,8 @@ def scan_file(path: Path, order: int) -> FileScan:
     try:
         f, scan.gzip = open_log(path)
         with f:
-            carry = b""
             line = 1
-            total = 0
-            while True:
-                block = f.read(CHUNK_BYTES)
-                total += len(block)
-                if total > MAX_FILE_BYTES:
-                    scan.fast, scan.why = False, "file over the reader's bound"
-                    return scan
-                data = carry + block if carry else block
-                final = not block
-                if not final:
-                    cut = data.rfind(b"\n") + 1
-                    if cut == 0:
-                        if len(data) > MAX_LINE_BYTES:
-                            scan.fast, scan.why = False, "line over the reader's bound"
-                            return scan
-                        carry = data
-                        continue
-                    data, carry = data[:cut], data[cut:]
-                else:
-                    carry = b""
+            for data, final in line_chunks(f):
                 # A \r, a NUL or bytes that are not UTF-8 need no check here: DuckDB then reads the
                 # line otherwise (or not at all), it is missing from the canonical rows, and Python reads it.
                 scan.text_bytes += len(data)
@@ -177,6 +185,8 @@ def scan_file(path: Path, order: int) -> FileScan:
                         # a line written twice: (file, h, length) would not name one line
                         scan.fast, scan.why = False, "a line appears twice"
                     return scan
+    except SlowFile as exc:
+        scan.fast, scan.why = False, str(exc)
     except (OSError, EOFError, zlib.error) as exc:
         scan.fast, scan.why = False, f"unreadable: {exc.__class__.__name__}"
     return scan
