@@ -99,8 +99,11 @@ def test_clean_hicache_traffic_is_verified_at_hicache_load_with_no_finding(rig):
     assert phase.verification.verdicts == {"match": 1}, describe(phase)
     assert wait_for(lambda: load_verdicts(rig, "match") > 0, timeout_s=30), "no load was compared at hicache_load"
     assert load_verdicts(rig, "mismatch") == 0 and restore_findings(rig) == []
+    # the copy path's coverage counts reach /metrics through the flusher (flush_interval_s), after the verdict
+    assert wait_for(lambda: counters(rig, "coverage_bytes_total", path="hicache_load", outcome="verified",
+                                     reason="none") > 0, timeout_s=30), "no verified hicache_load bytes counted"
     verified = counters(rig, "coverage_bytes_total", path="hicache_load", outcome="verified", reason="none")
-    assert verified > 0 and verified % (8448 * 2) == 0, verified  # whole host rows of both C4 layers
+    assert verified % (8448 * 2) == 0, verified  # whole host rows of both C4 layers
     assert counters(rig, "coverage_bytes_total", path="hicache_backup", outcome="verified", reason="none") > 0
     assert counters(rig, "coverage_bytes_total", path="hicache_load", outcome="unverified") == 0
     assert counters(rig, "errors_total") == 0
