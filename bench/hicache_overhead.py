@@ -192,9 +192,11 @@ def faked_cuda_engine(layout, layer_ids, buffers, queue_max):
     counted on any machine."""
     from bench.hook_ops import fake_device_calls
     from dsv4_idxk_probe.digest import DigestEngine
+    from dsv4_idxk_probe.hicache.restore import engine_options
 
-    return fake_device_calls(DigestEngine(layout, layer_ids, buffers, backend="triton", contents=True,
-                                          max_pending=queue_max, prealloc=4))
+    options = dict(engine_options(), prealloc=4)  # as the product builds it (`restore._engine`)
+    return fake_device_calls(DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max,
+                                          **options))
 
 
 def count_calls(cls, pool, calls: int) -> int:

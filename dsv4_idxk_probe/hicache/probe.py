@@ -34,11 +34,12 @@ from .restore import STAGE as RESTORE_STAGE, RestoreVerifier, is_index_k_pool
 from .restore_compare import LoadComparison
 from ..vocabulary import VERDICTS as ROOM_VERDICTS
 from .settings import HiCacheSettings, settings_from_config
-from ..safety import safe_invoke
+from ..safety import record_error, safe_invoke
 
 _log = logging.getLogger("dsv4_idxk_probe.hicache")
 #: Cells (and diagnosed device pages) one `restore_mismatch` record lists; the rest are counted.
 MAX_RESTORE_CELLS = 256
+_NO_CONTEXT: dict = {}  # a load's report context from the copy path: nothing beyond the comparison (never written)
 
 
 class GuardRefused(RuntimeError):
@@ -323,8 +324,21 @@ class HiCacheProbe:
             safe_invoke("hicache.journal", self._journal_event, call)
         if ok and call.checks:
             safe_invoke("hicache.roundtrip", self._diagnose_load, call)
-        if ok and self.restore is not None and branch in MOVING:
-            safe_invoke("hicache.restore", self._restore_after, call)
+        restore = self.restore
+        if ok and restore is not None and branch in MOVING:
+            # Restore verification's common calls made straight from here (no frame of ours
+            # in between): a page-path backup, a load's last layer; a load's other layers
+            # make none. A failure is counted as `safe_invoke` counts it.
+            try:
+                if branch != "page":
+                    self._restore_token_copy(call)
+                elif call.layer is None:
+                    if call.direction == "d2h":
+                        restore.after_backup(state, call.host, call.device)
+                elif call.layer == state.geom.layers - 1:
+                    restore.after_load(state, call.host, call.device, call.layer, _NO_CONTEXT)
+            except Exception:
+                record_error("hicache.restore")
 
     def layer_id(self, state: PoolState, layer: int | None) -> int | None:
         """The global layer id of the pool's layer `layer` (what the PD records and `diff` call
@@ -478,19 +492,15 @@ class HiCacheProbe:
         with self._coverage_lock:
             self._coverage[key] = self._coverage.get(key, 0) + int(nbytes)
 
-    def _restore_after(self, call: Call) -> None:
+    def _restore_token_copy(self, call: Call) -> None:
+        """A token-granular copy on an index-K pool: its rows are not whole pages, so its
+        bytes are counted unverified (`other`). Page-path copies go to the verifier (`end`)."""
         state = call.state
-        if call.branch != "page":  # token-granular copies on an index-K pool: rows are not whole pages
-            if is_index_k_pool(state.geom.name):
-                path = "hicache_backup" if call.direction == "d2h" else "hicache_load"
-                layers = state.geom.layers if call.layer is None else 1
-                self._count_on_copy_path(path, "unverified", "other", call.numel * layers * state.geom.item_bytes
-                                         // max(1, state.geom.page_size))
-            return
-        if call.direction == "d2h":
-            self.restore.after_backup(state, call.host, call.device)
-        elif call.layer is not None:
-            self.restore.after_load(state, call.host, call.device, call.layer, {})
+        if is_index_k_pool(state.geom.name):
+            path = "hicache_backup" if call.direction == "d2h" else "hicache_load"
+            layers = state.geom.layers if call.layer is None else 1
+            self._count_on_copy_path(path, "unverified", "other", call.numel * layers * state.geom.item_bytes
+                                     // max(1, state.geom.page_size))
 
     def _on_restore_evict(self, n: int) -> None:
         self.metrics.records_dropped.labels(sink="hicache_restore").inc(n)

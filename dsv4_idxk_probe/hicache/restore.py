@@ -13,13 +13,16 @@ with what its backup read.
 
 Nothing here waits for the device, and the copying thread does only what must happen
 at that instant: it derives the device page ids on the indices' device (one division)
-and launches the digest on its stream (digest/engine.py), holding references to the
-index tensors. The engine's collector thread delivers the contents and reads the host
-rows and device page numbers back from the held tensors (`restore_rows`), then stores
-or compares. Without CUDA (the rig) the copying thread copies the pages instead and
-the collector digests the copy with the NumPy reference (`restore_snapshot`). One engine (one
-collector thread) per index-K host pool, so a model with several index-K pools has
-several engines, each with its own layout.
+and launches the digest on its stream (digest/engine.py: one launch and one event; the
+outputs' copy down is the collector's), holding a reference to the host index tensor
+and its version counter. Everything else is the collector's: it reads the host rows
+back from the held tensor (`restore_rows`), counts the bytes, stores or compares, and
+reads the device page numbers only when a load differs from its backup. A load's
+layers before its last cost nothing (`HiCacheProbe.end` does not call in). Without
+CUDA (the rig) the copying thread copies the pages instead and the collector digests
+the copy with the NumPy reference (`restore_snapshot`). One engine (one collector
+thread) per index-K host pool, so a model with several index-K pools has several
+engines, each with its own layout.
 
 Plain tensors and callbacks in; no SGLang.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +39,7 @@ import numpy as np
 from ..digest.layout import RowLayout, Segment, shipped_layouts
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
-from .restore_rows import Captured, device_page_ids, read_rows
+from .restore_rows import read_rows
 from .restore_store import HostPageDigests
 
 _log = logging.getLogger("dsv4_idxk_probe.hicache")
@@ -77,6 +80,7 @@ def decode_sidecar(data, layers: int, segments: int) -> np.ndarray | None:
 #: layers) each pool's engine reserves at start-up: digests in flight at once before the
 #: collector gives them back. One more is allocated on the copying thread (milliseconds).
 PREALLOC = 16
+_UNKNOWN = object()  # a pool not looked up yet (`RestoreVerifier.pool` makes its set-up)
 
 
 def is_index_k_pool(name: str) -> bool:
@@ -105,8 +109,17 @@ class PoolRestore:
     layers: int
     row_bytes: int
     page_size: int
-    keys: dict = None  # path -> the digest's room key, made once
     snapshot: Any = None  # restore_snapshot.SnapshotDigests: a CPU pool's copy-then-digest path
+    # Plain attributes the copying thread reads, made once (no property call on its path):
+    backup_key: str = field(init=False)  # the digest's room key of a backup, of a load
+    load_key: str = field(init=False)
+    page_tokens: int = field(init=False)  # token slots of one digest page (the layout's), as the engine counts
+    page_bytes: int = field(init=False)  # index-K bytes of one host page, all layers
+
+    def __post_init__(self):
+        self.backup_key, self.load_key = f"hicache_backup:{self.name}", f"hicache_load:{self.name}"
+        self.page_tokens = self.layout.page_tokens
+        self.page_bytes = self.layers * self.row_bytes
 
 
 class RestoreVerifier:
@@ -161,8 +174,7 @@ class RestoreVerifier:
             from .restore_snapshot import SnapshotDigests
 
             snapshot = SnapshotDigests(engine)
-        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size,
-                           {path: f"{path}:{geom.name}" for path in ("hicache_backup", "hicache_load")}, snapshot)
+        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size, snapshot)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every digest submitted so far has been delivered (tests, tools; never
@@ -190,16 +202,23 @@ class RestoreVerifier:
 
     def after_backup(self, state, host_indices, device_indices) -> None:
         """Digest the device pages a page-path backup read, on its stream, and keep them per
-        host row. This thread derives the device page ids and launches the digest; the host
-        rows are read from the held index tensor by the collector (`restore_rows`)."""
-        nbytes = _moved_bytes(state, host_indices, state.geom.layers)
-        pool = self._verified_pool(state, "hicache_backup", nbytes)
+        host row. This thread derives the device page ids (one division on their device),
+        launches the digest and keeps the host index tensor with its version counter; the
+        host rows and the bytes counted are worked out by the collector (`restore_rows`)."""
+        pool = self._pools.get(state.key, _UNKNOWN)
+        if pool is _UNKNOWN:
+            pool = self.pool(state)
         if pool is None:
+            self._not_verified(state, "hicache_backup", host_indices)
             return
-        host, key, size = Captured(host_indices), state.key, pool.page_size
+        size = pool.page_size
+        n_pages = host_indices.numel() // size
+        version = host_indices._version
+        key = state.key
 
         def stored(result) -> None:
-            rows = read_rows(host, size)
+            nbytes = n_pages * pool.page_bytes
+            rows = read_rows(host_indices, version, size)
             if rows is None:  # the index tensor was rewritten: which rows it named is unknown
                 self._count("hicache_backup", "unverified", "probe_error", nbytes)
                 self.store.forget_all(key)  # never compare a load with a digest kept under a wrong row
@@ -211,47 +230,66 @@ class RestoreVerifier:
             self.store.put(key, rows, result.contents[0])
             self._count("hicache_backup", "verified", "none", nbytes)
 
-        self._submit(pool, device_page_ids(device_indices, size), stored, "hicache_backup", nbytes, key, host,
-                     host_indices.numel() // size)
+        pages = device_indices[::size].floor_divide(size)  # the rows, as the pool finds them: one C call
+        if pool.snapshot is None:
+            ticket = pool.engine.submit_room(pool.backup_key, pages, n_pages * pool.page_tokens, stored,
+                                             contents_only=True)
+        else:
+            ticket = self._snapshot(pool, pages, n_pages, stored)
+        if not ticket:  # the collector is behind: counted, never waited for
+            self._count("hicache_backup", "unverified", "queue_full", n_pages * pool.page_bytes)
+            self._drop_when_copied(pool, key, host_indices, version)
 
     def after_load(self, state, host_indices, device_indices, layer: int, context: dict) -> None:
         """After the pool's last layer of a page-path load: digest the device pages it wrote,
         on its stream, and compare them with their host rows' backups on the collector, which
-        reads the host rows and device page numbers from the held tensors.
-        `context`: what the report needs besides the comparison (global layer ids ...)."""
+        reads the host rows from the held tensor (and the device page numbers, only when a
+        row differs). `context`: what the report needs besides the comparison."""
         if layer != state.geom.layers - 1:
-            return  # the pages are complete once the last layer is loaded
-        nbytes = _moved_bytes(state, host_indices, state.geom.layers)
-        pool = self._verified_pool(state, "hicache_load", nbytes)
+            return  # the pages are complete once the last layer is loaded (`HiCacheProbe.end` skips the call)
+        pool = self._pools.get(state.key, _UNKNOWN)
+        if pool is _UNKNOWN:
+            pool = self.pool(state)
         if pool is None:
+            self._not_verified(state, "hicache_load", host_indices)
             return
-        device_pages = device_page_ids(device_indices, pool.page_size)
-        host, pages_of, key, size = Captured(host_indices), Captured(device_pages), state.key, pool.page_size
+        size = pool.page_size
+        n_pages = host_indices.numel() // size
+        version = host_indices._version
+        key = state.key
+        pages = device_indices[::size].floor_divide(size)  # the rows, as the pool finds them: one C call
 
         def compared(result) -> None:
-            rows, pages = read_rows(host, size), read_rows(pages_of, None)
-            if rows is None or pages is None or result.error or not result.contents or any(result.out_of_range):
-                self._count("hicache_load", "unverified", "probe_error", nbytes)
+            rows = read_rows(host_indices, version, size)
+            if rows is None or result.error or not result.contents or any(result.out_of_range):
+                self._count("hicache_load", "unverified", "probe_error", n_pages * pool.page_bytes)
                 return
-            comparison = compare_load(self.store.get(key, rows), result.contents[0], rows, pages,
-                                      pool.layout.segment_names)
-            per_row = pool.row_bytes * pool.layers
+            expected, contents, names = self.store.get(key, rows), result.contents[0], pool.layout.segment_names
+            comparison = compare_load(expected, contents, rows, None, names)
+            device_pages = None
+            if comparison.mismatch_rows:  # a finding names its device pages: read them now
+                device_pages = read_rows(pages, None, None)
+                comparison = compare_load(expected, contents, rows, device_pages, names)
             if comparison.verified_rows:
-                self._count("hicache_load", "verified", "none", comparison.verified_rows * per_row)
+                self._count("hicache_load", "verified", "none", comparison.verified_rows * pool.page_bytes)
             if comparison.unverified_rows:
-                self._count("hicache_load", "unverified", "digest_lost", len(comparison.unverified_rows) * per_row)
+                self._count("hicache_load", "unverified", "digest_lost",
+                            len(comparison.unverified_rows) * pool.page_bytes)
             self._report(state, comparison, dict(context, pool=pool.name, layout=pool.layout.name,
-                                                 host_rows=rows, device_pages=pages))
+                                                 host_rows=rows, device_pages=device_pages))
 
-        self._submit(pool, device_pages, compared, "hicache_load", nbytes, key, host, host_indices.numel() // size)
+        if pool.snapshot is None:
+            ticket = pool.engine.submit_room(pool.load_key, pages, n_pages * pool.page_tokens, compared,
+                                             contents_only=True)
+        else:
+            ticket = self._snapshot(pool, pages, n_pages, compared)
+        if not ticket:  # the collector is behind: counted, never waited for
+            self._count("hicache_load", "unverified", "queue_full", n_pages * pool.page_bytes)
 
-    def _verified_pool(self, state, path: str, nbytes: int) -> PoolRestore | None:
-        """The pool's restore set-up; None (an index-K pool's bytes counted unverified, with
-        why) where this pool is not verified."""
-        pool = self.pool(state)
-        if pool is None and is_index_k_pool(state.geom.name):
-            self._count(path, "unverified", self.why_not(state), nbytes)
-        return pool
+    def _not_verified(self, state, path: str, host_indices) -> None:
+        """An index-K pool that is not verified: its bytes counted unverified, with why."""
+        if is_index_k_pool(state.geom.name):
+            self._count(path, "unverified", self.why_not(state), _moved_bytes(state, host_indices, state.geom.layers))
 
     def forget_rows(self, state, host_rows: list[int]) -> None:
         """The storage tier wrote these host pages: their kept digests no longer say what the
@@ -299,26 +337,18 @@ class RestoreVerifier:
         self._count("l3", "verified", "none", nbytes)
         return True
 
-    def _submit(self, pool: PoolRestore, device_pages, callback, path: str, nbytes: int, key: int,
-                host: Captured, n_pages: int) -> None:
-        n_tokens = n_pages * pool.layout.page_tokens
-        if pool.snapshot is not None:  # a CPU pool: the pages copied now, digested on the collector
-            ticket = pool.engine.backlog() < self.queue_max and pool.snapshot.submit(device_pages, n_pages, n_tokens,
-                                                                                     callback)
-        else:
-            ticket = pool.engine.submit_room(pool.keys[path], device_pages, n_tokens, callback, contents_only=True)
-        if not ticket:  # the collector is behind: counted, never waited for
-            self._count(path, "unverified", "queue_full", nbytes)
-            if path == "hicache_backup":
-                self._drop_when_copied(pool, key, host)
+    def _snapshot(self, pool: PoolRestore, pages, n_pages: int, callback) -> bool:
+        """A CPU pool: the pages copied now, digested on the collector; False when it is behind."""
+        return pool.engine.backlog() < self.queue_max and pool.snapshot.submit(
+            pages, n_pages, n_pages * pool.page_tokens, callback)
 
-    def _drop_when_copied(self, pool: PoolRestore, key: int, host: Captured) -> None:
+    def _drop_when_copied(self, pool: PoolRestore, key: int, host, version: int) -> None:
         """Forget these host rows' kept digests (their backup was not digested). The rows
         are read by the collector; where the index tensor is on a device, once the stream
         has passed this point (an event recorded here, waited for there): this thread never
         waits. The rare path: a full queue."""
         copied = None
-        if getattr(host.tensor, "is_cuda", False):
+        if getattr(host, "is_cuda", False):
             import torch
 
             copied = torch.cuda.Event()
@@ -328,7 +358,7 @@ class RestoreVerifier:
         def drop(_arg) -> None:
             if copied is not None:
                 copied.synchronize()
-            rows = read_rows(host, size)
+            rows = read_rows(host, version, size)
             if rows is None:
                 self.store.forget_all(key)
             else:
@@ -337,10 +367,18 @@ class RestoreVerifier:
         pool.engine.post(drop)
 
 
+def engine_options() -> dict:
+    """How each index-K pool's digest engine is built (`_engine`; the benches build theirs
+    alike): content digests, staging reserved at start-up, and the outputs' copy down made
+    by the collector once the kernel is done, so a submit is one launch and one event on
+    the copying thread."""
+    return {"contents": True, "prealloc": PREALLOC, "download": "collector"}
+
+
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int):
     from ..digest.engine import DigestEngine  # torch (and Triton on CUDA): only when a pool is verified
 
-    return DigestEngine(layout, layer_ids, buffers, contents=True, max_pending=queue_max, prealloc=PREALLOC)
+    return DigestEngine(layout, layer_ids, buffers, max_pending=queue_max, **engine_options())
 
 
 def _moved_bytes(state, host_indices, layers: int) -> int:

@@ -45,9 +45,13 @@ class LoadComparison:
 
 
 def compare_load(expected: Sequence[np.ndarray | None], actual: np.ndarray, host_rows: Sequence[int],
-                 device_pages: Sequence[int], segments: Sequence[str]) -> LoadComparison:
-    """`actual`: uint64 [layers, pages, segments], page j the device page of host row j."""
+                 device_pages: Sequence[int] | None, segments: Sequence[str]) -> LoadComparison:
+    """`actual`: uint64 [layers, pages, segments], page j the device page of host row j.
+    `device_pages` None: not read (a caller reads them only once a row differs); the cells
+    then name device page -1."""
     n = len(host_rows)
+    if device_pages is None:
+        device_pages = [-1] * n
     if actual.ndim != 3 or actual.shape[1] != n or len(expected) != n or len(device_pages) != n:
         raise ValueError(f"a load of {n} host rows needs {n} kept entries, device pages and digests "
                          f"[layers, {n}, segments]; got {len(expected)}, {len(device_pages)}, {actual.shape}")

@@ -6,12 +6,16 @@ pool's row of a page group is its first index over the page size. Restore verifi
 needs three things from them:
 
 * the **device page ids** the digest reads, on the indices' device, before the digest's
-  launch (`device_page_ids`: one strided view and one division, no read-back);
-* the **host rows** that key the kept digests, and the device page numbers a finding
-  names: plain ints, wanted only on the collector, after the digest's event. So the
-  copying thread keeps a reference to the index tensor and its version counter
-  (`Captured`: no device op) and the collector reads it (`read_rows`): a CPU tensor
-  directly, a device tensor with a copy on a stream of its own, waited for there.
+  launch: `indices[::P].floor_divide(P)` (`indices.reshape(-1, P)[:, 0] // P`, as the pool
+  computes it; one strided view and one division, no read-back), made by the copying
+  thread itself (`restore.RestoreVerifier`);
+* the **host rows** that key the kept digests: plain ints, wanted only on the
+  collector, after the digest's event. So the copying thread keeps a reference to the
+  index tensor and its version counter (no device op) and the collector reads it
+  (`read_rows`): a CPU tensor directly, a device tensor with a copy on a stream of its
+  own, waited for there;
+* the **device page numbers** a finding names: read by the collector only when a load
+  differs from its backup (the page-id tensor is the probe's own, never rewritten).
 
 A tensor written in place after the copy (its version moved) cannot say which rows the
 copy named: `read_rows` returns None and the caller counts the copy unverified.
@@ -22,60 +26,68 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-_streams: dict[int, Any] = {}  # device index -> the collectors' side stream for read-backs
-_streams_lock = threading.Lock()
+_sides: dict[tuple[int, int], Any] = {}  # (collector thread, device index) -> its `_SideRead`
+_sides_lock = threading.Lock()
 
 
-class Captured:
-    """An index tensor as a copy call passed it, and its version counter at that instant."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-        self.version = getattr(tensor, "_version", 0)
-
-    def changed(self) -> bool:
-        return getattr(self.tensor, "_version", 0) != self.version
-
-
-def device_page_ids(indices, page_size: int):
-    """Each page group's row (`indices.reshape(-1, P)[:, 0] // P`, as the pool computes it):
-    a new tensor on the indices' device, made in stream order, never read on this thread."""
-    return indices[::page_size].floor_divide(page_size)  # one C call (the `//` operator adds two Python frames)
-
-
-def read_rows(captured: Captured, page_size: int | None) -> list[int] | None:
+def read_rows(tensor, version: int | None, page_size: int | None) -> list[int] | None:
     """On the collector, once the stream has passed the copy (the digest's event, or an
-    event recorded behind the copy): the page numbers as ints. `page_size` None: the
-    tensor holds page ids already (`device_page_ids`' output). None when the tensor was
-    written in place since the copy named it (its rows are unknown)."""
-    if captured.changed():
+    event recorded behind the copy): the page numbers as ints. `version`: the tensor's
+    version counter when the copy named it (None: the probe's own tensor, never written).
+    `page_size` None: the tensor holds page ids already (the device page ids). None
+    when the tensor was written in place since the copy named it (its rows are unknown)."""
+    if version is not None and tensor._version != version:
         return None
-    tensor = captured.tensor
     if getattr(tensor, "is_cuda", False):
         values = _device_read(tensor if page_size is None else tensor[::page_size])
     else:
         values = (tensor if page_size is None else tensor[::page_size]).tolist()
-    if captured.changed():  # written while the copy ran: the values may be either
+    if version is not None and tensor._version != version:  # written while the copy ran: either values
         return None
-    return [int(v) // (page_size or 1) for v in values]
+    if page_size is None:
+        return [int(v) for v in values]
+    return [int(v) // page_size for v in values]
+
+
+class _SideRead:
+    """One collector thread's read-back tools on one device, made once and reused: a side
+    stream, an event and a pinned buffer that grows to the largest read (each read waits
+    for its copy before the next one reuses the buffer)."""
+
+    __slots__ = ("stream", "done", "host")
+
+    def __init__(self, device):
+        import torch
+
+        self.stream = torch.cuda.Stream(device=device)
+        self.done = torch.cuda.Event()
+        self.host = torch.empty(256, dtype=torch.int64, pin_memory=True)  # 256 page ids; grown when needed
+
+    def read(self, tensor) -> list:
+        import torch
+
+        n = tensor.numel()
+        host = self.host
+        if host.dtype != tensor.dtype or host.numel() < n:
+            host = self.host = torch.empty(max(n, 2 * host.numel(), 256), dtype=tensor.dtype, pin_memory=True)
+        out = host[:n].view(tensor.shape)
+        with torch.cuda.stream(self.stream):
+            out.copy_(tensor, non_blocking=True)
+            self.done.record(self.stream)
+        self.done.synchronize()
+        return out.tolist()
 
 
 def _device_read(tensor) -> list:
     """A device tensor's values, copied on a side stream and waited for on this thread (the
-    collector's) alone: the serving thread's streams never wait for it."""
+    collector's) alone: the serving thread's streams never wait for it. Each collector
+    thread keeps its own stream, event and pinned buffer per device (`_SideRead`)."""
     import torch
 
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-    stream = _streams.get(index)
-    if stream is None:
-        with _streams_lock:
-            stream = _streams.setdefault(index, torch.cuda.Stream(device=tensor.device))
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    done.synchronize()
-    return host.tolist()
+    key = (threading.get_ident(), index)
+    side = _sides.get(key)
+    if side is None:
+        with _sides_lock:
+            side = _sides.setdefault(key, _SideRead(tensor.device))
+    return side.read(tensor)
