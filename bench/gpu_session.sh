@@ -18,7 +18,8 @@
 #       --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION
 # with the versions of requirements/constraints.txt.
 # Environment: RIG_VARIANTS (probe configs beside "off"), SERVING_REPS (pairs of the
-# servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5).
+# servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5),
+# HOOK_CALLS (timed calls per hook kind in hookcost, default 2000).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
 steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
@@ -52,7 +53,7 @@ step auditdiag 45 python3 -m bench.sync_audit --diagnosis --out "$res/sync_audit
 step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
 # Serving-thread CPU per hook call (real launches, a 10 ms GPU kernel before each call).
-step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --out "$res/hook_cost"
+step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls "${HOOK_CALLS:-2000}" --out "$res/hook_cost"
 # HiCache host-pool copies with restore verification (the default), without it, and round
 # trip: cycles/s against the bare pool; then the wrappers' CPU per call under sync-debug "error".
 step hostpool 300 python3 -m bench.overhead --device cuda --skip-rig --reps 7 --out "$res/overhead_hostpool"

@@ -88,6 +88,17 @@ def page_tables(n: int, pages: int, where: str, device: str) -> list:
     return tables
 
 
+def table_reads(decode_engine: DigestEngine, prefill_engine: DigestEngine) -> dict:
+    """Where the engines' kernels read their room tables (issue 32: the step's launch reads
+    them from the pinned buffer in place, no copy up), and how many launches copied them
+    up all the same: an engine from before the option reports "copied up"."""
+    copied = {role: getattr(engine.stats, "copied_tables", None)
+              for role, engine in (("decode", decode_engine), ("prefill", prefill_engine))}
+    mapped = all(getattr(engine, "mapped_tables", False) and engine._staging.__dict__.get("mapped", False)
+                 for engine in (decode_engine, prefill_engine))
+    return {"where": "read in place from pinned memory" if mapped else "copied up", "copied": copied}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000, help="timed calls of each kind")
@@ -232,12 +243,15 @@ def main(argv=None) -> int:
     print(table.header())
     for kind, r in results.items():
         print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"]))
+    tables = table_reads(decode_engine, prefill_engine)
+    print(f"room tables: {tables['where']} (launches that copied their tables up: decode "
+          f"{tables['copied']['decode']}, prefill {tables['copied']['prefill']})")
     if args.out is not None:
         report = {"device": torch.cuda.get_device_name() if real else "cpu", "real_launch": real,
                   "torch": torch.__version__, "calls": args.calls, "layers": args.layers, "pages": args.pages,
                   "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait,
                   "diagnosis": args.diagnosis,
-                  "page_tables": args.page_tables, "kinds": results}
+                  "page_tables": args.page_tables, "room_tables": tables, "kinds": results}
         write_result(args.out, "hook_cost.json", report)
     return 0
 

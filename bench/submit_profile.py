@@ -197,6 +197,9 @@ def main(argv=None) -> int:
                    help="the engine's digest.dependent_launch")
     p.add_argument("--download", choices=engine_module.DOWNLOADS, default="submit",
                    help="who copies the outputs down (decode's engine: collector)")
+    p.add_argument("--room-tables", choices=("in-place", "copied"), default="in-place",
+                   help="where a several-room launch's kernel reads its room table: the pinned buffer in place "
+                        "(the default) or its device twin, copied up first (mapped_tables=False)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -206,7 +209,8 @@ def main(argv=None) -> int:
     buffers = [torch.randint(0, 256, (pool_pages, layout.row_bytes), dtype=torch.uint8, device="cuda")
                for _ in range(args.layers)]
     engine = DigestEngine(layout, list(range(args.layers)), buffers, outputs=args.outputs,
-                          dependent_launch=args.dependent_launch, download=args.download)
+                          dependent_launch=args.dependent_launch, download=args.download,
+                          mapped_tables=args.room_tables == "in-place")
     timer = PartTimer()
     direct = [d is not None for d in engine._direct]  # learnt at the engine's warm-up (launch.DirectLaunch)
     for d in engine._direct:
@@ -219,6 +223,7 @@ def main(argv=None) -> int:
     timer.wrap(engine._staging, "take", "staging take (a new buffer)")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "outputs": args.outputs,
               "dependent_launch": args.dependent_launch, "download": args.download, "direct_launch": direct,
+              "room_tables": args.room_tables,
               "layers": args.layers,
               "pages": args.pages, "calls": args.calls, "cases": {}}
     for rooms_per_submit in (1, 16):
@@ -260,7 +265,9 @@ def main(argv=None) -> int:
     report["host_ops"] = host_ops(engine, args)
     report["allocation"] = allocation_study(engine, args)
     engine.close()
+    report["copied_tables"] = engine.stats.copied_tables
     print(f"submit on {report['device']}, outputs {args.outputs}, dependent launch {args.dependent_launch}, "
+          f"room tables {args.room_tables} ({engine.stats.copied_tables} launches copied them up), "
           f"{args.layers} layers x {args.pages} pages per room, "
           f"{args.calls} submits per case; sync debug mode 'error' (no sync raised)")
     for case, r in report["cases"].items():

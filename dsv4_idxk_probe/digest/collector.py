@@ -129,10 +129,21 @@ class Collector:
                     self._warm_up_queued -= 1
                 if self._await(ticket):
                     self._deliver(ticket, self._finish)
+                if self._staging.short:  # a submit found its buffers' class empty: top it up here
+                    self._refill()
                 if self._tickets.items:
                     yield_to_serving()  # between batches too, when several are waiting
         finally:
             self._collecting = False
+
+    def _refill(self) -> None:
+        """Allocate spare staging buffers for the classes submits found empty
+        (`StagingPool.refill`), on this thread: the serving thread then finds them."""
+        try:
+            self._staging.refill()
+        except Exception:
+            record_error("digest.refill")
+            self._staging.short.clear()  # not again and again: a submit that finds one empty asks again
 
     def _copy_side(self):
         """The collector's stream and the event it waits on for its own copies (made once)."""

@@ -1,8 +1,8 @@
 """Digest rooms of one index-K pool without stalling the caller: the engine's facade.
 
 `DigestEngine.submit` launches a batch on the caller's current stream in
-two to four device calls, whatever the batch (`launch.py`: its tables copied
-up from a pinned staging buffer when the kernel reads any, the Triton kernel,
+two to four device calls, whatever the batch (`launch.py`: its tables read by
+the kernel from a pinned staging buffer in place, or copied up for big launches, the Triton kernel,
 its outputs copied down unless the collector does it, `DOWNLOADS`, a CUDA
 event right behind; `OUTPUTS`), and queues its ticket, the queue bounded
 (`max_pending`); `submit_room` is the same for one room without a request
@@ -74,6 +74,7 @@ class EngineStats:
     callback_errors: int = 0
     out_of_range_rooms: int = 0  # rooms with a page id outside a registered buffer
     out_of_range_rows: int = 0  # their (layer, page) rows, never read
+    copied_tables: int = 0  # launches whose tables were copied up (one more device call), not read in place
 
 
 class DigestEngine(Launcher, Collector):
@@ -89,6 +90,14 @@ class DigestEngine(Launcher, Collector):
     the same bytes; "off": plain launches.
     `download` (`DOWNLOADS`): who copies the outputs down, the submit ("submit",
     the default) or the collector ("collector").
+    `mapped_tables`: the kernel reads a launch's room table (and page ids that travel
+    with it) from the pinned staging buffer through its own address, where the driver
+    maps it so (`pinned.device_maps_host_pointer`), for launches of at most
+    `mapped_table_programs` programs: no copy up, one device call fewer. Larger
+    launches, or False, copy the tables up to the twin (`stats.copied_tables`).
+    `spare_buffers`: when a submit finds its staging buffers' size class empty (and so
+    allocates on the caller's thread), the collector allocates this many more of that
+    class (`StagingPool.refill`); 0: never.
 
     The launch path is `launch.Launcher`, the collector thread
     `collector.Collector`: both are parts of this class and read the
@@ -114,6 +123,9 @@ class DigestEngine(Launcher, Collector):
         outputs: str = "device",
         dependent_launch: str = "auto",
         download: str = "submit",
+        mapped_tables: bool = True,
+        mapped_table_programs: int = 16384,
+        spare_buffers: int = 4,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -151,11 +163,15 @@ class DigestEngine(Launcher, Collector):
         self.dependent_launch = dependent_launch
         self.download = download
         self._copies = outputs == "device"  # the kernel reads and stores the twin, copied up and down
+        self.mapped_tables = mapped_tables
+        self._mapped_table_programs = mapped_table_programs if mapped_tables else -1  # launch.py reads this
         self._download_at_submit = download == "submit"
         self._n_layers, self._n_segments = len(self.layer_ids), len(layout.segments)
-        self._staging = StagingPool(self.device, twin=self._copies)
+        self._staging = StagingPool(self.device, twin=self._copies, spare=spare_buffers)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
+        if self.device.type == "cuda":
+            self._events.reserve(prealloc, self.device)  # created now: a serving thread's first batches create none
         if self.backend == "triton" and self.device.type == "cuda":
             # Pinned allocation costs milliseconds: reserve now, not on the hot path,
             # for bursts of batches up to the smallest size class (64 KiB), and of

@@ -2,9 +2,11 @@
 
 A submit takes a pinned staging buffer from its pool, writes what the kernel
 must read from the host (a room table for several rooms; page ids that live
-on the host) into its front and copies that up to the buffer's device twin,
-launches the Triton kernel on the caller's current stream, and records a
-CUDA event right behind (the ticket's `done`). A room whose page table lives
+on the host) into its front, where the kernel reads it through the pinned
+buffer's own address (for launches of up to `mapped_table_programs` programs,
+where the driver maps pinned memory so; else it is copied up to the buffer's
+device twin first), launches the Triton kernel on the caller's current stream,
+and records a CUDA event right behind (the ticket's `done`). A room whose page table lives
 on the kernel's device is read in place, and a launch of one such room takes
 its fields by value: then the kernel reads no table and nothing is copied up.
 The kernel stores cells, out-of-range flags and (for diagnosis) content
@@ -414,8 +416,13 @@ class Launcher:
             ticket.table = (address, id_bytes, n_pages)
         else:  # the page ids travel in the staging buffer, after the (unread) room table row
             staging.words[ROOM_COLUMNS : ROOM_COLUMNS + n_pages] = pages.cpu() if isinstance(pages, _Tensor) else pages
-            address, id_bytes = base + 8 * ROOM_COLUMNS, 8
-            if copies:
+            id_bytes = 8
+            if n_cells <= self._mapped_table_programs * self.rows and self._staging.mapped:
+                address = staging.host_address + 8 * ROOM_COLUMNS  # read where written (`_launch_many`)
+            else:
+                address = base + 8 * ROOM_COLUMNS
+            if copies and address == base + 8 * ROOM_COLUMNS:
+                self.stats.copied_tables += 1
                 up = 8 * (ROOM_COLUMNS + n_pages)
                 try:
                     to, of = staging.pairs[0, up, False]
@@ -484,9 +491,16 @@ class Launcher:
 
     def _launch_many(self, rooms: list, callback) -> PendingDigest:
         """Several rooms in one launch: the kernel reads each room's row of a room table
-        (page-table address, bytes per id, pages, tokens, first cell row) copied up with
-        the page ids that live on the host. Four device calls on CUDA, whatever the batch:
-        the copy up, the launch, the copy down (or none, left to the collector), the event.
+        (page-table address, bytes per id, pages, tokens, first cell row), with the page
+        ids that live on the host after it, straight from the pinned staging buffer
+        through its own address (`StagingPool.mapped`; the buffer goes back to its pool
+        only once the batch's event has completed, so no later submit rewrites a table a
+        kernel may still read). Two device calls on CUDA for decode's step: the launch and
+        the event (plus the copy down where the submit makes it). A launch of more than
+        `mapped_table_programs` programs, or where the driver does not map pinned memory
+        at its own address, copies the tables up to the twin first (one more device call,
+        counted in `stats.copied_tables`): each program reads its room's row, which
+        across PCIe would slow a big launch's kernel.
         Where every room's page table was found on the device by an earlier submit (its
         `table`: decode's stepped and finishing rooms, found at their receipts), a tight
         loop copies those rows (`_known_tables`, a few bytecodes and no call per room);
@@ -519,25 +533,32 @@ class Launcher:
             staging = self._staging.take(8 * contents_end)
         copies = self._copies
         base = staging.device_address if copies else staging.host_address
+        blocks = -(-max_pages // self.rows)  # the grid's third dimension
+        # Where the kernel reads the tables: the pinned buffer itself, at its own address
+        # (`StagingPool.mapped`), up to `mapped_table_programs` programs (each reads its
+        # room's row across PCIe); else the twin, copied up: one more device call.
+        tables = (staging.host_address if n_rooms * n_layers * blocks <= self._mapped_table_programs
+                  and self._staging.mapped else base)
         words = staging.words
         cursor = table_words
         if hosts is not None:
             for slot, pages, n in hosts:
                 words[cursor : cursor + n] = pages.cpu() if isinstance(pages, _Tensor) else pages
-                table[ROOM_COLUMNS * slot] = base + 8 * cursor
+                table[ROOM_COLUMNS * slot] = tables + 8 * cursor
                 cursor += n
         words[:table_words] = table
         started = None
         if self.time_kernels:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        if copies:
+        if copies and tables == base:
             up = 8 * cursor
             try:
                 to, of = staging.pairs[0, up, False]
             except KeyError:
                 to, of = staging.pair(0, up, False)
             to.copy_(of, non_blocking=True)
+            self.stats.copied_tables += 1
         cells_at, flags_at, contents_at = base + 8 * input_words, base + 8 * cells_end, base + 8 * contents_start
         ticket = _new(PendingDigest)
         ticket.owner, ticket.callback, ticket.staging, ticket.rooms = self, callback, staging, rooms
@@ -545,7 +566,7 @@ class Launcher:
         if started is not None:
             ticket.started = started
         if not self._on_cuda:
-            self._kernel.launch(base, cells_at, contents_at, flags_at, n_rooms, max_pages)
+            self._kernel.launch(tables, cells_at, contents_at, flags_at, n_rooms, max_pages)
             if copies:
                 self._copy_down(ticket, staging, input_words, cells_end, contents_end, False)
             return ticket
@@ -556,14 +577,14 @@ class Launcher:
             if (direct is not None and self._current_device() == index and hooks.launch_enter_hook is direct.enter
                     and hooks.launch_exit_hook is direct.leave and not direct.enter_calls and not direct.leave_calls):
                 if direct.spread:
-                    direct.fn(n_rooms, n_layers, -(-max_pages // self.rows), raw, *direct.head, base,
+                    direct.fn(n_rooms, n_layers, blocks, raw, *direct.head, tables,
                               self._layer_table_address, cells_at, contents_at, flags_at, *_NOT_ONE_ROOM, *direct.tail)
                 else:
-                    direct.fn(n_rooms, n_layers, -(-max_pages // self.rows), raw, *direct.head,
-                              (base, self._layer_table_address, cells_at, contents_at, flags_at, *_NOT_ONE_ROOM)
+                    direct.fn(n_rooms, n_layers, blocks, raw, *direct.head,
+                              (tables, self._layer_table_address, cells_at, contents_at, flags_at, *_NOT_ONE_ROOM)
                               + direct.tail)
             else:
-                self._launch_slowly(False, base, cells_at, contents_at, flags_at, n_rooms, max_pages, None)
+                self._launch_slowly(False, tables, cells_at, contents_at, flags_at, n_rooms, max_pages, None)
         if copies:
             self._copy_down(ticket, staging, input_words, cells_end, contents_end, False)
         self._record_done(ticket, raw)

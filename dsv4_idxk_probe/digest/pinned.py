@@ -3,16 +3,21 @@
 Allocating pinned memory (cudaHostAlloc) costs hundreds of microseconds; a
 digest batch needs one staging buffer (a pinned host half and its device
 twin), and one event. Both come back to their pool once the batch's event
-has completed, so steady state allocates nothing and creates no event.
+has completed, so steady state allocates nothing and creates no event; a
+size class a submit found empty is topped up by the collector thread
+(`StagingPool.refill`), not by the serving thread at its next burst.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from ..safety import record_error
 
 # One size class covers every batch up to 128 KiB (a decode batch of 16 rooms of
 # 30 layers x 9 pages, cells and their contents), so the buffers reserved at start-up serve nearly every
@@ -20,12 +25,42 @@ import torch
 _MIN_BYTES = 128 * 1024
 
 
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute in the CUDA driver API (cuda.h)
+_driver: list = []  # libcuda, loaded once (empty: not yet tried; [None]: not loadable)
+
+
+def device_maps_host_pointer(address: int) -> bool:
+    """Whether a kernel may read pinned host memory at `address` through that same address:
+    the driver's device pointer for it (`cuPointerGetAttribute(DEVICE_POINTER)`, what
+    `cudaHostGetDevicePointer` returns) is the host pointer itself, as it is for
+    `cudaHostAlloc` memory under unified addressing (every 64-bit Linux GPU since Fermi).
+    False on any doubt (no driver, an error, another pointer): the caller then copies
+    its tables up instead. Called when a staging buffer is allocated, never per launch."""
+    try:
+        if not _driver:
+            try:
+                _driver.append(ctypes.CDLL("libcuda.so.1"))
+            except OSError:
+                _driver.append(None)
+        driver = _driver[0]
+        if driver is None:
+            return False
+        out = ctypes.c_uint64(0)
+        status = driver.cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                              ctypes.c_uint64(address))
+        return status == 0 and out.value == address
+    except Exception:
+        record_error("digest.mapped_check")
+        return False
+
+
 @dataclass
 class Staging:
     """A host buffer, its int64 NumPy view made once, and a device twin of the same size.
 
-    The submit writes tables into `words` and copies them up into `device`; the
-    kernel reads them there and stores its cells into the back of `device`, which
+    The submit writes tables into `words`; the kernel reads them there through the
+    host address (or, for big launches, from `device` once copied up) and stores
+    its cells into the back of `device`, which
     one copy brings down into `host`. Why not have the kernel read and store
     pinned memory directly (the first design): its few bytes per row cross PCIe
     as small scattered writes, which made a large room take several times the
@@ -68,10 +103,16 @@ class Staging:
 class StagingPool:
     """Free lists of `Staging` buffers by power-of-two size class."""
 
-    def __init__(self, device: torch.device, max_free_per_class: int = 64, *, twin: bool = True):
+    def __init__(self, device: torch.device, max_free_per_class: int = 64, *, twin: bool = True,
+                 mapped_check=device_maps_host_pointer, spare: int = 4):
         self.device = device
         self.pin = device.type == "cuda"
         self.twin = twin  # each buffer gets its device twin (the engine's outputs "device")
+        # Whether every host half allocated so far can be read by a kernel at its own address
+        # (`device_maps_host_pointer`): then a launch's room table is read there, not copied
+        # up (launch.py). Host memory on a CPU pool is the kernel's own memory: True.
+        self.mapped = True
+        self._mapped_check = mapped_check if self.pin else None
         self.max_free_per_class = max_free_per_class
         # The smallest class's free list, never replaced: a submit pops from it directly
         # (one C call, atomic under the GIL), the collector appends to it (`give`).
@@ -79,6 +120,10 @@ class StagingPool:
         self._free: dict[int, list[Staging]] = {_MIN_BYTES: self.min_free}
         self._lock = threading.Lock()
         self.allocations = 0
+        # Size classes a `take` found empty, so its caller (a serving thread) allocated:
+        # the collector tops them up (`refill`), off that thread, before the next burst.
+        self.short: set[int] = set()
+        self.spare = spare  # buffers per `refill` of a class; 0: no refill, takes mark nothing
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -86,6 +131,8 @@ class StagingPool:
 
     def _allocate(self, size: int) -> Staging:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        if self._mapped_check is not None and self.mapped and not self._mapped_check(host.data_ptr()):
+            self.mapped = False  # one buffer that is not: no launch reads a table in place any more
         if not self.twin:
             return Staging(host, host.numpy().view(np.int64), host.data_ptr())
         device = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -125,7 +172,27 @@ class StagingPool:
                 except IndexError:
                     continue
             self.allocations += 1
+            if self.spare:
+                self.short.add(size)
         return self._allocate(size)
+
+    def refill(self) -> None:
+        """Allocate `spare` more buffers of each class a `take` found empty (the collector
+        calls this, never a serving thread): pinned allocation costs hundreds of
+        microseconds, and a class that ran dry once (a step batch larger than the
+        reserved class, a burst) will likely be asked for again. A few at a time: a
+        collector busy allocating many falls behind, and the serving thread then finds
+        the pool empty more often (measured: sizing a refill by the misses seen made
+        the serving thread allocate more, not less)."""
+        while self.short:
+            try:
+                size = self.short.pop()
+            except KeyError:
+                return
+            buffers = [self._allocate(size) for _ in range(self.spare)]
+            with self._lock:
+                self.allocations += len(buffers)
+                self._free.setdefault(size, []).extend(buffers)
 
     def give(self, buffer: Staging) -> None:
         with self._lock:
@@ -147,6 +214,20 @@ class EventPool:
         # Free events. A list's pop and append are each atomic under the GIL, so a submit
         # pops without a lock (one C call) and the collector gives back without one.
         self._free: list = []
+
+    def reserve(self, count: int, device: torch.device) -> None:
+        """Create `count` events now, at start-up: a torch event creates its CUDA event at
+        its first record, so each is recorded once on `device`'s current stream (never
+        waited on). A failure leaves them to be created on first use."""
+        try:
+            stream = torch.cuda.current_stream(device)
+            events = [torch.cuda.Event(blocking=self.blocking) for _ in range(count)]
+            for event in events:
+                event.record(stream)
+        except Exception:
+            record_error("digest.events")
+            return
+        self._free.extend(events)
 
     def take(self, timing: bool = False):
         if not timing:

@@ -81,3 +81,40 @@ def test_a_further_room_in_a_step_costs_the_serving_thread_no_call_and_few_bytec
     assert counts[16]["python_calls"] == counts[2]["python_calls"]
     assert counts[16]["c_calls"] - counts[2]["c_calls"] <= 3 * 14
     assert 0 < counts[16]["opcodes"] - counts[2]["opcodes"] <= 60 * 14
+
+
+def test_a_step_makes_the_device_calls_a_one_room_hook_makes_the_launch_and_its_event(monkeypatch):
+    """Counted on the serving thread (device calls faked as bench/hook_ops.py fakes them,
+    tensor copies counted): a step of 8 rooms launches once and records its event, and
+    copies nothing (decode's outputs go down on the collector); its kernel reads the room
+    table from the pinned staging buffer itself. Before, the table was copied up first:
+    one device call more than a receipt's."""
+    from bench.hook_ops import cuda_path_engine
+
+    engine = cuda_path_engine(2, 6, contents=False, download="collector")
+    engine._collecting = True  # no collector: the batch keeps its staging buffer while it is read here
+    monitor = DecodeMonitor(engine, lambda record: None)
+    rooms = [RoomId(i) for i in range(8)]
+    for i, room in enumerate(rooms):
+        monitor.room_received(room, torch.tensor([1 + i % 5, 2, 3], dtype=torch.int64), 700, None)
+    calls: dict = {"launch": [], "event": 0, "copy": 0}
+    engine._direct[0].fn = lambda *call: calls["launch"].append(call)
+    record = engine._record
+
+    def counted_record(event, stream):
+        calls["event"] += 1
+        return record(event, stream)
+
+    def counted_copy(self, *args, **kwargs):
+        calls["copy"] += 1
+        return copy(self, *args, **kwargs)
+
+    copy = torch.Tensor.copy_
+    engine._record = counted_record
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    ticket = monitor.batch_done((), [(room, 8) for room in rooms])
+    monkeypatch.undo()
+    table_address = calls["launch"][0][7]  # after the grid, the stream and the launch's constant head
+    assert (len(calls["launch"]), calls["event"], calls["copy"]) == (1, 1, 0)
+    assert table_address == ticket.staging.host_address
+    assert engine.stats.copied_tables == 0
