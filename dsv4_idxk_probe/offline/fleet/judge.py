@@ -30,14 +30,15 @@ def key_of(rec: dict) -> tuple:
 
 
 def judge_complex(con, scans: list[FileScan], analysis, filters: Filters, say,
-                  name: Callable[[Path], str] = str) -> tuple:
+                  name: Callable[[Path], str] = str, wanted: list | None = None) -> tuple:
     """Feed every record of the complex keys, the slow files and the odd lines to the
     reference joiner, in reading order (file by file, line by line); returns (the reading
-    position of each key's first prefill record, (instance, role, key) -> records)."""
+    position of each key's first prefill record, (instance, role, key) -> records).
+    `wanted`: the fast files' (file rank, line) to read, sorted, where no SQL says them."""
     joiner = Joiner(analysis)
     first_prefill: dict = {}
     instances: Counter = Counter()  # (instance, role, key) seen in Python-read records
-    wanted = con.execute(f"""
+    wanted = wanted if wanted is not None else con.execute(f"""
         SELECT fid, line FROM (
             SELECT r.fid, r.ord & {LINE_MASK} AS line FROM rec r SEMI JOIN complex c USING (room, attempt)
             UNION SELECT fid, line FROM odd)

@@ -11,7 +11,7 @@ Python scan's rule, line for line (`scan.check_chunk`).
 `module()` is None when the extension was not built (no C compiler at install) or when
 `DSV4_IDXK_PROBE_FLEET_NATIVE=0`: then the pure-Python scan and DuckDB's ingest run.
 `room_table()`, `clean_rooms()`, `clean_counts()`: the native room table (`ctable.c`), which
-judges and writes clean rooms as the SQL does; built and tested, not on `diff`'s path yet.
+judges and writes clean rooms as the SQL does (`table_route` runs `diff` through it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from ...roomlog.reader import MAX_LINE_BYTES, TORN, is_torn_tail
 from ...vocabulary import STAGES, VERDICTS
 from ..printable import json_safe
-from .scan import FileScan, SlowFile, line_chunks, open_log, refused_name
+from .scan import FileScan, SlowFile, line_views, open_log, refused_name
 
 log = logging.getLogger("dsv4_idxk_probe.roomlog")
 
@@ -96,13 +96,13 @@ def scan_file(path: Path, order: int, native) -> FileScan:
         f, scan.gzip = open_log(path)
         with f:
             line = 1
-            for data, final in line_chunks(f):
+            for data, final in line_views(f):
                 scan.text_bytes += len(data)
                 status, why, n_lines, n_valid, torn_at, cols, odd = native.scan_chunk(data, line, final)
                 if status == 1:
                     return _slow(scan, why)
                 if status == 2:  # the last line, without newline, fails: torn, or an error
-                    if not is_torn_tail(data[torn_at:]):
+                    if not is_torn_tail(bytes(data[torn_at:])):
                         return _slow(scan, "a line fails its checksum")
                     log.warning("%s:%d: %s", scan.path, line + n_lines - 1, TORN)
                 line += n_lines
