@@ -106,6 +106,19 @@ def test_the_budget_is_read_from_the_memory_limit(spelling, expected):
     assert route.budget_bytes(spelling) == expected
 
 
+def test_what_the_table_holds_is_counted_resident_or_estimated(tmp_path):
+    prefill, decode = mixed_logs(tmp_path / "logs")
+    table = route.new_table()
+    start = route.resident_bytes()
+    assert start is None or start > 0
+    stats = fleet.FleetStats()
+    route.scan_into(table, sorted(expand_inputs([str(prefill), str(decode)])), str, stats, lambda *a, **k: None,
+                    fleet.native.module(), 1 << 40)
+    assert len(table) == 29 and table.nbytes > 29 * 200  # entries, kept stages, strings
+    assert route.held_bytes(table, None) == table.nbytes
+    assert route.held_bytes(table, 0) >= table.nbytes  # all of this process's memory, where readable
+
+
 def test_filters_and_per_instance_take_duckdb():
     native = fleet.native.module()
     assert route.why_not(native, fleet.Filters(), False) is None

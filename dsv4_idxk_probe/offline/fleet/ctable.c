@@ -89,6 +89,13 @@ static Py_hash_t key_hash(Py_hash_t room_hash, long long attempt)
     return out == -1 ? -2 : out;
 }
 
+/* About what a str the table holds a reference to costs (header + text), counted once per
+ * reference it takes (shared strings are counted again: an overestimate). */
+static Py_ssize_t str_cost(PyObject *s)
+{
+    return s == Py_None ? 0 : 64 + PyUnicode_GET_LENGTH(s);
+}
+
 static int table_grow(RoomTable *t)
 {
     Py_ssize_t cap = t->cap ? t->cap * 2 : 1024;
@@ -144,7 +151,7 @@ static KeyState *table_entry(RoomTable *t, PyObject *room, long long attempt, ui
     t->index[i] = (uint32_t)(t->n + 1);
     *id = (uint32_t)t->n;
     t->n++;
-    t->text_bytes += PyUnicode_GET_LENGTH(room);
+    t->text_bytes += str_cost(room);
     return k;
 }
 
@@ -308,13 +315,22 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
                 if (!(k->flags & K_P_DH)) { k->p_dh = dh[i]; k->flags |= K_P_DH; }
                 else if (k->p_dh != dh[i]) k->flags |= K_P_DH_MULTI;
             }
-            if (!(k->flags & K_P_RID)) { Py_INCREF(rid); k->p_rid = rid; k->flags |= K_P_RID; }
+            if (!(k->flags & K_P_RID)) {
+                Py_INCREF(rid);
+                k->p_rid = rid;
+                k->flags |= K_P_RID;
+                t->text_bytes += str_cost(rid);
+            }
             else if (!(k->flags & K_P_RID_MULTI)) {
                 int same = same_rid(k->p_rid, rid);
                 if (same < 0) goto done;
                 if (!same) k->flags |= K_P_RID_MULTI;
             }
-            if (rid != Py_None && !k->p_rid_nn) { Py_INCREF(rid); k->p_rid_nn = rid; }
+            if (rid != Py_None && !k->p_rid_nn) {
+                Py_INCREF(rid);
+                k->p_rid_nn = rid;
+                if (rid != k->p_rid) t->text_bytes += str_cost(rid);
+            }
             if (!keep_group(t, k, tokens[i], has, dh[i])) goto done;
         } else {
             if (k->d == 0 || ord < k->first_d) k->first_d = ord;
@@ -328,7 +344,11 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
             if (!has) k->flags |= K_D_NULL;
             else if (!(k->flags & K_D_DH)) { k->d_dh = dh[i]; k->flags |= K_D_DH; }
             else if (k->d_dh != dh[i]) k->flags |= K_D_DH_MULTI;
-            if (rid != Py_None && !k->d_rid) { Py_INCREF(rid); k->d_rid = rid; }
+            if (rid != Py_None && !k->d_rid) {
+                Py_INCREF(rid);
+                k->d_rid = rid;
+                t->text_bytes += str_cost(rid);
+            }
             if (!keep_stage(t, k, stage[i], step[i], ord, live[i], ts[i])) goto done;
         }
     }
@@ -767,11 +787,12 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
 
 static PyObject *table_nbytes(RoomTable *t, void *unused)
 {
-    /* the index, the entries, the kept stages and groups, the records' positions, and about a
-       str object per room (header + text) */
-    return PyLong_FromSsize_t(t->cap * (Py_ssize_t)sizeof(uint32_t) + t->cap_keys * (Py_ssize_t)sizeof(KeyState)
-                              + t->kept_bytes + t->cap_rec * (Py_ssize_t)(sizeof(uint32_t) + sizeof(long long))
-                              + t->n * 64 + t->text_bytes);
+    /* what the process holds for the table: the index, the entries and record positions in
+       use (the arrays' unused tails are never touched, so never resident), the kept stages and
+       groups, and the room and rid strings it holds (header + text) */
+    return PyLong_FromSsize_t(t->cap * (Py_ssize_t)sizeof(uint32_t) + t->n * (Py_ssize_t)sizeof(KeyState)
+                              + t->kept_bytes + t->n_rec * (Py_ssize_t)(sizeof(uint32_t) + sizeof(long long))
+                              + t->text_bytes);
 }
 
 static Py_ssize_t table_len(RoomTable *t) { return t->n; }

@@ -66,6 +66,23 @@ def budget_bytes(memory_limit: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)] * 3 / 2)
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc/self/statm), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def held_bytes(table, resident_at_start: int | None) -> int:
+    """What the table costs the process: its own estimate (`nbytes`), or the growth of the
+    resident memory since it began where that is more (the room and rid strings it keeps
+    are scattered among freed ones: ~735 bytes a room resident against ~420 estimated)."""
+    now = resident_bytes() if resident_at_start is not None else None
+    return max(table.nbytes, 0 if now is None else now - resident_at_start)
+
+
 def new_table():
     return native_pass.ctable.RoomTable(STAGES.index("prefill_send"), max_kept=MAX_STEPS)
 
@@ -74,6 +91,7 @@ def scan_into(table, ordered: list[Path], name, stats, say, native, budget: int)
     """The native pass over every file in reading order, its rows folded into `table`;
     returns (the scans, the keys the reference reads a record of, the odd lines' positions)."""
     scans, py_keys, odd_positions = [], set(), []
+    resident_at_start = resident_bytes()
     for i, path in enumerate(ordered):
         scan = native_pass.scan_file(path, i, native)
         scan.name = name(path)
@@ -93,8 +111,9 @@ def scan_into(table, ordered: list[Path], name, stats, say, native, budget: int)
         else:
             stats.slow_files += 1
             _slow_keys(scan, py_keys)
-        if table.nbytes > budget:
-            raise OverBudget(f"the room table holds {table.nbytes:,} bytes after {i + 1:,} files, "
+        held = held_bytes(table, resident_at_start)
+        if held > budget:
+            raise OverBudget(f"the room table holds {held:,} bytes after {i + 1:,} files, "
                              f"over its budget of {budget:,} (--memory-limit)")
         say(f"scanned {i + 1:,}/{len(ordered):,} files, {stats.lines:,} lines checked, {len(table):,} keys "
             f"({stats.slow_files:,} files for the reference reader)")
