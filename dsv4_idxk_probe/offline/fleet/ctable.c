@@ -16,8 +16,9 @@
  * the reference joiner must read. `clean_rooms_json` writes the clean rooms' lines of
  * `diff --json` in blocks as `output.py` writes them from SQL, in order of their first
  * decode record. Entries are dense, in order of first appearance, behind an open-addressed
- * index of 32-bit entry numbers; an entry holds references to its room, rids, instances and
- * layout. No Python loop runs per row.
+ * index of 32-bit entry numbers; the rooms' and rids' text is copied into one arena (no
+ * object per room), an entry holds references to its instances and layout (shared strings).
+ * No Python loop runs per row.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -26,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 enum { K_P_DH = 1, K_P_DH_MULTI = 2, K_P_INVALID = 4, K_P_RID = 8, K_P_RID_MULTI = 16,
        K_D_DH = 32, K_D_DH_MULTI = 64, K_COMPLEX = 128, K_P_NULL = 256, K_D_NULL = 512, K_CAPPED = 1024 };
@@ -48,10 +52,12 @@ typedef struct {          /* prefill records of one `tokens` value (classify's p
 } Group;
 
 typedef struct {
-    PyObject *room;       /* the key's room (a strong reference) */
-    PyObject *p_rid;      /* the first prefill record's rid (Py_None for null) */
-    PyObject *p_rid_nn;   /* the first prefill rid that is not null (NULL: none) */
-    PyObject *d_rid;      /* the first decode record's rid that is not null (NULL: none) */
+    /* texts kept in the table's arena, as (offset, UTF-8 length); length -1: none (null) */
+    long long room_at, p_rid_at, p_rid_nn_at, d_rid_at;
+    int32_t room_len;     /* the key's room */
+    int32_t p_rid_len;    /* the first prefill record's rid (-1: null) */
+    int32_t p_rid_nn_len; /* the first prefill rid that is not null (-1: none) */
+    int32_t d_rid_len;    /* the first decode record's rid that is not null (-1: none) */
     PyObject *p_inst, *p_layout, *d_inst;  /* the first prefill record's instance and layout, the first decode one's */
     long long attempt;
     Py_hash_t hash;
@@ -72,12 +78,14 @@ typedef struct {
     PyObject_HEAD
     uint32_t *index;      /* open addressing: entry number + 1, 0 for an empty slot */
     KeyState *keys;       /* the entries, in order of first appearance */
-    Py_ssize_t cap, n, cap_keys, text_bytes, kept_bytes;
+    Py_ssize_t cap, n, cap_keys, kept_bytes;
     uint32_t *rec_key;    /* every record's entry number, in the order added (reading order) */
     long long *rec_ord;   /* and its position */
     Py_ssize_t n_rec, cap_rec;
     KeyState **sorted;    /* the clean decoded keys by first decode position (sort_clean) */
     Py_ssize_t n_sorted;
+    char *text;           /* the rooms' and rids' UTF-8 text, one after another (no object per string) */
+    Py_ssize_t text_n, text_cap;
     int prefill_stage, max_kept;
 } RoomTable;
 
@@ -89,11 +97,76 @@ static Py_hash_t key_hash(Py_hash_t room_hash, long long attempt)
     return out == -1 ? -2 : out;
 }
 
-/* About what a str the table holds a reference to costs (header + text), counted once per
- * reference it takes (shared strings are counted again: an overestimate). */
-static Py_ssize_t str_cost(PyObject *s)
+/* After a big array moved: give the pages of the old one back (glibc keeps freed heap
+ * pages resident; the table's arrays grow by copying when they live in the heap). */
+static void release_freed(void)
 {
-    return s == Py_None ? 0 : 64 + PyUnicode_GET_LENGTH(s);
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+}
+
+/* A str's UTF-8 bytes (lone surrogates passed through, as the reference may hold them);
+ * *tmp holds them when they had to be encoded (the caller releases it). */
+static const char *utf8_of(PyObject *s, Py_ssize_t *n, PyObject **tmp)
+{
+    *tmp = NULL;
+    if (PyUnicode_IS_ASCII(s)) { *n = PyUnicode_GET_LENGTH(s); return (const char *)PyUnicode_DATA(s); }
+    *tmp = PyUnicode_AsEncodedString(s, "utf-8", "surrogatepass");
+    if (!*tmp) return NULL;
+    *n = PyBytes_GET_SIZE(*tmp);
+    return PyBytes_AS_STRING(*tmp);
+}
+
+/* `s` (a str, or None: length -1) copied into the arena: the table keeps no object per room
+ * or rid, whose scattered survivors among the freed strings of each chunk would cost the
+ * process nearly twice their size. */
+static int keep_text(RoomTable *t, PyObject *s, long long *at, int32_t *len)
+{
+    *at = 0;
+    *len = -1;
+    if (s == Py_None) return 1;
+    if (!PyUnicode_Check(s)) { PyErr_SetString(PyExc_TypeError, "a room or rid must be a str or None"); return 0; }
+    PyObject *tmp;
+    Py_ssize_t n;
+    const char *u = utf8_of(s, &n, &tmp);
+    if (!u) return 0;
+    if (n > INT32_MAX) { Py_XDECREF(tmp); PyErr_SetString(PyExc_OverflowError, "a room or rid over 2 GB"); return 0; }
+    if (t->text_n + n > t->text_cap) {
+        Py_ssize_t cap = t->text_cap ? t->text_cap : 1 << 16;
+        while (cap < t->text_n + n) cap += cap / 2;
+        char *nt = realloc(t->text, cap);
+        if (!nt) { Py_XDECREF(tmp); PyErr_NoMemory(); return 0; }
+        if (nt != t->text && t->text_cap > (1 << 20)) release_freed();
+        t->text = nt;
+        t->text_cap = cap;
+    }
+    memcpy(t->text + t->text_n, u, n);
+    *at = t->text_n;
+    *len = (int32_t)n;
+    t->text_n += n;
+    Py_XDECREF(tmp);
+    return 1;
+}
+
+/* 1 when the kept text (at, len) is `s` (a str or None), 0 when not, -1 on error. */
+static int text_is(RoomTable *t, long long at, int32_t len, PyObject *s)
+{
+    if (s == Py_None || len < 0) return s == Py_None && len < 0;
+    PyObject *tmp;
+    Py_ssize_t n;
+    const char *u = utf8_of(s, &n, &tmp);
+    if (!u) return -1;
+    int eq = n == len && memcmp(t->text + at, u, n) == 0;
+    Py_XDECREF(tmp);
+    return eq;
+}
+
+/* The kept text as a str (None for length -1). */
+static PyObject *text_str(RoomTable *t, long long at, int32_t len)
+{
+    if (len < 0) Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(t->text + at, len, "surrogatepass");
 }
 
 static int table_grow(RoomTable *t)
@@ -107,6 +180,7 @@ static int table_grow(RoomTable *t)
         index[j] = (uint32_t)(e + 1);
     }
     free(t->index);
+    if (t->cap > (1 << 18)) release_freed();
     t->index = index;
     t->cap = cap;
     return 1;
@@ -126,10 +200,9 @@ static KeyState *table_entry(RoomTable *t, PyObject *room, long long attempt, ui
         if (!e) break;
         KeyState *k = &t->keys[e - 1];
         if (k->hash == h && k->attempt == attempt) {
-            if (k->room == room) { *id = e - 1; return k; }
-            int eq = PyUnicode_Compare(k->room, room);
-            if (eq == -1 && PyErr_Occurred()) return NULL;
-            if (eq == 0) { *id = e - 1; return k; }
+            int eq = text_is(t, k->room_at, k->room_len, room);
+            if (eq < 0) return NULL;
+            if (eq) { *id = e - 1; return k; }
         }
         i = (i + 1) & mask;
     }
@@ -138,20 +211,20 @@ static KeyState *table_entry(RoomTable *t, PyObject *room, long long attempt, ui
         Py_ssize_t cap = t->cap_keys ? t->cap_keys + t->cap_keys / 2 : 1024;
         KeyState *keys = realloc(t->keys, cap * sizeof(KeyState));
         if (!keys) { PyErr_NoMemory(); return NULL; }
+        if (keys != t->keys && t->cap_keys > 4096) release_freed();
         t->keys = keys;
         t->cap_keys = cap;
     }
     KeyState *k = &t->keys[t->n];
     memset(k, 0, sizeof *k);
-    Py_INCREF(room);
-    k->room = room;
+    if (!keep_text(t, room, &k->room_at, &k->room_len)) return NULL;
+    k->p_rid_len = k->p_rid_nn_len = k->d_rid_len = -1;
     k->attempt = attempt;
     k->hash = h;
     k->d_ts = NAN;
     t->index[i] = (uint32_t)(t->n + 1);
     *id = (uint32_t)t->n;
     t->n++;
-    t->text_bytes += str_cost(room);
     return k;
 }
 
@@ -165,6 +238,7 @@ static int note_record(RoomTable *t, uint32_t id, long long ord)
         long long *b = realloc(t->rec_ord, cap * sizeof(long long));
         if (!b) { PyErr_NoMemory(); return 0; }
         t->rec_ord = b;
+        if (t->cap_rec > (1 << 17)) release_freed();
         t->cap_rec = cap;
     }
     t->rec_key[t->n_rec] = id;
@@ -172,14 +246,6 @@ static int note_record(RoomTable *t, uint32_t id, long long ord)
     return 1;
 }
 
-static int same_rid(PyObject *a, PyObject *b)
-{
-    if (a == b) return 1;
-    if (a == Py_None || b == Py_None) return 0;
-    int eq = PyUnicode_Compare(a, b);
-    if (eq == -1 && PyErr_Occurred()) return -1;
-    return eq == 0;
-}
 
 static int column(PyObject *cols, const char *name, Py_ssize_t width, Py_ssize_t n, Py_buffer *out)
 {
@@ -316,20 +382,17 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
                 else if (k->p_dh != dh[i]) k->flags |= K_P_DH_MULTI;
             }
             if (!(k->flags & K_P_RID)) {
-                Py_INCREF(rid);
-                k->p_rid = rid;
+                if (!keep_text(t, rid, &k->p_rid_at, &k->p_rid_len)) goto done;
                 k->flags |= K_P_RID;
-                t->text_bytes += str_cost(rid);
             }
             else if (!(k->flags & K_P_RID_MULTI)) {
-                int same = same_rid(k->p_rid, rid);
+                int same = text_is(t, k->p_rid_at, k->p_rid_len, rid);
                 if (same < 0) goto done;
                 if (!same) k->flags |= K_P_RID_MULTI;
             }
-            if (rid != Py_None && !k->p_rid_nn) {
-                Py_INCREF(rid);
-                k->p_rid_nn = rid;
-                if (rid != k->p_rid) t->text_bytes += str_cost(rid);
+            if (rid != Py_None && k->p_rid_nn_len < 0) {
+                if (k->p_rid_len >= 0) k->p_rid_nn_at = k->p_rid_at, k->p_rid_nn_len = k->p_rid_len;
+                else if (!keep_text(t, rid, &k->p_rid_nn_at, &k->p_rid_nn_len)) goto done;
             }
             if (!keep_group(t, k, tokens[i], has, dh[i])) goto done;
         } else {
@@ -344,11 +407,7 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
             if (!has) k->flags |= K_D_NULL;
             else if (!(k->flags & K_D_DH)) { k->d_dh = dh[i]; k->flags |= K_D_DH; }
             else if (k->d_dh != dh[i]) k->flags |= K_D_DH_MULTI;
-            if (rid != Py_None && !k->d_rid) {
-                Py_INCREF(rid);
-                k->d_rid = rid;
-                t->text_bytes += str_cost(rid);
-            }
+            if (rid != Py_None && k->d_rid_len < 0 && !keep_text(t, rid, &k->d_rid_at, &k->d_rid_len)) goto done;
             if (!keep_stage(t, k, stage[i], step[i], ord, live[i], ts[i])) goto done;
         }
     }
@@ -399,7 +458,7 @@ static PyObject *table_judge(RoomTable *t, PyObject *unused)
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        PyObject *key = Py_BuildValue("(OL)", k->room, k->attempt);
+        PyObject *key = Py_BuildValue("(NL)", text_str(t, k->room_at, k->room_len), k->attempt);
         PyObject *v = key ? PyUnicode_FromString(names[judgment(k)]) : NULL;
         if (!v || PyDict_SetItem(out, key, v) < 0) { Py_XDECREF(key); Py_XDECREF(v); Py_DECREF(out); return NULL; }
         Py_DECREF(key);
@@ -469,10 +528,10 @@ static int put_str(Buf *b, PyObject *s)  /* a str's UTF-8 bytes (callers quote t
     return u && put(b, u, n);
 }
 
-static int put_quoted_or_null(Buf *b, PyObject *s)
+static int put_text_or_null(Buf *b, RoomTable *t, long long at, int32_t len)  /* quoted, or null */
 {
-    if (!s || s == Py_None) return PUTS(b, "null");
-    return PUTS(b, "\"") && put_str(b, s) && PUTS(b, "\"");
+    if (len < 0) return PUTS(b, "null");
+    return PUTS(b, "\"") && put(b, t->text + at, len) && PUTS(b, "\"");
 }
 
 static int stage_rank[256];
@@ -493,13 +552,14 @@ static int cmp_first_d(const void *x, const void *y)
     return a->first_d < b->first_d ? -1 : a->first_d > b->first_d;
 }
 
-static int room_json(Buf *b, KeyState *k, PyObject *stages, PyObject *verdicts, PyObject *wesc, int finish)
+static int room_json(Buf *b, RoomTable *t, KeyState *k, PyObject *stages, PyObject *verdicts, PyObject *wesc, int finish)
 {
     qsort(k->kept, k->n_kept, sizeof(Kept), cmp_kept);
     int closed = 0;
-    if (!PUTS(b, "{\"room\":\"") || !put_str(b, k->room) || !PUTS(b, "\",\"attempt\":") || !put_int(b, k->attempt)
-        || !PUTS(b, ",\"rid\":{\"prefill\":") || !put_quoted_or_null(b, k->p_rid) || !PUTS(b, ",\"decode\":")
-        || !put_quoted_or_null(b, k->d_rid)
+    if (!PUTS(b, "{\"room\":\"") || !put(b, t->text + k->room_at, k->room_len) || !PUTS(b, "\",\"attempt\":")
+        || !put_int(b, k->attempt)
+        || !PUTS(b, ",\"rid\":{\"prefill\":") || !put_text_or_null(b, t, k->p_rid_at, k->p_rid_len)
+        || !PUTS(b, ",\"decode\":") || !put_text_or_null(b, t, k->d_rid_at, k->d_rid_len)
         || !PUTS(b, "},\"verdict\":\"match\",\"first_divergence\":null,\"last_match_before\":null,\"stages\":["))
         return 0;
     for (int32_t j = 0; j < k->n_kept; j++) {
@@ -577,7 +637,7 @@ static PyObject *table_clean_rooms_json(RoomTable *t, PyObject *args)
     if (!ords || !ends) { PyErr_NoMemory(); goto out; }
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyState *k = t->sorted[start + i];
-        if (!room_json(&b, k, stages, verdicts, wesc, finish)) goto out;
+        if (!room_json(&b, t, k, stages, verdicts, wesc, finish)) goto out;
         ords[i] = k->first_d;
         ends[i] = b.n;
         if (sep_len && !put(&b, sep, sep_len)) goto out;
@@ -711,7 +771,8 @@ static PyObject *table_prefill_only(RoomTable *t, PyObject *unused)
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         KeyState *k = keys[i];
-        PyObject *row = Py_BuildValue("(LOLO)", k->first_p, k->room, k->attempt, k->p_rid_nn ? k->p_rid_nn : Py_None);
+        PyObject *row = Py_BuildValue("(LNLN)", k->first_p, text_str(t, k->room_at, k->room_len), k->attempt,
+                                      text_str(t, k->p_rid_nn_at, k->p_rid_nn_len));
         if (!row) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i, row);
     }
@@ -754,13 +815,15 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
         KeyState *k = &t->keys[i];
         if (judgment(k) != 1) continue;
         int hit = 0;
-        PyObject *cand[2] = {k->p_rid, k->d_rid};
+        PyObject *prid = text_str(t, k->p_rid_at, k->p_rid_len), *drid = prid ? text_str(t, k->d_rid_at, k->d_rid_len) : NULL;
+        if (!drid) { Py_XDECREF(prid); Py_DECREF(out); return NULL; }
+        PyObject *cand[2] = {prid, drid};
         for (int c = 0; c < 2 && !hit; c++) {
-            if (!cand[c] || cand[c] == Py_None) continue;
+            if (cand[c] == Py_None) continue;
             hit = PySet_Contains(rids, cand[c]);
-            if (hit < 0) { Py_DECREF(out); return NULL; }
+            if (hit < 0) { Py_DECREF(prid); Py_DECREF(drid); Py_DECREF(out); return NULL; }
         }
-        if (!hit) continue;
+        if (!hit) { Py_DECREF(prid); Py_DECREF(drid); continue; }
         qsort(k->kept, k->n_kept, sizeof(Kept), cmp_kept_ord);
         PyObject *stages = PyList_New(k->n_kept);
         for (int32_t s = 0; stages && s < k->n_kept; s++) {
@@ -774,9 +837,14 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
             PyList_SET_ITEM(stages, s, row);
         }
         PyObject *ptok = k->ptok == NULL_INT ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLongLong(k->ptok);
-        PyObject *row = stages && ptok ? Py_BuildValue("(LOLOOON)", k->first_d, k->room, k->attempt,
-                                                       k->p_rid ? k->p_rid : Py_None, k->d_rid ? k->d_rid : Py_None,
-                                                       ptok, stages) : NULL;
+        PyObject *room = text_str(t, k->room_at, k->room_len), *row = NULL;
+        if (stages && ptok && room)  /* N: the tuple takes these references */
+            row = Py_BuildValue("(LNLNNON)", k->first_d, room, k->attempt, prid, drid, ptok, stages);
+        else {
+            Py_XDECREF(room);
+            Py_DECREF(prid);
+            Py_DECREF(drid);
+        }
         Py_XDECREF(ptok);
         if (!row) { Py_XDECREF(stages); Py_DECREF(out); return NULL; }
         if (PyList_Append(out, row) < 0) { Py_DECREF(row); Py_DECREF(out); return NULL; }
@@ -789,10 +857,10 @@ static PyObject *table_nbytes(RoomTable *t, void *unused)
 {
     /* what the process holds for the table: the index, the entries and record positions in
        use (the arrays' unused tails are never touched, so never resident), the kept stages and
-       groups, and the room and rid strings it holds (header + text) */
+       groups, and the rooms' and rids' text */
     return PyLong_FromSsize_t(t->cap * (Py_ssize_t)sizeof(uint32_t) + t->n * (Py_ssize_t)sizeof(KeyState)
                               + t->kept_bytes + t->n_rec * (Py_ssize_t)(sizeof(uint32_t) + sizeof(long long))
-                              + t->text_bytes);
+                              + t->text_n);
 }
 
 static Py_ssize_t table_len(RoomTable *t) { return t->n; }
@@ -812,10 +880,6 @@ static void table_dealloc(RoomTable *t)
 {
     for (Py_ssize_t i = 0; i < t->n; i++) {
         KeyState *k = &t->keys[i];
-        Py_XDECREF(k->room);
-        Py_XDECREF(k->p_rid);
-        Py_XDECREF(k->p_rid_nn);
-        Py_XDECREF(k->d_rid);
         Py_XDECREF(k->p_inst);
         Py_XDECREF(k->p_layout);
         Py_XDECREF(k->d_inst);
@@ -823,6 +887,7 @@ static void table_dealloc(RoomTable *t)
         free(k->groups);
     }
     free(t->keys);
+    free(t->text);
     free(t->index);
     free(t->rec_key);
     free(t->rec_ord);

@@ -76,9 +76,9 @@ def resident_bytes() -> int | None:
 
 
 def held_bytes(table, resident_at_start: int | None) -> int:
-    """What the table costs the process: its own estimate (`nbytes`), or the growth of the
-    resident memory since it began where that is more (the room and rid strings it keeps
-    are scattered among freed ones: ~735 bytes a room resident against ~420 estimated)."""
+    """What the table costs the process: its own count (`nbytes`), or the growth of the
+    resident memory since it began where that is more (the scan's own ~70 MB, memory the
+    allocator keeps: the budget bounds the process, not only the table)."""
     now = resident_bytes() if resident_at_start is not None else None
     return max(table.nbytes, 0 if now is None else now - resident_at_start)
 
