@@ -23,7 +23,7 @@ duckdb = pytest.importorskip("duckdb")
 def line_pass(request, monkeypatch):
     """Every test on the fleet engine's three routes: native pass and room table, native
     pass and DuckDB, pure Python and DuckDB (test_fleet_native checks the native modules
-    are built). The filters and `--per-instance` take DuckDB on every route."""
+    are built). `--per-instance` takes DuckDB on every route."""
     from dsv4_idxk_probe.offline.fleet import native, table_route
 
     monkeypatch.delenv(table_route.ENV, raising=False)

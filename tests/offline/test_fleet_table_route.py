@@ -7,11 +7,13 @@ and conflicts counted as the reference counts them."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from tests.offline.test_fleet_equivalence import assert_same, write
 from tests.support.logdata import Fault, RoomPlan, room_records, write_logs
 
+from dsv4_idxk_probe.cli.main import run as fleet_run
 from dsv4_idxk_probe.offline import fleet
 from dsv4_idxk_probe.roomlog import encode_line
 from dsv4_idxk_probe.roomlog.reader import expand_inputs
@@ -119,9 +121,80 @@ def test_what_the_table_holds_is_counted_resident_or_estimated(tmp_path):
     assert route.held_bytes(table, 0) >= table.nbytes  # all of this process's memory, where readable
 
 
-def test_filters_and_per_instance_take_duckdb():
+def test_per_instance_takes_duckdb_and_the_filters_do_not():
     native = fleet.native.module()
     assert route.why_not(native, fleet.Filters(), False) is None
-    assert "--since" in route.why_not(native, fleet.Filters(since=1.0), False)
+    assert route.why_not(native, fleet.Filters(since=1.0, instances=("d-*",)), False) is None
     assert "--per-instance" in route.why_not(native, fleet.Filters(), True)
     assert route.why_not(None, fleet.Filters(), False) == "the native line pass is off"
+
+
+def selection_logs(root):
+    """Rooms 1..12 at ts 1000 + 10 i (prefill) and + 1.. (decode), prefill on p-<i%2>, decode
+    on d-<i%3>: room 3 mismatches, room 5 is never decoded, room 7 never sent, room 9's
+    decode_finish is an odd line (a float step: the reference reads it), room 11 decodes
+    late (ts 2000..), a slow file holds room 12 (a bad line beside it)."""
+    pre, dec, slow = [], [], []
+    for i in range(1, 13):
+        p, d = room_records(RoomPlan(i, fault=Fault(1, 1, 5, "decode_finish") if i == 3 else None))
+        for r in p:
+            r["ts"], r["instance"] = 1000.0 + 10 * i, f"p-{i % 2}:1"
+        for k, r in enumerate(d, 1):
+            r["ts"], r["instance"] = (2000.0 if i == 11 else 1000.0 + 10 * i) + k, f"d-{i % 3}:7"
+        if i == 9:
+            d[-1]["step"] = float(d[-1]["step"] or 0) + 0.5
+        if i == 12:
+            slow += p + d
+            continue
+        pre += [] if i == 7 else p
+        dec += [] if i == 5 else d
+    write(root / "p" / "prefill-a-1.000001.jsonl", [encode_line(r) for r in pre])
+    write(root / "d" / "decode-b-2.000001.jsonl", [encode_line(r) for r in dec])
+    write(root / "d" / "decode-c-3.000001.jsonl", [encode_line(r) for r in slow] + [b"not json\n"])
+    return root / "p", root / "d"
+
+
+SELECTED = {  # (rooms, prefill-only rooms)
+    # decoded from 1045 on (11 late, 12 in the slow file; 7 never sent); 5 sent at 1050, never decoded
+    ("--since", "1045"): (["10", "11", "12", "6", "7", "8", "9"], ["5"]),
+    ("--since", "1500"): (["11"], []),
+    # a record of p-1 (odd rooms' prefill): 7 was never sent, 5 never decoded
+    ("--instance", "p-1:*"): (["1", "11", "3", "9"], ["5"]),
+    ("--instance", "nobody"): ([], []),
+}
+
+
+@pytest.mark.parametrize("selection", [
+    ("--since", "1045"), ("--until", "1075"), ("--since", "1052", "--until", "1101.5"), ("--since", "1500"),
+    ("--instance", "d-0:*"), ("--instance", "p-1:*"), ("--instance", "d-2:7", "--until", "1090"),
+    ("--instance", "nobody"),
+])
+def test_the_selection_in_the_table_is_the_selection_in_sql(tmp_path, capsys, monkeypatch, selection):
+    """--since/--until/--instance on the room table: the same table, JSON and exit status as
+    on the DuckDB route, with complex, odd, slow, prefill-only and decode-only keys about."""
+    p, d = selection_logs(tmp_path / "logs")
+    out = {}
+    for judge in ("table", "duckdb"):
+        if judge == "duckdb":
+            monkeypatch.setenv(route.ENV, "0")
+        path = tmp_path / f"{judge}.json"
+        status = fleet_run(["diff", str(p), str(d), "--json", str(path), *selection])
+        out[judge] = (status, capsys.readouterr().out, path.read_bytes())
+    assert out["table"] == out["duckdb"]
+    report = json.loads(out["table"][2])
+    want = SELECTED.get(selection)
+    if want is not None:  # what the rule selects, by construction of the logs
+        assert (sorted(r["room"] for r in report["rooms"]), [r["room"] for r in report["prefill_only"]]) == want
+    monkeypatch.delenv(route.ENV)
+    lines = []
+    analysis = fleet.analyse_fleet(expand_inputs([str(p), str(d)]), filters=_filters(selection),
+                                   progress=lines.append)
+    analysis.close()
+    assert analysis.stats.clean_judge == "room table"
+
+
+def _filters(selection) -> "fleet.Filters":
+    args = dict(zip(selection[::2], selection[1::2]))
+    return fleet.Filters(float(args["--since"]) if "--since" in args else None,
+                         float(args["--until"]) if "--until" in args else None,
+                         (args["--instance"],) if "--instance" in args else ())

@@ -18,8 +18,8 @@ compiled pass: checksum, canonical split, fields and digest checks, compact rows
 without it (or with DSV4_IDXK_PROBE_FLEET_NATIVE=0) the steps above run as written.
 Where it also built the room table (`ctable.c`), `table_route` replaces steps 2, 3 and 5
 for the clean keys (no DuckDB): the table judges and writes them, the joiner reads the
-complex keys' records (not with the filters or `--per-instance`, nor past the table's
-memory budget, nor with DSV4_IDXK_PROBE_FLEET_TABLE=0).
+complex keys' records (not with `--per-instance`, nor past the table's memory budget,
+nor with DSV4_IDXK_PROBE_FLEET_TABLE=0).
 
 `pipeline.analyse_fleet` runs them with progress; `filters` holds `--since/--until/
 --instance`; `duck` the optional DuckDB (`available()`: the CLI falls back to the

@@ -32,7 +32,10 @@
 #endif
 
 enum { K_P_DH = 1, K_P_DH_MULTI = 2, K_P_INVALID = 4, K_P_RID = 8, K_P_RID_MULTI = 16,
-       K_D_DH = 32, K_D_DH_MULTI = 64, K_COMPLEX = 128, K_P_NULL = 256, K_D_NULL = 512, K_CAPPED = 1024 };
+       K_D_DH = 32, K_D_DH_MULTI = 64, K_COMPLEX = 128, K_P_NULL = 256, K_D_NULL = 512, K_CAPPED = 1024,
+       /* the selection (`select`): a decode record seen (here or by the reference), one in the
+          window, any record in the window, any record of a matching instance */
+       K_SEEN_D = 2048, K_D_WIN = 4096, K_ANY_WIN = 8192, K_INST = 16384 };
 
 #define NULL_INT ((long long)INT64_MIN)  /* the pass's null for integers */
 #define LINE_BITS 40                      /* positions.LINE_BITS */
@@ -84,6 +87,10 @@ typedef struct {
     Py_ssize_t n_rec, cap_rec;
     KeyState **sorted;    /* the clean decoded keys by first decode position (sort_clean) */
     Py_ssize_t n_sorted;
+    int selecting;        /* `select` was called: keys outside it are left out of everything */
+    double since, until;  /* the window [since, until) (NaN: open) */
+    PyObject *instance_ok;   /* instance -> bool (None: any instance) */
+    PyObject *instance_seen; /* {instance: bool}, the answers so far */
     char *text;           /* the rooms' and rids' UTF-8 text, one after another (no object per string) */
     Py_ssize_t text_n, text_cap;
     int prefill_stage, max_kept;
@@ -316,6 +323,30 @@ static int keep_group(RoomTable *t, KeyState *k, long long tokens, int has, uint
     return 1;
 }
 
+static int in_window(const RoomTable *t, double ts)
+{
+    if (isnan(ts)) return isnan(t->since) && isnan(t->until);
+    return (isnan(t->since) || ts >= t->since) && (isnan(t->until) || ts < t->until);
+}
+
+/* Whether an instance (a str or None) matches the selection's patterns; -1 on error. */
+static int instance_matches(RoomTable *t, PyObject *inst)
+{
+    if (t->instance_ok == Py_None) return 1;
+    if (inst == Py_None) return 0;
+    PyObject *was = PyDict_GetItemWithError(t->instance_seen, inst);
+    if (!was) {
+        if (PyErr_Occurred()) return -1;
+        PyObject *r = PyObject_CallOneArg(t->instance_ok, inst);
+        if (!r) return -1;
+        int ok = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (ok < 0 || PyDict_SetItem(t->instance_seen, inst, ok ? Py_True : Py_False) < 0) return -1;
+        return ok;
+    }
+    return was == Py_True;
+}
+
 #define N_COLS 10
 static const char *col_names[N_COLS] = {"attempt", "stage", "flags", "dh", "line", "step", "live", "tokens", "ts", "cells"};
 static const Py_ssize_t col_width[N_COLS] = {8, 1, 1, 8, 8, 8, 1, 8, 8, 8};
@@ -363,6 +394,13 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
         long long ord = (fid << LINE_BITS) | line[i];
         if (!note_record(t, id, ord)) goto done;
         PyObject *rid = PyList_GET_ITEM(rids, i);
+        if (t->selecting) {
+            int win = in_window(t, ts[i]), ok = instance_matches(t, PyList_GET_ITEM(insts, i));
+            if (ok < 0) goto done;
+            if (win) k->flags |= K_ANY_WIN;
+            if (ok) k->flags |= K_INST;
+            if (stage[i] != t->prefill_stage) k->flags |= win ? K_SEEN_D | K_D_WIN : K_SEEN_D;
+        }
         if (stage[i] == t->prefill_stage) {
             if (k->p == 0 || ord < k->first_p) k->first_p = ord;
             if (k->p++ == 0) {
@@ -418,6 +456,27 @@ done:
     Py_RETURN_NONE;
 }
 
+/* select(since, until, instance_ok): keep only the keys with a decode record whose ts is in
+ * [since, until) (a key never decoded: any record's), and a record of an instance
+ * `instance_ok` accepts (None: any); NaN: an open end. Before any row is added. */
+static PyObject *table_select(RoomTable *t, PyObject *args)
+{
+    double since, until;
+    PyObject *ok;
+    if (!PyArg_ParseTuple(args, "ddO", &since, &until, &ok)) return NULL;
+    if (t->n) { PyErr_SetString(PyExc_ValueError, "select before adding rows"); return NULL; }
+    if (ok != Py_None && !PyCallable_Check(ok)) { PyErr_SetString(PyExc_TypeError, "instance_ok must be callable or None"); return NULL; }
+    PyObject *seen = PyDict_New();
+    if (!seen) return NULL;
+    Py_INCREF(ok);
+    Py_XSETREF(t->instance_ok, ok);
+    Py_XSETREF(t->instance_seen, seen);
+    t->since = since;
+    t->until = until;
+    t->selecting = 1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *table_mark_complex(RoomTable *t, PyObject *keys)
 {
     PyObject *it = PyObject_GetIter(keys), *item;
@@ -427,21 +486,39 @@ static PyObject *table_mark_complex(RoomTable *t, PyObject *keys)
     while ((item = PyIter_Next(it))) {
         PyObject *room;
         long long attempt;
+        int decode = 0, win = 0, ok = 0;
         uint32_t id;
-        if (!PyArg_ParseTuple(item, "OL", &room, &attempt)) { Py_DECREF(item); Py_DECREF(it); return NULL; }
+        if (!PyArg_ParseTuple(item, "OL|ppp", &room, &attempt, &decode, &win, &ok)) {
+            Py_DECREF(item);
+            Py_DECREF(it);
+            return NULL;
+        }
         KeyState *k = table_entry(t, room, attempt, &id);
         Py_DECREF(item);
         if (!k) { Py_DECREF(it); return NULL; }
         k->flags |= K_COMPLEX;
+        if (win) k->flags |= K_ANY_WIN;
+        if (ok) k->flags |= K_INST;
+        if (decode) k->flags |= win ? K_SEEN_D | K_D_WIN : K_SEEN_D;
     }
     Py_DECREF(it);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 
-/* 0: complex, 1: clean (decoded), 2: clean prefill-only: classify.CLASSIFY's rule. */
-static int judgment(const KeyState *k)
+/* Whether a key is in the selection (filters.filter_sql's rule; every key without one). */
+static int selected(const RoomTable *t, const KeyState *k)
 {
+    if (!t->selecting) return 1;
+    int win = k->flags & K_SEEN_D ? (k->flags & K_D_WIN) != 0 : (k->flags & K_ANY_WIN) != 0;
+    return win && (k->flags & K_INST);
+}
+
+/* -1: not selected (left out of everything), 0: complex, 1: clean (decoded), 2: clean
+ * prefill-only: classify.CLASSIFY's rule. */
+static int judgment(const RoomTable *t, const KeyState *k)
+{
+    if (!selected(t, k)) return -1;
     if (k->flags & K_COMPLEX) return 0;
     if (k->d > 0 && k->p > 0 && !(k->flags & K_P_NULL) && (k->flags & K_P_DH) && !(k->flags & K_P_DH_MULTI)
         && !(k->flags & K_P_INVALID) && !(k->flags & K_P_RID_MULTI) && !(k->flags & K_D_NULL)
@@ -458,8 +535,10 @@ static PyObject *table_judge(RoomTable *t, PyObject *unused)
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
+        int j = judgment(t, k);
+        if (j < 0) continue;
         PyObject *key = Py_BuildValue("(NL)", text_str(t, k->room_at, k->room_len), k->attempt);
-        PyObject *v = key ? PyUnicode_FromString(names[judgment(k)]) : NULL;
+        PyObject *v = key ? PyUnicode_FromString(names[j]) : NULL;
         if (!v || PyDict_SetItem(out, key, v) < 0) { Py_XDECREF(key); Py_XDECREF(v); Py_DECREF(out); return NULL; }
         Py_DECREF(key);
         Py_DECREF(v);
@@ -470,8 +549,25 @@ static PyObject *table_judge(RoomTable *t, PyObject *unused)
 static PyObject *table_counts(RoomTable *t, PyObject *unused)
 {
     long long c[3] = {0, 0, 0};
-    for (Py_ssize_t i = 0; i < t->n; i++) c[judgment(&t->keys[i])]++;
+    for (Py_ssize_t i = 0; i < t->n; i++) {
+        int j = judgment(t, &t->keys[i]);
+        if (j >= 0) c[j]++;
+    }
     return Py_BuildValue("{sLsLsL}", "complex", c[0], "clean", c[1], "prefill_only", c[2]);
+}
+
+/* [(room, attempt)] of the complex keys (in the selection). */
+static PyObject *table_complex_keys(RoomTable *t, PyObject *unused)
+{
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < t->n; i++) {
+        const KeyState *k = &t->keys[i];
+        if (judgment(t, k) != 0) continue;
+        PyObject *key = Py_BuildValue("(NL)", text_str(t, k->room_at, k->room_len), k->attempt);
+        if (!key || PyList_Append(out, key) < 0) { Py_XDECREF(key); Py_CLEAR(out); break; }
+        Py_DECREF(key);
+    }
+    return out;
 }
 
 /* The positions of every record of a complex key, in reading order (the reference join reads them). */
@@ -479,7 +575,7 @@ static PyObject *table_complex_positions(RoomTable *t, PyObject *unused)
 {
     uint8_t *cx = malloc(t->n ? t->n : 1);
     if (!cx) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < t->n; i++) cx[i] = judgment(&t->keys[i]) == 0;
+    for (Py_ssize_t i = 0; i < t->n; i++) cx[i] = judgment(t, &t->keys[i]) == 0;
     Py_ssize_t m = 0;
     for (Py_ssize_t r = 0; r < t->n_rec; r++) m += cx[t->rec_key[r]];
     PyObject *out = PyBytes_FromStringAndSize(NULL, m * (Py_ssize_t)sizeof(long long));
@@ -594,12 +690,12 @@ static int sort_clean(RoomTable *t)
 {
     if (t->sorted) return 1;
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(&t->keys[i]) == 1;
+    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(t, &t->keys[i]) == 1;
     t->sorted = malloc((n ? n : 1) * sizeof(KeyState *));
     if (!t->sorted) { PyErr_NoMemory(); return 0; }
     n = 0;
     for (Py_ssize_t i = 0; i < t->n; i++)
-        if (judgment(&t->keys[i]) == 1) t->sorted[n++] = &t->keys[i];
+        if (judgment(t, &t->keys[i]) == 1) t->sorted[n++] = &t->keys[i];
     qsort(t->sorted, n, sizeof(KeyState *), cmp_first_d);
     t->n_sorted = n;
     return 1;
@@ -667,8 +763,8 @@ static PyObject *table_clean_counts(RoomTable *t, PyObject *args)
     for (int s = 0; s < 128; s++) st_room[s] = -1, st_ord[s] = -1, st_n[s] = 0;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        int j = judgment(k);
-        if (!j) continue;
+        int j = judgment(t, k);
+        if (j <= 0) continue;
         records += k->p + k->d;
         long long f = k->d && k->first_d < k->first_p ? k->first_d : k->first_p;
         if (first < 0 || f < first) first = f;
@@ -722,8 +818,8 @@ static PyObject *table_clean_coverage(RoomTable *t, PyObject *unused)
     if (!out || !empty || !verified || !unverified) goto fail;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        int j = judgment(k);
-        if (!j) continue;
+        int j = judgment(t, k);
+        if (j <= 0) continue;
         PyObject *inst = j == 1 ? k->d_inst : k->p_inst;
         if (!inst || inst == Py_None) inst = empty;
         PyObject *cells = k->p_cells == NULL_INT ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLongLong(k->p_cells);
@@ -761,12 +857,12 @@ static int cmp_po(const void *x, const void *y)
 static PyObject *table_prefill_only(RoomTable *t, PyObject *unused)
 {
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(&t->keys[i]) == 2;
+    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(t, &t->keys[i]) == 2;
     KeyState **keys = malloc((n ? n : 1) * sizeof(KeyState *));
     if (!keys) return PyErr_NoMemory();
     n = 0;
     for (Py_ssize_t i = 0; i < t->n; i++)
-        if (judgment(&t->keys[i]) == 2) keys[n++] = &t->keys[i];
+        if (judgment(t, &t->keys[i]) == 2) keys[n++] = &t->keys[i];
     qsort(keys, n, sizeof(KeyState *), cmp_po);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
@@ -788,7 +884,7 @@ static PyObject *table_timeline(RoomTable *t, PyObject *unused)
     if (!out || !empty) { Py_XDECREF(out); Py_XDECREF(empty); return NULL; }
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        if (judgment(k) != 1 || isnan(k->d_ts)) continue;
+        if (judgment(t, k) != 1 || isnan(k->d_ts)) continue;
         PyObject *row = Py_BuildValue("(dO)", k->d_ts, k->d_inst && k->d_inst != Py_None ? k->d_inst : empty);
         if (!row || PyList_Append(out, row) < 0) { Py_XDECREF(row); Py_DECREF(out); Py_DECREF(empty); return NULL; }
         Py_DECREF(row);
@@ -813,7 +909,7 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         KeyState *k = &t->keys[i];
-        if (judgment(k) != 1) continue;
+        if (judgment(t, k) != 1) continue;
         int hit = 0;
         PyObject *prid = text_str(t, k->p_rid_at, k->p_rid_len), *drid = prid ? text_str(t, k->d_rid_at, k->d_rid_len) : NULL;
         if (!drid) { Py_XDECREF(prid); Py_DECREF(out); return NULL; }
@@ -873,6 +969,9 @@ static int table_init(RoomTable *t, PyObject *args, PyObject *kwds)
     if (max_kept < 1) { PyErr_SetString(PyExc_ValueError, "max_kept must be at least 1"); return -1; }
     t->prefill_stage = prefill_stage;
     t->max_kept = max_kept;
+    t->since = t->until = NAN;
+    Py_INCREF(Py_None);
+    Py_XSETREF(t->instance_ok, Py_None);
     return 0;
 }
 
@@ -887,6 +986,8 @@ static void table_dealloc(RoomTable *t)
         free(k->groups);
     }
     free(t->keys);
+    Py_XDECREF(t->instance_ok);
+    Py_XDECREF(t->instance_seen);
     free(t->text);
     free(t->index);
     free(t->rec_key);
@@ -900,7 +1001,11 @@ static PyMethodDef table_methods[] = {
      "add(columns, fid=0): fold a scan_chunk's rows of file `fid` (its rank in reading order) into their keys' state; "
      "files and chunks in reading order"},
     {"mark_complex", (PyCFunction)table_mark_complex, METH_O,
-     "mark_complex(keys): (room, attempt) pairs the reference reads a record of"},
+     "mark_complex(keys): (room, attempt[, decode, in_window, instance_ok]) of the records the reference reads"},
+    {"select", (PyCFunction)table_select, METH_VARARGS,
+     "select(since, until, instance_ok): only keys decoded in [since, until) (never decoded: any record in it) "
+     "with a record of an instance instance_ok accepts (None: any); NaN: an open end; before any add"},
+    {"complex_keys", (PyCFunction)table_complex_keys, METH_NOARGS, "complex_keys() -> [(room, attempt)] of the complex keys"},
     {"judge", (PyCFunction)table_judge, METH_NOARGS,
      "judge() -> {(room, attempt): 'clean' | 'prefill_only' | 'complex'}, as classify.CLASSIFY"},
     {"complex_positions", (PyCFunction)table_complex_positions, METH_NOARGS,

@@ -79,7 +79,7 @@ def analyse_fleet(
     fallbacks = 0
     if why_not is None:
         try:
-            return _with_table(paths, native, names, say, table_route.budget_bytes(memory_limit))
+            return _with_table(paths, native, names, say, table_route.budget_bytes(memory_limit), filters)
         except table_route.OverBudget as exc:
             fallbacks = 1
             why_not = str(exc)
@@ -103,7 +103,7 @@ def _begin(paths: list, names: dict) -> tuple:
     return analysis, name, ordered, file_rank
 
 
-def _with_table(paths: list, native, names: dict, say, budget: int) -> FleetAnalysis:
+def _with_table(paths: list, native, names: dict, say, budget: int, filters: Filters) -> FleetAnalysis:
     """Clean keys judged and written by the native room table; the reference joiner reads
     the complex keys' records. No DuckDB."""
     analysis, name, ordered, file_rank = _begin(paths, names)
@@ -112,14 +112,15 @@ def _with_table(paths: list, native, names: dict, say, budget: int) -> FleetAnal
     say("clean keys judged by the native room table", force=True)
     t0 = time.monotonic()
     table = table_route.new_table()
-    scans, py_keys, odd_positions = table_route.scan_into(table, ordered, name, stats, say, native, budget)
+    scans, py_records, odd_positions = table_route.scan_into(table, ordered, name, stats, say, native, budget,
+                                                             filters)
     stats.seconds["scan_and_ingest"] = time.monotonic() - t0
     stats.table_bytes = table.nbytes
     say(f"scanned {len(ordered):,} files: {stats.canonical_records:,} canonical room records, "
         f"{stats.odd_lines:,} other lines; {len(table):,} keys in the room table ({stats.table_bytes:,} bytes)",
         force=True)
     t1 = time.monotonic()
-    table.mark_complex(py_keys)
+    table.mark_complex(py_records)
     judged = table.counts()
     stats.clean_keys = judged["clean"] + judged["prefill_only"]
     stats.complex_keys = judged["complex"]
@@ -130,7 +131,8 @@ def _with_table(paths: list, native, names: dict, say, budget: int) -> FleetAnal
     analysis.table = table
     try:
         t2 = time.monotonic()
-        first_prefill, _ = judge_complex(None, scans, analysis, Filters(), say, name, wanted=wanted)
+        first_prefill, _ = judge_complex(None, scans, analysis, filters, say, name, wanted=wanted,
+                                         complex_keys=table.complex_keys() if filters.active else None)
         stats.seconds["python_join"] = time.monotonic() - t2
         t3 = time.monotonic()
         merge_table(table_route.counts(table), analysis, first_prefill, file_rank)

@@ -5,12 +5,14 @@ Fed the native pass's rows file by file in reading order, the table judges each 
 `classify` does; odd lines and slow files make their keys complex, as on the DuckDB path.
 The joiner then reads every record of the complex keys (their positions come from the
 table), and the table gives the counts, orders, coverage and JSON the SQL gives on the
-other path. Where the table cannot serve (`--since/--until/--instance`, `--per-instance`,
-the table turned off, or past its memory budget) the DuckDB path runs instead.
+other path; `--since/--until/--instance` select keys in the table as `filters.filter_sql`
+does in SQL. Where the table cannot serve (`--per-instance`, the table turned off, or past
+its memory budget) the DuckDB path runs instead.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from contextlib import closing
@@ -26,7 +28,8 @@ from ..diff_output import json_bytes
 from ..printable import json_safe
 from ..results import RoomResult, StageResult
 from . import native as native_pass
-from .ingest import note_record, lines_of
+from .filters import Filters
+from .ingest import lines_of, note_record
 from .positions import LINE_BITS, LINE_MASK, position
 
 ENV = "DSV4_IDXK_PROBE_FLEET_TABLE"
@@ -49,8 +52,6 @@ def why_not(native, filters, per_instance: bool) -> str | None:
         return "the native room table was not built"
     if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
         return f"{ENV}=0"
-    if filters.active:
-        return "--since/--until/--instance select keys in SQL"
     if per_instance:
         return "--per-instance is counted in SQL"
     return None
@@ -87,10 +88,17 @@ def new_table():
     return native_pass.ctable.RoomTable(STAGES.index("prefill_send"), max_kept=MAX_STEPS)
 
 
-def scan_into(table, ordered: list[Path], name, stats, say, native, budget: int) -> tuple[list, set, list]:
-    """The native pass over every file in reading order, its rows folded into `table`;
-    returns (the scans, the keys the reference reads a record of, the odd lines' positions)."""
-    scans, py_keys, odd_positions = [], set(), []
+def scan_into(table, ordered: list[Path], name, stats, say, native, budget: int,
+              filters: Filters | None = None) -> tuple[list, list, list]:
+    """The native pass over every file in reading order, its rows folded into `table` (the
+    keys `filters` select); returns (the scans, (room, attempt, decode, in window, instance
+    matches) of each record the reference reads, the odd lines' positions)."""
+    filters = filters or Filters()
+    if filters.active:
+        table.select(math.nan if filters.since is None else float(filters.since),
+                     math.nan if filters.until is None else float(filters.until),
+                     filters.instance_ok if filters.instances else None)
+    scans, py_records, odd_positions = [], [], []
     resident_at_start = resident_bytes()
     for i, path in enumerate(ordered):
         scan = native_pass.scan_file(path, i, native)
@@ -105,39 +113,44 @@ def scan_into(table, ordered: list[Path], name, stats, say, native, budget: int)
             odd = [int(n) for chunk in scan.odd for n in chunk]
             stats.odd_lines += len(odd)
             if odd:
-                _odd_keys(scan, odd, py_keys)
+                _odd_records(scan, odd, py_records, filters)
                 odd_positions.extend(position(i, n) for n in odd)
             scan.rows, scan.odd = [], []
         else:
             stats.slow_files += 1
-            _slow_keys(scan, py_keys)
+            _slow_records(scan, py_records, filters)
         held = held_bytes(table, resident_at_start)
         if held > budget:
             raise OverBudget(f"the room table holds {held:,} bytes after {i + 1:,} files, "
                              f"over its budget of {budget:,} (--memory-limit)")
         say(f"scanned {i + 1:,}/{len(ordered):,} files, {stats.lines:,} lines checked, {len(table):,} keys "
             f"({stats.slow_files:,} files for the reference reader)")
-    return scans, py_keys, odd_positions
+    return scans, py_records, odd_positions
 
 
-def _odd_keys(scan, odd: list[int], py_keys: set) -> None:
+def _note(rec, fid: int, line: int, py_records: list, filters: Filters) -> None:
+    """A record the reference reads: its key, and what the selection takes of it (as `pyrecs`)."""
     rows: list = []
+    note_record(rec, fid, line, set(), rows)
+    for room, attempt, _, decode, ts, inst in rows:
+        py_records.append((room, attempt, decode, filters.in_window(ts), filters.instance_ok(inst)))
+
+
+def _odd_records(scan, odd: list[int], py_records: list, filters: Filters) -> None:
     for line, raw in lines_of(scan.path, odd):
         try:
             rec = decode_line(raw)
         except LineError:
             continue
-        note_record(rec, scan.order, line, py_keys, rows)
+        _note(rec, scan.order, line, py_records, filters)
 
 
-def _slow_keys(scan, py_keys: set) -> None:
+def _slow_records(scan, py_records: list, filters: Filters) -> None:
     scan.rows, scan.odd = [], []
-    rows: list = []
     with closing(read_file(scan.path)) as entries:
         for entry in entries:
             if entry.record is not None:
-                note_record(entry.record, scan.order, entry.line, py_keys, rows)
-            rows.clear()
+                _note(entry.record, scan.order, entry.line, py_records, filters)
 
 
 def wanted_lines(table, odd_positions: list[int]) -> list[tuple[int, int]]:
