@@ -17,8 +17,8 @@ $(PY):
 # so the installs after it resolve against it instead of pulling another build.
 # pip downloads it from the package index it is configured with (a local wheel
 # directory holding other torch builds, e.g. 2.13.0+cpu, does not satisfy the pin).
-# cscan.c: the fleet engine's native module, built in place by the editable install.
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) dsv4_idxk_probe/offline/fleet/cscan.c | $(PY)
+# cscan.c, ctable.c: the fleet engine's native modules, built in place by the editable install.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) dsv4_idxk_probe/offline/fleet/cscan.c dsv4_idxk_probe/offline/fleet/ctable.c | $(PY)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.14.1 torchvision==0.29.1
 	$(PIP) install -q -c $(CONSTRAINTS) -e .
 	touch $@

@@ -6,8 +6,9 @@ each line in the writer's exact format with its checksum, fast (one digest text 
 reused by its records). Every `--mismatch-every`-th room is corrupted at decode_finish and
 every `--unverified-every`-th has no prefill record, so both engines do real comparisons.
 
-Then `dsv4-idxk-probe diff` runs as a child process: the DuckDB engine with the native line
-pass on the whole set (`--python-pass`: its pure-Python pass too), and it and the reference
+Then `dsv4-idxk-probe diff` runs as a child process: the fleet engine with the native line
+pass on the whole set, its clean keys judged by the native room table where it was built
+(`--duckdb-judge`: by DuckDB too; `--python-pass`: its pure-Python pass too), and it and the reference
 on a subset of `--reference-records` records generated the same way (the
 reference on 10^7 records would take ~an hour and ~15 GB here). Reported per engine: wall,
 CPU (user + sys, all threads), peak RSS of the process (DuckDB included: `wait4`'s
@@ -140,7 +141,10 @@ _WRAP = ("import os, sys\n"
          "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 # what each engine row runs: `diff --engine`, and the fleet engine's line pass (docs/fleet.md)
-ENGINES = {"native": ("duckdb", "1"), "duckdb-python": ("duckdb", "0"), "reference": ("reference", None)}
+# "native": the native pass with the room table judging the clean keys (where it was built);
+# "native-duckdb": the native pass with DuckDB judging them (DSV4_IDXK_PROBE_FLEET_TABLE=0)
+ENGINES = {"native": ("duckdb", "1"), "native-duckdb": ("duckdb", "1"), "duckdb-python": ("duckdb", "0"),
+           "reference": ("reference", None)}
 
 
 def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
@@ -151,6 +155,9 @@ def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
     env = dict(os.environ)
     if native is not None:
         env["DSV4_IDXK_PROBE_FLEET_NATIVE"] = native
+    env.pop("DSV4_IDXK_PROBE_FLEET_TABLE", None)
+    if engine == "native-duckdb":
+        env["DSV4_IDXK_PROBE_FLEET_TABLE"] = "0"
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=env)
@@ -163,9 +170,11 @@ def run_diff(root: Path, engine: str, out: Path, extra: list[str]) -> dict:
     return {
         "engine": engine,
         "command": " ".join(([f"DSV4_IDXK_PROBE_FLEET_NATIVE={native}"] if native is not None else [])
+                            + (["DSV4_IDXK_PROBE_FLEET_TABLE=0"] if engine == "native-duckdb" else [])
                             + ["dsv4-idxk-probe", "diff", "PREFILL", "DECODE", "--engine", cli_engine, "--json", "OUT",
                                *extra]),
         "line_pass": next((ln for ln in stderr.splitlines() if "line pass:" in ln), "").split("] ")[-1],
+        "clean_judge": next((ln for ln in stderr.splitlines() if "clean keys judged by" in ln), "").split("] ")[-1],
         "exit_status": os.waitstatus_to_exitcode(status),
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mismatch-every", type=int, default=1000)
     parser.add_argument("--unverified-every", type=int, default=10_000)
     parser.add_argument("--memory-limit", default="1GB")
+    parser.add_argument("--duckdb-judge", action="store_true",
+                        help="also run the native pass with DuckDB judging the clean keys (the room table off)")
     parser.add_argument("--python-pass", action="store_true",
                         help="also run the fleet engine's pure-Python line pass (its fallback without the native module)")
     parser.add_argument("--dir", type=Path, help="where the logs go (default: a temporary directory, removed)")
@@ -211,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             check_format(root / name)
             print(f"{name}: {expected['records']:,} records, {expected['rooms']:,} rooms, "
                   f"{expected['bytes'] / 1e9:.2f} GB in {expected['files']} files, generated in {gen_s:.0f} s", flush=True)
-            engines = ["native"] + (["duckdb-python"] if args.python_pass else []) \
+            engines = ["native"] + (["native-duckdb"] if args.duckdb_judge else []) \
+                + (["duckdb-python"] if args.python_pass else []) \
                 + (["reference"] if name == "subset" or len(sets) == 1 else [])
             for engine in engines:
                 r = run_diff(root / name, engine, root / f"{name}-{engine}.json", ["--memory-limit", args.memory_limit]
@@ -227,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {engine}: wall {r['wall_s']:.1f} s, cpu {r['cpu_s']:.1f} s "
                       f"({r['cpu_us_per_record']:.2f} us/record), peak RSS {r['max_rss_mib']:.0f} MiB, "
                       f"exit {r['exit_status']}, {'correct' if r['correct'] else 'WRONG'}, "
-                      f"load average {r['load_average'][0]}-{r['load_average'][1]}", flush=True)
+                      f"load average {r['load_average'][0]}-{r['load_average'][1]}; {r['clean_judge']}", flush=True)
                 if not r["correct"]:
                     print(r["stderr_tail"], file=sys.stderr)
             same = [r for r in runs if r["set"] == name]

@@ -21,16 +21,21 @@ from dsv4_idxk_probe.roomlog.reader import expand_inputs
 pytest.importorskip("duckdb")
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["table", "native", "python"])
 def line_pass(request, monkeypatch):
-    """Every test on both line passes: the native module (`fleet/cscan.c`) and the
-    pure-Python scan with DuckDB's ingest (test_fleet_native checks the module is built)."""
+    """Every test on the three routes: the native pass with the native room table judging
+    the clean keys (`fleet/ctable.c`, `table_route`), the native pass with DuckDB judging
+    them, and the pure-Python scan with DuckDB's ingest (test_fleet_native checks the
+    modules are built)."""
+    monkeypatch.delenv(fleet.table_route.ENV, raising=False)
     if request.param == "python":
         monkeypatch.setenv(fleet.native.ENV, "0")
     else:
         monkeypatch.delenv(fleet.native.ENV, raising=False)
-        if fleet.native.module() is None:
-            pytest.skip("the native line pass is not built")
+        if fleet.native.module() is None or (request.param == "table" and fleet.native.ctable is None):
+            pytest.skip("the native line pass or room table is not built")
+        if request.param == "native":
+            monkeypatch.setenv(fleet.table_route.ENV, "0")
     return request.param
 
 
@@ -252,6 +257,7 @@ def test_hostile_lines_go_to_the_reference_not_the_fast_path(tmp_path, line_pass
         assert s.slow_files >= (3 if line_pass == "python" else 2)
         assert s.odd_lines >= 10
         assert s.clean_keys >= 5 and s.complex_keys >= 20
+        assert (s.clean_judge == "room table") == (line_pass == "table"), s.clean_judge
     finally:
         analysis.close()
 

@@ -19,18 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 duckdb = pytest.importorskip("duckdb")
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["table", "native", "python"])
 def line_pass(request, monkeypatch):
-    """Every test on both line passes of the fleet engine (test_fleet_native checks the
-    native one is built)."""
-    from dsv4_idxk_probe.offline.fleet import native
+    """Every test on the fleet engine's three routes: native pass and room table, native
+    pass and DuckDB, pure Python and DuckDB (test_fleet_native checks the native modules
+    are built). `--per-instance` takes DuckDB on every route."""
+    from dsv4_idxk_probe.offline.fleet import native, table_route
 
+    monkeypatch.delenv(table_route.ENV, raising=False)
     if request.param == "python":
         monkeypatch.setenv(native.ENV, "0")
     else:
         monkeypatch.delenv(native.ENV, raising=False)
-        if native.module() is None:
-            pytest.skip("the native line pass is not built")
+        if native.module() is None or (request.param == "table" and native.ctable is None):
+            pytest.skip("the native line pass or room table is not built")
+        if request.param == "native":
+            monkeypatch.setenv(table_route.ENV, "0")
     return request.param
 
 

@@ -16,18 +16,22 @@ changes is where the work is done (docs/fleet.md), one module per step:
 Where the install built it, `native` (`cscan.c`, `ingest_native`) does steps 1 and 2 in one
 compiled pass: checksum, canonical split, fields and digest checks, compact rows into DuckDB;
 without it (or with DSV4_IDXK_PROBE_FLEET_NATIVE=0) the steps above run as written.
+Where it also built the room table (`ctable.c`), `table_route` replaces steps 2, 3 and 5
+for the clean keys (no DuckDB): the table judges and writes them, the joiner reads the
+complex keys' records (not with `--per-instance`, nor past the table's memory budget,
+nor with DSV4_IDXK_PROBE_FLEET_TABLE=0).
 
 `pipeline.analyse_fleet` runs them with progress; `filters` holds `--since/--until/
 --instance`; `duck` the optional DuckDB (`available()`: the CLI falls back to the
 reference join without it).
 """
 
-from . import native
+from . import native, table_route
 from .analysis import FleetAnalysis, FleetStats
 from .duck import DEFAULT_MEMORY_LIMIT, available
 from .filters import Filters
 from .output import write_fleet_json
 from .pipeline import analyse_fleet
 
-__all__ = ["DEFAULT_MEMORY_LIMIT", "Filters", "native", "FleetAnalysis", "FleetStats", "analyse_fleet", "available",
+__all__ = ["DEFAULT_MEMORY_LIMIT", "Filters", "native", "table_route", "FleetAnalysis", "FleetStats", "analyse_fleet", "available",
            "write_fleet_json"]

@@ -17,6 +17,7 @@ from ...vocabulary import DECODE_STAGES
 from ..results import Analysis, RoomResult, StageResult
 from .positions import LINE_BITS, LINE_MASK
 from .summary import ordered_counts, orders_of
+from .table_route import rooms_for_rids, timeline_chunks
 
 
 @dataclass
@@ -32,6 +33,9 @@ class FleetStats:
     clean_keys: int = 0
     complex_keys: int = 0
     python_records: int = 0
+    clean_judge: str = ""  # who judged the clean keys: "room table" or "DuckDB (why)"
+    table_fallbacks: int = 0  # runs the room table gave back to DuckDB (over its memory budget)
+    table_bytes: int = 0  # the room table's size at the end of the scan
     seconds: dict = field(default_factory=dict)
 
 
@@ -43,6 +47,7 @@ class FleetAnalysis(Analysis):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.con = None
+        self.table = None  # the native room table, where it judged the clean keys (no DuckDB then)
         self.workdir: str | None = None
         self.clean_rooms = 0
         self.clean_prefill_only = 0
@@ -102,8 +107,13 @@ class FleetAnalysis(Analysis):
 
     def with_clean_rooms(self) -> None:
         """`rooms` as the page's timeline reads it: the Python rooms, then the clean rooms'
-        decode stages (verdict `match`, their `ts`) streamed from DuckDB in chunks."""
-        self.rooms = _RoomsWithClean(self.rooms, self.con if self.clean_rooms else None)
+        decode stages (verdict `match`, their `ts`) streamed from DuckDB (or the room table) in chunks."""
+        chunks = None
+        if self.clean_rooms and self.table is not None:
+            chunks = timeline_chunks(self.table)
+        elif self.clean_rooms and self.con is not None:
+            chunks = _sql_timeline_chunks(self.con)
+        self.rooms = _RoomsWithClean(self.rooms, chunks)
 
     def adopt_clean(self, clean_rooms: int, clean_prefill_only: int) -> None:
         """Count the keys judged in SQL: `rooms` stays the Python rooms', but is true when
@@ -114,6 +124,7 @@ class FleetAnalysis(Analysis):
         self.prefill_only += clean_prefill_only
 
     def close(self) -> None:
+        self.table = None
         if self.con is not None:
             self.con.close()
             self.con = None
@@ -122,6 +133,8 @@ class FleetAnalysis(Analysis):
             self.workdir = None
 
     def _clean_rooms_for_rids(self, rids: list[str]) -> list:
+        if self.table is not None and self.clean_rooms:
+            return rooms_for_rids(self.table, rids, self.where)
         if self.con is None or not self.clean_rooms:
             return []
         rows = self.con.execute(
@@ -141,6 +154,12 @@ class FleetAnalysis(Analysis):
         return out
 
     def _clean_prefill_only_for_rids(self, rids: list[str]) -> list:
+        if self.table is not None and self.clean_prefill_only:
+            wanted = set(rids)
+            rows = [(o, room, attempt, rid) for o, room, attempt, rid in self.table.prefill_only() if rid in wanted]
+            for _, room, attempt, rid in rows:
+                self.prefill_only_rids[(room, attempt)] = rid
+            return [(o, (room, attempt)) for o, room, attempt, _ in rows]
         if self.con is None or not self.clean_prefill_only:
             return []
         rows = self.con.execute("SELECT first_p, room, attempt, prid FROM clean_po WHERE list_contains(?, prid)",
@@ -180,20 +199,25 @@ class _Chunk:
 class _RoomsWithClean(dict):
     """A dict of the Python rooms whose values() goes on with the clean rooms' stages."""
 
-    def __init__(self, rooms: dict, con):
+    def __init__(self, rooms: dict, chunks):
         super().__init__(rooms)
-        self._con = con
+        self._chunks = chunks  # lists of (first decode time, instance), one per clean room; None: none
 
     def values(self):  # type: ignore[override]
         yield from super().values()
-        if self._con is None:
+        if self._chunks is None:
             return
-        # one stub per clean room: its first decode record's time and instance (the report's timeline)
-        cur = self._con.execute("SELECT min(r.ts), arg_min(coalesce(r.instance, ''), r.ord) FROM rec r "
-                                "SEMI JOIN clean c USING (room, attempt) WHERE r.stage <> 'prefill_send' "
-                                "GROUP BY r.room, r.attempt HAVING min(r.ts) IS NOT NULL")
-        while True:
-            rows = cur.fetchmany(10_000)
-            if not rows:
-                return
+        for rows in self._chunks:
             yield _Chunk([_Stub(t, i) for t, i in rows])
+
+
+def _sql_timeline_chunks(con):
+    # one row per clean room: its first decode record's time and instance (the report's timeline)
+    cur = con.execute("SELECT min(r.ts), arg_min(coalesce(r.instance, ''), r.ord) FROM rec r "
+                      "SEMI JOIN clean c USING (room, attempt) WHERE r.stage <> 'prefill_send' "
+                      "GROUP BY r.room, r.attempt HAVING min(r.ts) IS NOT NULL")
+    while True:
+        rows = cur.fetchmany(10_000)
+        if not rows:
+            return
+        yield rows

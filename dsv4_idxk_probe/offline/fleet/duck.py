@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -11,12 +12,12 @@ DEFAULT_MEMORY_LIMIT = "1GB"
 
 
 def available() -> bool:
-    """Whether DuckDB is installed (the `fleet` extra)."""
+    """Whether DuckDB is installed (the `fleet` extra), found without importing it: the
+    import costs ~0.1 s, which the room table's route (no DuckDB) need not pay."""
     try:
-        import duckdb  # noqa: F401  (only whether it imports)
-    except ImportError:
+        return importlib.util.find_spec("duckdb") is not None
+    except (ImportError, ValueError):  # a module hidden as None, or a broken one
         return False
-    return True
 
 
 def connect(memory_limit: str, threads: int | None, temp_dir: str | None):

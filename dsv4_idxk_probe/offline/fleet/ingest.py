@@ -96,7 +96,7 @@ def note_odd_lines(con, group: list[FileScan], odd: list, py_keys: set) -> None:
                 rec = decode_line(raw)
             except LineError:
                 continue
-            _note_record(rec, fid, line, py_keys, rows)
+            note_record(rec, fid, line, py_keys, rows)
     insert_rows(con, "pyrecs", PYRECS, rows)
 
 
@@ -114,7 +114,7 @@ def lines_of(path: Path, wanted: list[int]) -> Iterator[tuple[int, bytes]]:
                 target = next(it, None)
 
 
-def _note_record(rec: Any, file_rank: int, line: int, py_keys: set, rows: list) -> None:
+def note_record(rec: Any, file_rank: int, line: int, py_keys: set, rows: list) -> None:
     """A room record the Python join will read: its key joins the complex keys, and its
     time and instance go to `pyrecs` for the filters and the per-instance summary."""
     try:
@@ -138,7 +138,7 @@ def slow_file_keys(scan: FileScan, py_keys: set, con) -> None:
         for entry in entries:
             if entry.record is None:
                 continue
-            _note_record(entry.record, scan.order, entry.line, py_keys, rows)
+            note_record(entry.record, scan.order, entry.line, py_keys, rows)
             if len(rows) >= 50_000:
                 insert_rows(con, "pyrecs", PYRECS, rows)
                 rows = []

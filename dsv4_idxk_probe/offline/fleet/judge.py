@@ -30,14 +30,17 @@ def key_of(rec: dict) -> tuple:
 
 
 def judge_complex(con, scans: list[FileScan], analysis, filters: Filters, say,
-                  name: Callable[[Path], str] = str) -> tuple:
+                  name: Callable[[Path], str] = str, wanted: list | None = None,
+                  complex_keys: list | None = None) -> tuple:
     """Feed every record of the complex keys, the slow files and the odd lines to the
     reference joiner, in reading order (file by file, line by line); returns (the reading
-    position of each key's first prefill record, (instance, role, key) -> records)."""
+    position of each key's first prefill record, (instance, role, key) -> records).
+    `wanted`: the fast files' (file rank, line) to read, sorted, and `complex_keys` the
+    complex keys, where no SQL says them (the room table's route)."""
     joiner = Joiner(analysis)
     first_prefill: dict = {}
     instances: Counter = Counter()  # (instance, role, key) seen in Python-read records
-    wanted = con.execute(f"""
+    wanted = wanted if wanted is not None else con.execute(f"""
         SELECT fid, line FROM (
             SELECT r.fid, r.ord & {LINE_MASK} AS line FROM rec r SEMI JOIN complex c USING (room, attempt)
             UNION SELECT fid, line FROM odd)
@@ -47,7 +50,8 @@ def judge_complex(con, scans: list[FileScan], analysis, filters: Filters, say,
         by_file.setdefault(fid, []).append(line)
     selected = None
     if filters.active:
-        selected = {tuple(r) for r in con.execute("SELECT room, attempt FROM complex").fetchall()}
+        selected = set(complex_keys) if complex_keys is not None else \
+            {tuple(r) for r in con.execute("SELECT room, attempt FROM complex").fetchall()}
     fed = 0
     kind_first = analysis.kind_first
 

@@ -10,6 +10,8 @@ Python scan's rule, line for line (`scan.check_chunk`).
 
 `module()` is None when the extension was not built (no C compiler at install) or when
 `DSV4_IDXK_PROBE_FLEET_NATIVE=0`: then the pure-Python scan and DuckDB's ingest run.
+`room_table()`, `clean_rooms()`, `clean_counts()`: the native room table (`ctable.c`), which
+judges and writes clean rooms as the SQL does (`table_route` runs `diff` through it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 from ...roomlog.reader import MAX_LINE_BYTES, TORN, is_torn_tail
 from ...vocabulary import STAGES, VERDICTS
-from .scan import FileScan, SlowFile, line_chunks, open_log, refused_name
+from ..printable import json_safe
+from .scan import FileScan, SlowFile, line_views, open_log, refused_name
 
 log = logging.getLogger("dsv4_idxk_probe.roomlog")
 
@@ -36,12 +39,40 @@ except ImportError:  # not built: the pure-Python path
 else:
     cscan.configure(STAGES, VERDICTS, MAX_LINE_BYTES)
 
+try:
+    from . import ctable
+except ImportError:  # not built
+    ctable = None
+
 
 def module():
     """The compiled module, or None (not built, or turned off by the environment)."""
     if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
         return None
     return cscan
+
+
+def room_table():
+    """An empty native room table (`ctable.c`: each key's clean-or-complex judgment, as the
+    SQL classification makes it, from this pass's rows), or None where it was not built."""
+    return None if ctable is None else ctable.RoomTable(STAGES.index("prefill_send"))
+
+
+def clean_rooms(table, file_names: list[str]) -> list[tuple[int, bytes]]:
+    """(first decode position, JSON line) of every clean key in `table`, in that order, as
+    `output` writes a clean room from SQL; `file_names[fid]` is a file's name as JSON
+    spells it inside a string."""
+    ords, ends, text = table.clean_rooms_json(tuple(STAGES), tuple(VERDICTS), tuple(file_names))
+    starts = [0, *np.frombuffer(ends, np.int64).tolist()]
+    return [(o, json_safe(text[starts[i]:starts[i + 1]]))
+            for i, o in enumerate(np.frombuffer(ords, np.int64).tolist())]
+
+
+def clean_counts(table) -> dict:
+    """The clean keys' counts that `summary.merge` takes from SQL (rooms, open, live,
+    duplicates of the decoded ones; records and the first one's position of all)."""
+    return table.clean_counts(STAGES.index("decode_finish"), VERDICTS.index("mismatch"),
+                              VERDICTS.index("not_comparable"))
 
 
 def describe() -> str:
@@ -65,13 +96,13 @@ def scan_file(path: Path, order: int, native) -> FileScan:
         f, scan.gzip = open_log(path)
         with f:
             line = 1
-            for data, final in line_chunks(f):
+            for data, final in line_views(f):
                 scan.text_bytes += len(data)
                 status, why, n_lines, n_valid, torn_at, cols, odd = native.scan_chunk(data, line, final)
                 if status == 1:
                     return _slow(scan, why)
                 if status == 2:  # the last line, without newline, fails: torn, or an error
-                    if not is_torn_tail(data[torn_at:]):
+                    if not is_torn_tail(bytes(data[torn_at:])):
                         return _slow(scan, "a line fails its checksum")
                     log.warning("%s:%d: %s", scan.path, line + n_lines - 1, TORN)
                 line += n_lines

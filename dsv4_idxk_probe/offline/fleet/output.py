@@ -1,6 +1,7 @@
 """`diff --json` of a fleet analysis: the reference's document, byte for byte.
 
-The SQL-judged rooms' JSON is made in DuckDB (one external sort, which spills) and merged
+The SQL-judged rooms' JSON is made in DuckDB (one external sort, which spills), or by the
+native room table in blocks (`table_route.clean_rooms`), and merged
 with the Python rooms' by reading position, so every room comes in the reference's order
 (first decode record in reading order) without all of them in memory.
 """
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 from typing import BinaryIO, Iterator
 
+import numpy as np
+
 from ..diff_output import json_bytes, json_head, write_document
 from ..printable import json_safe
 from .positions import LINE_BITS, LINE_MASK
+from .table_route import SEPARATOR, clean_blocks, prefill_only_rooms
 
 
 def _clean_stage_rows_sql() -> str:
@@ -116,13 +120,46 @@ def _write_list(f: BinaryIO, lines: Iterator[bytes]) -> None:
     f.write(b"".join(buf))
 
 
+def _write_blocks(f: BinaryIO, blocks, py_rows: list[tuple[int, bytes]]) -> None:
+    """The room table's blocks of clean rooms (`table_route.clean_blocks`) merged with the
+    Python rooms (ord, JSON line) by reading position, written as `_write_list` writes:
+    whole runs of clean rooms at once, a Python room between two where it falls."""
+    py_rows.sort(key=lambda r: r[0])
+    i, first = 0, True
+
+    def emit(data) -> None:
+        nonlocal first
+        if not first:
+            f.write(SEPARATOR)
+        f.write(data)
+        first = False
+
+    for ords, ends, text in blocks:
+        view = memoryview(text)
+        at, n = 0, len(ords)
+        while at < n:
+            if i < len(py_rows) and py_rows[i][0] < ords[at]:
+                emit(py_rows[i][1])
+                i += 1
+                continue
+            cut = int(np.searchsorted(ords, py_rows[i][0])) if i < len(py_rows) else n
+            emit(view[0 if at == 0 else int(ends[at - 1]) + len(SEPARATOR):int(ends[cut - 1])])
+            at = cut
+    for _, j in py_rows[i:]:
+        emit(j)
+
+
 def _write_to(f: BinaryIO, analysis, head: dict) -> None:
     f.write(json_bytes(head)[:-1])
     f.write(b',"rooms":[\n')
     room_positions = dict(analysis.room_positions)
     py = [(room_positions.get(k, 0), json_bytes(r.to_json())) for k, r in analysis.rooms.items()]
-    rows = _clean_rooms(analysis.con) if analysis.clean_rooms and analysis.con is not None else iter(())
-    _write_list(f, _merged(rows, py))
+    table = analysis.table
+    if analysis.clean_rooms and table is not None:
+        _write_blocks(f, clean_blocks(table, analysis.ordered_files), py)
+    else:
+        rows = _clean_rooms(analysis.con) if analysis.clean_rooms and analysis.con is not None else iter(())
+        _write_list(f, _merged(rows, py))
     f.write(b'\n],"prefill_only":[\n')
     py = []
     for room, attempt in analysis.prefill_only_keys:
@@ -132,6 +169,11 @@ def _write_to(f: BinaryIO, analysis, head: dict) -> None:
         if rid is not None:
             entry["rid"] = {"prefill": rid, "decode": None}
         py.append((analysis.prefill_only_positions.get((room, attempt), 0), json_bytes(entry)))
-    rows = _clean_po(analysis.con) if analysis.clean_prefill_only and analysis.con is not None else iter(())
+    if not analysis.clean_prefill_only:
+        rows = iter(())
+    elif table is not None:
+        rows = prefill_only_rooms(table)
+    else:
+        rows = _clean_po(analysis.con) if analysis.con is not None else iter(())
     _write_list(f, _merged(rows, py))
     f.write(b"\n]}\n")

@@ -1,5 +1,9 @@
 """`analyse_fleet`: scan, ingest, classify, judge and merge, with progress.
 
+Where the native room table can judge the clean keys (`table_route`), no DuckDB runs: the
+table folds the native pass's rows, the reference joiner reads the complex keys' records.
+Otherwise (or past the table's memory budget, starting over) the steps below run.
+
 The scan (Python, holds the GIL) runs while DuckDB ingests the batch before it (DuckDB
 releases the GIL): one worker thread owns the connection until the scan ends. Memory is
 bounded by DuckDB's `memory_limit` (it spills to `temp_dir`) plus one file chunk in the
@@ -26,7 +30,8 @@ from .ingest_sql import SCHEMA
 from .instances import clean_coverage, per_instance as per_instance_summary
 from .judge import judge_complex
 from .scan import FileScan, scan_file
-from .summary import merge
+from .summary import merge, merge_table
+from . import table_route
 
 BATCH_BYTES = 512 << 20  # fast files handed to DuckDB per ingest query (text bytes)
 BATCH_FILES = 256
@@ -59,27 +64,93 @@ def analyse_fleet(
     per_instance: bool = False,
     names: dict[str, str] | None = None,
 ) -> FleetAnalysis:
-    """The reference's findings over any number of files, with DuckDB doing the bulk.
+    """The reference's findings over any number of files, with DuckDB (or the native room
+    table) doing the bulk.
 
     The caller closes the result (`close()`) once its JSON is written: the clean rooms
-    stay in DuckDB until then."""
+    stay in DuckDB (or the table) until then."""
     paths = list(paths)
     native = native_pass.module()
     names = names or {}  # local copy -> what to call it (a URL fetched by `remote`)
-
-    def name(p) -> str:
-        return names.get(str(p), str(p))
-
     filters = filters or Filters()
     say = Progress(progress)
     say(native_pass.describe(), force=True)
+    why_not = table_route.why_not(native, filters, per_instance)
+    fallbacks = 0
+    if why_not is None:
+        try:
+            return _with_table(paths, native, names, say, table_route.budget_bytes(memory_limit), filters)
+        except table_route.OverBudget as exc:
+            fallbacks = 1
+            why_not = str(exc)
+            say(f"{why_not}: starting over with DuckDB judging the clean keys", force=True)
+    say(f"clean keys judged by DuckDB ({why_not})", force=True)
+    analysis = _with_duckdb(paths, native, names, say, filters, memory_limit, threads, temp_dir, per_instance)
+    analysis.stats.clean_judge = f"DuckDB ({why_not})"
+    analysis.stats.table_fallbacks = fallbacks
+    return analysis
+
+
+def _begin(paths: list, names: dict) -> tuple:
+    def name(p) -> str:
+        return names.get(str(p), str(p))
+
     analysis = FleetAnalysis(files=[name(p) for p in paths])
-    stats = analysis.stats
-    stats.files = len(paths)
-    t0 = time.monotonic()
+    analysis.stats.files = len(paths)
     ordered = sorted(paths, key=prefill_files_first)
     analysis.ordered_files = [name(p) for p in ordered]
     file_rank = {name(p): i for i, p in enumerate(ordered)}
+    return analysis, name, ordered, file_rank
+
+
+def _with_table(paths: list, native, names: dict, say, budget: int, filters: Filters) -> FleetAnalysis:
+    """Clean keys judged and written by the native room table; the reference joiner reads
+    the complex keys' records. No DuckDB."""
+    analysis, name, ordered, file_rank = _begin(paths, names)
+    stats = analysis.stats
+    stats.clean_judge = "room table"
+    say("clean keys judged by the native room table", force=True)
+    t0 = time.monotonic()
+    table = table_route.new_table()
+    scans, py_records, odd_positions = table_route.scan_into(table, ordered, name, stats, say, native, budget,
+                                                             filters)
+    stats.seconds["scan_and_ingest"] = time.monotonic() - t0
+    stats.table_bytes = table.nbytes
+    say(f"scanned {len(ordered):,} files: {stats.canonical_records:,} canonical room records, "
+        f"{stats.odd_lines:,} other lines; {len(table):,} keys in the room table ({stats.table_bytes:,} bytes)",
+        force=True)
+    t1 = time.monotonic()
+    table.mark_complex(py_records)
+    judged = table.counts()
+    stats.clean_keys = judged["clean"] + judged["prefill_only"]
+    stats.complex_keys = judged["complex"]
+    wanted = table_route.wanted_lines(table, odd_positions)
+    stats.seconds["classify"] = time.monotonic() - t1
+    say(f"{stats.clean_keys:,} clean keys judged by the room table, {stats.complex_keys:,} for the reference join",
+        force=True)
+    analysis.table = table
+    try:
+        t2 = time.monotonic()
+        first_prefill, _ = judge_complex(None, scans, analysis, filters, say, name, wanted=wanted,
+                                         complex_keys=table.complex_keys() if filters.active else None)
+        stats.seconds["python_join"] = time.monotonic() - t2
+        t3 = time.monotonic()
+        merge_table(table_route.counts(table), analysis, first_prefill, file_rank)
+        analysis.clean_coverage = table_route.coverage(table)
+        stats.seconds["merge"] = time.monotonic() - t3
+        say(f"judged: {len(analysis.rooms):,} rooms in Python, {analysis.clean_rooms:,} clean in the room table",
+            force=True)
+    except BaseException:
+        analysis.close()
+        raise
+    return analysis
+
+
+def _with_duckdb(paths: list, native, names: dict, say, filters: Filters, memory_limit: str, threads, temp_dir,
+                 per_instance: bool) -> FleetAnalysis:
+    analysis, name, ordered, file_rank = _begin(paths, names)
+    stats = analysis.stats
+    t0 = time.monotonic()
     con, analysis.workdir = connect(memory_limit, threads, temp_dir)
     analysis.con = con
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,41 @@ def line_chunks(f):
             continue
         data, carry = data[:cut], data[cut:]
         yield data, False
+
+
+_buffers = threading.local()
+
+
+def line_views(f):
+    """`line_chunks` read into one reusable buffer per thread (a fresh buffer per file costs a
+    page fault per 4 KiB: about a third of the native pass's reading): (memoryview, final),
+    valid until the next chunk. Same chunks and bounds, except that an unterminated tail over
+    the line bound is refused as soon as it is seen."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) != CHUNK_BYTES + MAX_LINE_BYTES + 1:
+        buf = _buffers.buf = bytearray(CHUNK_BYTES + MAX_LINE_BYTES + 1)
+    view = memoryview(buf)
+    carry = total = 0
+    while True:
+        n = f.readinto(view[carry:carry + CHUNK_BYTES])
+        total += n
+        if total > MAX_FILE_BYTES:
+            raise SlowFile("file over the reader's bound")
+        end = carry + n
+        if not n:
+            yield view[:end], True
+            return
+        cut = buf.rfind(b"\n", 0, end) + 1
+        if cut == 0:
+            if end > MAX_LINE_BYTES:
+                raise SlowFile("line over the reader's bound")
+            carry = end
+            continue
+        yield view[:cut], False
+        carry = end - cut
+        if carry > MAX_LINE_BYTES:
+            raise SlowFile("line over the reader's bound")
+        view[:carry] = view[cut:end]
 
 
 def scan_file(path: Path, order: int) -> FileScan:

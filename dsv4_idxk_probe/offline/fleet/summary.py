@@ -40,15 +40,47 @@ def merge(con, analysis, first_prefill: dict, file_rank: dict) -> None:
                  + (SELECT coalesce(sum(same - 1), 0) FROM po_stats)""").fetchall()[0]
     x["conflicts"] = int(con.execute("SELECT coalesce(sum(n - same), 0) FROM po_stats").fetchall()[0][0])
     x["duplicates"] = int(x["duplicates"])
-    analysis.adopt_clean(x["match_rooms"], con.execute("SELECT count(*) FROM clean_po").fetchall()[0][0])
+    x["clean_orders"] = _clean_orders_sql(con) if x["match_rooms"] else None
+    clean_room_records, first_clean = con.execute("""
+        SELECT count(*), min(r.ord) FROM rec r SEMI JOIN clean_keys c USING (room, attempt)""").fetchall()[0]
+    finish(analysis, x, con.execute("SELECT count(*) FROM clean_po").fetchall()[0][0], first_prefill, file_rank,
+           clean_room_records, first_clean)
+
+
+def merge_table(c: dict, analysis, first_prefill: dict, file_rank: dict) -> None:
+    """The same from the native room table's counts (`table_route.counts`)."""
+    x = analysis.extra
+    for name in ("open", "live", "duplicates", "conflicts"):
+        x[name] = c[name]
+    x["match_rooms"] = c["rooms"]
+    x["clean_orders"] = (c["first_decode"], c["stages"]) if c["rooms"] else None
+    finish(analysis, x, c["prefill_only"], first_prefill, file_rank, c["records"], c["first_record"])
+
+
+def _clean_orders_sql(con) -> tuple:
+    """(the first clean room's first decode position, {stage: (the first clean room having
+    it, a kept record's position there, kept records)})."""
+    first = con.execute("SELECT min(first_d) FROM clean").fetchall()[0][0]
+    stages = {}
+    for stage, o, n in con.execute("""
+            SELECT k.stage, arg_min(k.ord, c.first_d), count(*)
+            FROM kept k JOIN clean c USING (room, attempt) GROUP BY k.stage""").fetchall():
+        first_room = con.execute("""SELECT min(c.first_d) FROM kept k JOIN clean c USING (room, attempt)
+                                    WHERE k.stage = ?""", [stage]).fetchall()[0][0]
+        stages[stage] = (first_room, o, n)
+    return first, stages
+
+
+def finish(analysis, x: dict, clean_prefill_only: int, first_prefill: dict, file_rank: dict,
+           clean_room_records: int, first_clean) -> None:
+    """Positions and orders of both kinds of keys, whoever judged the clean ones."""
+    analysis.adopt_clean(x["match_rooms"], clean_prefill_only)
     # the Python rooms, in reading order of their first decode record
     analysis.room_positions = [(key, min(stage_position(file_rank, s) for s in room.stages))
                                for key, room in analysis.rooms.items()]
     analysis.prefill_only_positions = {k: first_prefill.get(k, 0) for k in analysis.prefill_only_keys}
     first = analysis.kind_first
     kinds = [(first.get(kind, 0), kind, n) for kind, n in analysis.record_kinds.items()]
-    clean_room_records, first_clean = con.execute("""
-        SELECT count(*), min(r.ord) FROM rec r SEMI JOIN clean_keys c USING (room, attempt)""").fetchall()[0]
     if clean_room_records:
         kinds.append((first_clean, "room", clean_room_records))
     analysis.summary_orders = orders_of(analysis, x, kinds=kinds)
@@ -57,7 +89,6 @@ def merge(con, analysis, first_prefill: dict, file_rank: dict) -> None:
 
 def orders_of(analysis, x: dict, *, kinds: list) -> dict:
     """Each summary Counter as [(first position, name, count)], the reference's dict order."""
-    con = analysis.con
     order: dict = {"kinds": kinds}
     file_rank = {f: i for i, f in enumerate(analysis.ordered_files)}
     room_positions = dict(analysis.room_positions)
@@ -68,14 +99,10 @@ def orders_of(analysis, x: dict, *, kinds: list) -> dict:
         rv.append(((o, 0), room.verdict, 1))
         for s in room.stages:
             sv[s.stage].append(((o, stage_position(file_rank, s)), s.verdict, 1))
-    if x.get("match_rooms") and con is not None:
-        first = con.execute("SELECT min(first_d) FROM clean").fetchall()[0][0]
+    if x.get("match_rooms") and x.get("clean_orders"):
+        first, stages = x["clean_orders"]
         rv.append(((first, 0), "match", x["match_rooms"]))
-        for stage, o, n in con.execute("""
-                SELECT k.stage, arg_min(k.ord, c.first_d), count(*)
-                FROM kept k JOIN clean c USING (room, attempt) GROUP BY k.stage""").fetchall():
-            first_room = con.execute("""SELECT min(c.first_d) FROM kept k JOIN clean c USING (room, attempt)
-                                        WHERE k.stage = ?""", [stage]).fetchall()[0][0]
+        for stage, (first_room, o, n) in stages.items():
             sv[stage].append(((first_room, o), "match", n))
     order["room_verdicts"] = rv
     for stage in DECODE_STAGES:
