@@ -417,11 +417,9 @@ class Launcher:
         else:  # the page ids travel in the staging buffer, after the (unread) room table row
             staging.words[ROOM_COLUMNS : ROOM_COLUMNS + n_pages] = pages.cpu() if isinstance(pages, _Tensor) else pages
             id_bytes = 8
-            if n_cells <= self._mapped_table_programs * self.rows and self._staging.mapped:
-                address = staging.host_address + 8 * ROOM_COLUMNS  # read where written (`_launch_many`)
-            else:
-                address = base + 8 * ROOM_COLUMNS
-            if copies and address == base + 8 * ROOM_COLUMNS:
+            in_place = n_cells <= self._mapped_table_programs * self.rows and self._staging.mapped
+            address = (staging.host_address if in_place else base) + 8 * ROOM_COLUMNS  # `_launch_many`
+            if copies and not in_place:
                 self.stats.copied_tables += 1
                 up = 8 * (ROOM_COLUMNS + n_pages)
                 try:
