@@ -19,7 +19,7 @@
 # with the versions of requirements/constraints.txt.
 # Environment: RIG_VARIANTS (probe configs beside "off"), SERVING_REPS (pairs of the
 # servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5),
-# HOOK_CALLS (timed calls per hook kind in hookcost, default 2000).
+# HOOK_CALLS (timed calls per hook kind in hookcost, default 2000), DIGEST_SWEEP (see digest).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
 steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
@@ -105,7 +105,11 @@ step rig 60 python3 -m bench.rig_gpu --rooms 200
 # The digest kernel: Triton's cache filled by 16 processes first, then exactness, the
 # same-run ceilings and the sweep (bench/digest_gpu.py); then Nsight Compute on the
 # fp8 default tuning (step digestncu, not in the default list).
-step digest 420 bash -c "python3 -m bench.digest_gpu --precompile-only && python3 -m bench.digest_gpu --out $res/digest"
+# DIGEST_SWEEP (rows x warps, comma list) narrows the large room's sweep (all by default).
+step digest 420 bash -c "python3 -m bench.digest_gpu --precompile-only && python3 -m bench.digest_gpu \
+    ${DIGEST_SWEEP:+--sweep $DIGEST_SWEEP} --out $res/digest"
+# The digest engine's tests on the GPU: the CUDA paths the interpreter cannot take (not in the default list).
+step gputests 240 python3 -m pytest -q -p no:cacheprovider tests/digest
 # Where a gathered read loses to a contiguous one (bench/read_patterns.py; not in the default list).
 step patterns 420 python3 -m bench.read_patterns --out "$res/read_patterns"
 step digestncu 150 bash -c "ncu --clock-control none -k regex:_digest_rooms_kernel --section SpeedOfLight \

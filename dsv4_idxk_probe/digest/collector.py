@@ -4,9 +4,13 @@ It takes each submitted batch's ticket (`launch.PendingDigest`) from the
 engine's bounded queue, waits for the batch's event (`engine.WAITS`), copies
 the outputs down where the submit left that to it (`engine.DOWNLOADS`: on a
 stream of its own, waiting on an event of its own), makes what the submit did
-not (the cell plan, the output views, the rooms' requests), folds the cells
-into room digests, gives the staging buffer and the event back to their pools
-and hands a `BatchResult` to the batch's callback. Notes (`DigestEngine.post`:
+not (the cell plan, the output views, the rooms' requests), reads the rooms'
+folds (folded by the kernel on the device; or folds the cells itself, where
+the kernel stored them), gives the staging buffer and the event back to their
+pools and hands a `BatchResult` to the batch's callback. Where the kernel
+folds, a buffer goes back to its pool only once what its batch wrote on the
+device is zero again: the collector zeroes it on its own stream and gives it
+back when that is done (`_reclaim`), never waiting for it. Notes (`DigestEngine.post`:
 a callable and its argument, no launch) are called in their place in the same
 queue, so what a caller posts after a submit runs after that batch's callback.
 It alone waits on the GPU: the serving thread never does. A batch whose device
@@ -29,7 +33,7 @@ import torch
 from ..background import yield_to_serving
 from ..safety import record_error
 from . import reference
-from .launch import PendingDigest, flag_block, out_of_range_counts
+from .launch import PendingDigest, flag_block, fold_block, out_of_range_counts
 from .result import RoomDigest
 from .room_table import frozen_slots_per_page
 
@@ -129,6 +133,8 @@ class Collector:
                     self._warm_up_queued -= 1
                 if self._await(ticket):
                     self._deliver(ticket, self._finish)
+                if self._zeroing:
+                    self._reclaim()
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
                     self._refill()
                 if self._tickets.items:
@@ -159,7 +165,11 @@ class Collector:
         kernel is done (its event has completed), so a copy on this thread's own stream
         reads what it stored; then wait for that copy alone."""
         start, end = ticket.download
-        staging = ticket.staging
+        self._copy_down_now(ticket.staging, start, end)
+        ticket.download = None
+
+    def _copy_down_now(self, staging, start: int, end: int) -> None:
+        """Copy bytes [start, end) of a completed batch's twin down and wait for that copy."""
         if self.device.type == "cuda":
             stream = self._copy_side()
             with torch.cuda.stream(stream):
@@ -168,7 +178,6 @@ class Collector:
             self._copied.synchronize()
         else:
             staging.download(start, end)
-        ticket.download = None
 
     def _await(self, ticket: PendingDigest) -> bool:
         """Wait until the batch's kernel is done. False when a device call failed (the
@@ -211,26 +220,79 @@ class Collector:
             log.exception("digest callback failed")
 
     def _release(self, ticket: PendingDigest) -> None:
-        """Give a completed batch's staging buffer and event back to their pools."""
+        """Give a completed batch's staging buffer and event back to their pools (where the
+        kernel folds, once what the batch wrote on the device is zeroed: `_zero`)."""
         if ticket.staging is not None:
-            self._staging.give(ticket.staging)
+            if ticket.folds is not None:
+                self._zero(ticket.staging, ticket.used)
+            else:
+                self._staging.give(ticket.staging)
             ticket.staging = None
         if ticket.done is not None and ticket.started is None:
             self._events.give(ticket.done)  # re-recorded by a later batch: ready() no longer asks it
             ticket.done = None
         ticket.keepalive = ()
 
+    def _zero(self, staging, nbytes: int) -> None:
+        """Zero the first `nbytes` of a buffer's twin (the batch's kernel and copies are
+        done), on this thread's stream, and give the buffer back once that is done
+        (`_reclaim`): the next batch's kernel adds its folds into zeros."""
+        if self.device.type != "cuda":
+            staging.device[:nbytes].zero_()
+            self._staging.give(staging)
+            return
+        if self._zeroing:
+            self._reclaim()
+        try:
+            staging.device[:nbytes].zero_()
+            zeroed = self._events.take()
+            zeroed.record()
+        except Exception:
+            record_error("digest.zero")  # never reused: a later batch must not add into what is left
+            return
+        with self._zeroing_lock:
+            self._zeroing.append((zeroed, staging))
+
+    def _reclaim(self) -> None:
+        """Give back to their pools the buffers whose zeroing is done (oldest first)."""
+        with self._zeroing_lock:
+            zeroing = self._zeroing
+            try:
+                while zeroing and zeroing[0][0].query():
+                    zeroed, staging = zeroing.popleft()
+                    self._events.give(zeroed)
+                    self._staging.give(staging)
+            except Exception:
+                record_error("digest.reclaim")
+
+    def _folded(self, ticket: PendingDigest) -> tuple[list, list[int]]:
+        """Each room's fold as the kernel added it up (copies: the buffer is reused), and
+        its rows out of range; the flags too (a copy down and a wait, here) when a room
+        has such rows and they did not come down with the outputs."""
+        plan, n_segments = ticket.plan, self._n_segments
+        folds = [fold_block(plan, ticket.folds, slot, n_segments) for slot in range(len(plan.page_counts))]
+        out_of_range = [unread for _, _, unread in folds]
+        if any(out_of_range) and not self.contents:
+            self._copy_down_now(ticket.staging, ticket.flags_at, ticket.flags_at + ticket.n_cells)
+        return [(matrix.copy(), pages.copy()) for matrix, pages, _ in folds], out_of_range
+
     def _finish(self, ticket: PendingDigest) -> BatchResult:
-        """Fold each room's cells (the event has completed), then recycle the buffers."""
-        if ticket.cells is None or ticket.rooms is None:
+        """Each room's fold (the event has completed), then recycle the buffers."""
+        if (ticket.cells is None and ticket.folds is None) or ticket.rooms is None:
             self._views(ticket)  # what a lean submit left to this thread
         if ticket.contents_only:
             return self._finish_contents(ticket)
         plan, digests, room_bytes = ticket.plan, [], []
-        out_of_range = out_of_range_counts(plan, ticket.flags)
+        if ticket.folds is not None:
+            folded, out_of_range = self._folded(ticket)
+        else:
+            folded, out_of_range = None, out_of_range_counts(plan, ticket.flags)
         page_counts = plan.page_counts
         for slot, room in enumerate(ticket.rooms):
-            layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
+            if folded is not None:
+                layer_segment, pages = folded[slot]
+            else:
+                layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
             digests.append(
                 RoomDigest(
                     key=room.key,

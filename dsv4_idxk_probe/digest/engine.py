@@ -24,6 +24,7 @@ hands out (`PendingDigest` from `launch.py`, `BatchResult` from
 from __future__ import annotations
 
 import logging
+from collections import deque
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -163,6 +164,13 @@ class DigestEngine(Launcher, Collector):
         self.dependent_launch = dependent_launch
         self.download = download
         self._copies = outputs == "device"  # the kernel reads and stores the twin, copied up and down
+        # The kernel folds each room's cells on the device (into the twin, kept at zero between
+        # batches by the collector), so only the folds come down: with the twin only (atomics
+        # into pinned host memory cross PCIe, if the bus has them at all).
+        self._fold = self._copies and backend == "triton"
+        self._fold_room_words = len(self.layer_ids) * len(layout.segments) + 1  # a room's fold beyond its pages
+        self._zeroing: deque = deque()  # (event, staging buffer) whose zeroing is on its way (collector.py)
+        self._zeroing_lock = threading.Lock()
         self.mapped_tables = mapped_tables
         self._mapped_table_programs = mapped_table_programs if mapped_tables else -1  # launch.py reads this
         self._download_at_submit = download == "submit"
@@ -213,7 +221,7 @@ class DigestEngine(Launcher, Collector):
             self._layer_table, base_align = kernel_module.layer_table(self.buffers, self.layer_ids, self.device)
             self._kernel = kernel_module.DigestKernel(
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
-                base_align=base_align, contents=contents,
+                base_align=base_align, contents=contents, fold=self._fold,
                 pdl=dependent_launch == "auto" and kernel_module.dependent_launches_on(self.device),
             )
             self._layer_table_address = self._kernel.layer_table_address

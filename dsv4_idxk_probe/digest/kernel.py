@@ -4,14 +4,23 @@ The grid is (room, layer, block of ROWS logical pages). A program reads its
 room's entry in the room table (where the page table is, how many pages and
 tokens the room has, where its cells go), finds each row through its
 layer's buffer and the room's page table, hashes the frozen words of
-each segment into two 32-bit lane sums, and stores each (layer, page,
-segment) cell contribution and, beside it when asked (CONTENTS: decode's
-diagnosis reads them), the cell's segment digest (its content digest,
-docs/digest.md "Content digests"). Programs past a room's
-last page return at once.
-Every cell is stored exactly once, so the output needs no zeroing and no
-atomics; the host folds cells into the (layer, segment) matrix, the page
-vector and the room digest (sums mod 2^64, as `reference.py` defines them).
+each segment into two 32-bit lane sums, and either stores each (layer,
+page, segment) cell contribution (the host then folds them) or, with FOLD,
+adds it into its room's fold on the device: the (layer, segment) matrix and
+the page vector (sums mod 2^64, as `reference.py` defines them) and a count
+of rows not read, so only the folds cross PCIe (a 43 x 1024-page fp8 room:
+9 KB instead of 750 KB; the engine's device outputs). Beside them, when asked
+(CONTENTS: decode's diagnosis reads them), it stores the cell's segment
+digest (its content digest, docs/digest.md "Content digests"). Programs past
+a room's last page return at once.
+Cells, contents and flags are each stored exactly once, so they need no
+zeroing; the folds are relaxed atomic adds into memory the engine keeps at
+zero between batches (the collector zeroes what a batch wrote before its
+buffer is reused, `collector.py`). A fold's atomics are one per program and
+segment into the room's (layer, segment) entry and one per row into its page
+entry, spread over the kernel's run; the count of rows not read is added
+only by a program that has one (added by every program, one address would
+take tens of thousands of serialised atomics).
 
 Why it reads at the memory's rate (bench/RESULTS.md):
 the layout is compiled in (segment offsets and sizes are constants), so each
@@ -152,14 +161,21 @@ def _row_digests(rows, n_frozen, readable, SLOTS: tl.constexpr, NUM_SEGMENTS: tl
 
 
 @triton.jit
-def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr, CONTENTS: tl.constexpr):
-    """c = fmix64(d ^ salt(layer id, logical page, segment)) into the cells, and with CONTENTS
-    d itself (the content digest) into the contents; both 0 for a row not read."""
+def _store_cell(out, content_out, fold_entry, d, readable, valid, layer_id, page, SEGMENT: tl.constexpr,
+                CONTENTS: tl.constexpr, FOLD: tl.constexpr):
+    """c = fmix64(d ^ salt(layer id, logical page, segment)): with FOLD added into the room's
+    (layer, segment) entry `fold_entry` (one atomic), else stored into the cells; with
+    CONTENTS d itself (the content digest) into the contents; both 0 for a row not read.
+    Returns c ([ROWS], 0 on lanes past the room's last page) for the page vector."""
     salt = layer_id * _CELL_LAYER + page.to(tl.uint64) * _CELL_PAGE + SEGMENT * _CELL_SEGMENT
-    cell = tl.where(readable, _fmix64(d ^ salt), 0)
-    tl.store(out + (SEGMENT - 1), cell, mask=valid)
+    cell = tl.where(readable & valid, _fmix64(d ^ salt), 0)
+    if FOLD:
+        tl.atomic_add(fold_entry + (SEGMENT - 1), tl.sum(cell, axis=0), sem="relaxed")
+    else:
+        tl.store(out + (SEGMENT - 1), cell, mask=valid)
     if CONTENTS:
         tl.store(content_out + (SEGMENT - 1), tl.where(readable, d, 0), mask=valid)
+    return cell
 
 
 @triton.jit(do_not_specialize=["room_table", "cells", "contents", "flags", "one_pages", "one_id_bytes", "one_n_pages",
@@ -167,7 +183,9 @@ def _store_cell(out, content_out, d, readable, valid, layer_id, page, SEGMENT: t
 def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
-    cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page
+    cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page; with
+    # FOLD instead each room's fold, at (its first cell) / layers + room x (layers x segments + 1):
+    # uint64 [pages] page vector, [layers, segments] matrix, [1] rows not read (all zero before)
     contents,  # address of uint64 [n_cells, n_segments]: each cell's segment digest d (its content digest), same order
     flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
     one_pages,  # ONE_ROOM: the room's page-table address, page-id bytes, pages and tokens, passed
@@ -194,6 +212,7 @@ def _digest_rooms_kernel(
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
     CONTENTS: tl.constexpr,  # store each cell's content digest (diagnosis reads them); else `contents` is unused
+    FOLD: tl.constexpr,  # add cells into their room's fold (see `cells`) instead of storing them
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see `DigestKernel`)
 ):
     if PDL:
@@ -261,13 +280,24 @@ def _digest_rooms_kernel(
     row_cell = first_cell + layer * n_pages + page
     out = cells.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
     content_out = contents.to(tl.pointer_type(tl.uint64)) + row_cell * NUM_SEGMENTS
-    _store_cell(out, content_out, d0, readable, valid, layer_id, page, 1, CONTENTS)
+    fold = out  # with FOLD: the room's fold (see `cells`); the page vector comes first
+    fold_entry = out
+    if FOLD:
+        n_layers = tl.num_programs(1).to(tl.int64)
+        fold = cells.to(tl.pointer_type(tl.uint64)) + first_cell // n_layers + room * (n_layers * NUM_SEGMENTS + 1)
+        fold_entry = fold + n_pages + layer * NUM_SEGMENTS
+    page_sum = _store_cell(out, content_out, fold_entry, d0, readable, valid, layer_id, page, 1, CONTENTS, FOLD)
     if NUM_SEGMENTS > 1:
-        _store_cell(out, content_out, d1, readable, valid, layer_id, page, 2, CONTENTS)
+        page_sum += _store_cell(out, content_out, fold_entry, d1, readable, valid, layer_id, page, 2, CONTENTS, FOLD)
     if NUM_SEGMENTS > 2:
-        _store_cell(out, content_out, d2, readable, valid, layer_id, page, 3, CONTENTS)
+        page_sum += _store_cell(out, content_out, fold_entry, d2, readable, valid, layer_id, page, 3, CONTENTS, FOLD)
     if NUM_SEGMENTS > 3:
-        _store_cell(out, content_out, d3, readable, valid, layer_id, page, 4, CONTENTS)
+        page_sum += _store_cell(out, content_out, fold_entry, d3, readable, valid, layer_id, page, 4, CONTENTS, FOLD)
+    if FOLD:
+        tl.atomic_add(fold + page, page_sum, mask=valid, sem="relaxed")
+        unread = tl.sum((valid & (readable == 0)).to(tl.int64), axis=0)
+        if unread > 0:  # rare (a wrong page table): one address, so never added by every program
+            tl.atomic_add(fold + n_pages + n_layers * NUM_SEGMENTS, unread.to(tl.uint64), sem="relaxed")
     tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 
@@ -279,7 +309,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "ONE_ROOM", "CONTENTS", "PDL",
+    "ONE_ROOM", "CONTENTS", "FOLD", "PDL",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -353,13 +383,14 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, contents: bool = True, pdl: bool = False):
+                 base_align: int = 16, contents: bool = True, fold: bool = False, pdl: bool = False):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
         self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
         self.contents = contents  # whether launches store the content digests
+        self.fold = bool(fold)  # whether launches fold cells on the device (`cells` is then the folds)
         self.pdl = bool(pdl)  # programmatic dependent launches (compute capability 9 and later)
         self.num_warps = num_warps
         self.rows = rows
@@ -369,7 +400,7 @@ class DigestKernel:
     def launch_args(self, room_table: int, cells: int, contents: int, flags: int, one_room: tuple | None = None) -> tuple:
         """Every argument of one launch, in the kernel's order (constants last)."""
         return (room_table, self.layer_table_address, cells, contents, flags, *(one_room or _NOT_ONE_ROOM),
-                *self.meta.values(), one_room is not None, self.contents, self.pdl)
+                *self.meta.values(), one_room is not None, self.contents, self.fold, self.pdl)
 
     def launch(self, room_table: int, cells: int, contents: int, flags: int, n_rooms: int, max_pages: int, *,
                one_room: tuple | None = None, device: int | None = None, stream: int | None = None) -> None:
@@ -395,7 +426,8 @@ class DigestKernel:
             return
         compiled = _digest_rooms_kernel[grid](room_table, self.layer_table, cells, contents, flags,
                                               *(one_room or _NOT_ONE_ROOM), **self.meta, ONE_ROOM=variant,
-                                              CONTENTS=self.contents, PDL=self.pdl, num_warps=self.num_warps,
+                                              CONTENTS=self.contents, FOLD=self.fold, PDL=self.pdl,
+                                              num_warps=self.num_warps,
                                               **({"launch_pdl": True} if self.pdl else {}))
         if _fits(compiled):
             self.compiled[variant], self.compiled_on[variant] = compiled, device

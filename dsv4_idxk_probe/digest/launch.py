@@ -9,9 +9,11 @@ device twin first), launches the Triton kernel on the caller's current stream,
 and records a CUDA event right behind (the ticket's `done`). A room whose page table lives
 on the kernel's device is read in place, and a launch of one such room takes
 its fields by value: then the kernel reads no table and nothing is copied up.
-The kernel stores cells, out-of-range flags and (for diagnosis) content
-digests into the back of the twin; one copy brings them down, either at the
-submit (`download="submit"`: where a caller reads the room digest as soon as
+The kernel adds each room's cells into its folds (the (layer, segment)
+matrix, the page vector and a count of rows not read: `kernel.py`, FOLD) and
+stores out-of-range flags and (for diagnosis) content digests into the back
+of the twin; one copy brings the folds (and the contents, where asked) down,
+either at the submit (`download="submit"`: where a caller reads the room digest as soon as
 its stream is past the kernel, prefill's in-band slot) or on the collector
 thread once the event has completed (`download="collector"`, decode: one
 device call fewer on the serving thread). What the submit returns, the
@@ -86,6 +88,9 @@ class PendingDigest:
     one: tuple | None = None  # (key, pages, n_tokens) of a one-room submit, until `rooms` is made
     callback: Callable[[BatchResult], None] | None = None
     cells: np.ndarray | None = None  # uint64 [n_cells, n_segments], filled by the kernel (or the reference)
+    folds: np.ndarray | None = None  # uint64: the rooms' folds, where the kernel folded on the device (`fold_block`)
+    flags_at: int = 0  # byte offset of the flags in the staging buffer (a collector fetches them when it must)
+    used: int = 0  # bytes of the twin the batch wrote: zeroed before its reuse where the kernel folds
     done: Any = None  # CUDA event; None when the cells are already on the host
     started: Any = None  # CUDA timing event
     staging: Staging | None = None  # to give back once done
@@ -156,8 +161,13 @@ class PendingDigest:
             self._collected()
             if self.final_rooms is not None:
                 return self.final_rooms
-        if self.cells is None and self.owner is not None:
+        if self.cells is None and self.folds is None and self.owner is not None:
             self.owner._views(self)
+        if self.folds is not None:
+            n_segments = self.owner._n_segments
+            blocks = [fold_block(self.plan, self.folds, i, n_segments) for i in range(len(self.plan.page_counts))]
+            return np.array([matrix.sum(dtype=np.uint64) if not unread else secrets.randbits(64)
+                             for matrix, _, unread in blocks], dtype=np.uint64)
         return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) if not n else secrets.randbits(64)
                          for i, n in enumerate(out_of_range_counts(self.plan, self.flags))], dtype=np.uint64)
 
@@ -190,6 +200,25 @@ def out_of_range_counts(plan: CellPlan, flags: np.ndarray | None) -> list[int]:
     return [int(flag_block(plan, flags, i).sum()) for i in range(len(plan.page_counts))]
 
 
+def fold_words(page_counts: Sequence[int], n_layers: int, n_segments: int) -> int:
+    """Words of a launch's folds (`kernel.py`, FOLD): per room its page vector, its
+    (layer, segment) matrix and its count of rows not read."""
+    return sum(page_counts) + len(page_counts) * (n_layers * n_segments + 1)
+
+
+def fold_block(plan: CellPlan, folds: np.ndarray, slot: int, n_segments: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Room `slot`'s fold, as the kernel adds it up (views into `folds`): its (layer,
+    segment) matrix uint64 [layers, segments], its page vector uint64 [pages], and its
+    (layer, page) rows not read (out of range). It sits at (its first cell) / layers +
+    slot x (layers x segments + 1) words, the page vector first."""
+    n_layers, n_pages = plan.n_layers, plan.page_counts[slot]
+    matrix_words = n_layers * n_segments
+    before = plan.first_cells[slot] // n_layers if n_layers else sum(plan.page_counts[:slot])
+    base = before + slot * (matrix_words + 1)
+    matrix = folds[base + n_pages : base + n_pages + matrix_words].reshape(n_layers, n_segments)
+    return matrix, folds[base : base + n_pages], int(folds[base + n_pages + matrix_words])
+
+
 def flag_block(plan: CellPlan, flags: np.ndarray, slot: int) -> np.ndarray:
     """Room `slot`'s out-of-range flags as uint8 [layers, pages] (a view)."""
     first, n_pages = plan.first_cells[slot], plan.page_counts[slot]
@@ -197,7 +226,8 @@ def flag_block(plan: CellPlan, flags: np.ndarray, slot: int) -> np.ndarray:
 
 
 def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
-    """A batch's staging buffer: its tables, then its cells, then a flag byte per cell row
+    """A batch's staging buffer where the kernel stores its cells (`Launcher` sizes a
+    folding launch's own): its tables, then its cells, then a flag byte per cell row
     (padded to 8 bytes), then the cells' contents."""
     return 8 * (input_words + 2 * n_cells * n_segments + -(-n_cells // 8))
 
@@ -390,7 +420,8 @@ class Launcher:
             n_pages = len(pages)
             input_words = 32 if dev is not None else -(-(ROOM_COLUMNS + n_pages) // 32) * 32
         n_cells = n_layers * n_pages
-        cells_end = input_words + n_cells * n_seg
+        fold = self._fold
+        cells_end = input_words + (n_pages + self._fold_room_words if fold else n_cells * n_seg)  # the cells or the fold
         contents_start = cells_end + ((n_cells + 7) >> 3)
         contents_end = contents_start + n_cells * n_seg
         staging = None
@@ -400,7 +431,7 @@ class Launcher:
             except IndexError:
                 pass
         if staging is None:
-            staging = self._staging.take(8 * contents_end)  # = staging_bytes(input_words, n_cells, n_seg)
+            staging = self._staging.take(8 * contents_end)
         copies = self._copies  # else the kernel reads and stores the pinned buffer
         base = staging.device_address if copies else staging.host_address
         started = None
@@ -458,7 +489,7 @@ class Launcher:
                                     (address, id_bytes, n_pages, n_tokens))
         if copies:  # the outputs' copy down (`_copy_down`, inlined), now or by the collector
             start = 8 * cells_end if contents_only else 8 * input_words
-            end = 8 * contents_end if self.contents else 8 * cells_end + n_cells
+            end = 8 * contents_end if self.contents else 8 * cells_end + (0 if fold and not contents_only else n_cells)
             if self._download_at_submit:
                 try:
                     to, of = staging.pairs[start, end, True]
@@ -518,7 +549,8 @@ class Launcher:
         firsts = table[4::5]
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
-        cells_end = input_words + total * n_seg
+        # the cells, or the rooms' folds (`fold_words`)
+        cells_end = input_words + (sum(page_counts) + n_rooms * self._fold_room_words if self._fold else total * n_seg)
         contents_start = cells_end + ((total + 7) >> 3)
         contents_end = contents_start + total * n_seg
         staging = None
@@ -627,10 +659,12 @@ class Launcher:
     def _copy_down(self, ticket: PendingDigest, staging: Staging, input_words: int, cells_end: int,
                    contents_end: int, contents_only: bool) -> None:
         """The outputs' copy down (outputs "device"): now, or marked for the collector.
-        Without diagnosis it stops before the contents (half the bytes); a contents-only
-        batch skips the cells."""
+        Without diagnosis it stops before the contents (half the bytes or more), and
+        where the kernel folds, before the flags too (the collector fetches them for a
+        batch with rows out of range); a contents-only batch skips the cells (or folds)."""
         start = 8 * cells_end if contents_only else 8 * input_words
-        end = 8 * contents_end if self.contents else 8 * cells_end + ticket.n_cells
+        end = 8 * contents_end if self.contents else 8 * cells_end + (
+            0 if self._fold and not contents_only else ticket.n_cells)
         if self._download_at_submit:
             try:
                 to, of = staging.pairs[start, end, True]
@@ -708,12 +742,19 @@ class Launcher:
                 ticket.plan = CellPlan(tuple(ticket.firsts), counts, n_layers, n_cells, max(counts, default=0))
         if ticket.rooms is None:
             ticket.rooms = [RoomRequest(*ticket.one)]
-        if ticket.cells is None and staging is not None:
+        if ticket.cells is None and ticket.folds is None and staging is not None:
             at = ticket.at
-            cells_end = at + n_cells * n_seg
             words = staging.words
-            ticket.cells = words[at:cells_end].view(np.uint64).reshape(-1, n_seg)
+            if self._fold:
+                cells_end = at + fold_words(ticket.plan.page_counts, n_layers, n_seg)
+                ticket.folds = words[at:cells_end].view(np.uint64)
+            else:
+                cells_end = at + n_cells * n_seg
+                ticket.cells = words[at:cells_end].view(np.uint64).reshape(-1, n_seg)
+            ticket.flags_at = 8 * cells_end
             ticket.flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + n_cells]
+            start = cells_end + ((n_cells + 7) >> 3)
+            ticket.used = 8 * start
             if self.contents:
-                start = cells_end + ((n_cells + 7) >> 3)
                 ticket.contents = words[start : start + n_cells * n_seg].view(np.uint64).reshape(-1, n_seg)
+                ticket.used = 8 * (start + n_cells * n_seg)

@@ -135,13 +135,22 @@ class StagingPool:
             self.mapped = False  # one buffer that is not: no launch reads a table in place any more
         if not self.twin:
             return Staging(host, host.numpy().view(np.int64), host.data_ptr())
-        device = torch.empty(size, dtype=torch.uint8, device=self.device)
+        # Zeroed on this thread's current stream: a kernel that folds adds into it. A submit's
+        # own allocation launches on that same stream; `reserve` and `refill` wait for it.
+        device = torch.zeros(size, dtype=torch.uint8, device=self.device)
         return Staging(host, host.numpy().view(np.int64), host.data_ptr(), device, device.data_ptr())
+
+    def _zeroed(self) -> None:
+        """Wait until buffers allocated on this thread are zero (`reserve`, `refill`: start-up
+        and the collector, never a serving thread), so a kernel on any stream may use them."""
+        if self.twin and self.pin:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""
         size = self.size_class(nbytes)
         buffers = [self._allocate(size) for _ in range(count)]
+        self._zeroed()
         with self._lock:
             self.allocations += count
             self._free.setdefault(size, []).extend(buffers)
@@ -150,7 +159,8 @@ class StagingPool:
         """A buffer of at least `nbytes`; give it back once the GPU is done with it.
 
         Takes from the buffer's own size class first, then the smallest larger
-        one; allocates only when none is free.
+        one; allocates only when none is free (its twin zeroed on the caller's
+        current stream, the one its kernel launches on).
         """
         size = _MIN_BYTES if nbytes <= _MIN_BYTES else 1 << (int(nbytes) - 1).bit_length()  # `size_class`, inlined
         free = self._free.get(size)
@@ -190,6 +200,7 @@ class StagingPool:
             except KeyError:
                 return
             buffers = [self._allocate(size) for _ in range(self.spare)]
+            self._zeroed()
             with self._lock:
                 self.allocations += len(buffers)
                 self._free.setdefault(size, []).extend(buffers)

@@ -174,7 +174,7 @@ def test_a_class_a_submit_found_empty_is_topped_up_by_the_collector_not_the_serv
         return allocate(size)
 
     engine._staging._allocate = counted
-    big = [RoomRequest(f"r{i}", list(range(8)) * 150, 8 * 150 * 256) for i in range(2)]  # 1200 pages each
+    big = [RoomRequest(f"r{i}", list(range(8)) * 200, 8 * 200 * 256) for i in range(2)]  # 1600 pages each
     engine.submit(big, lambda _: None)
     (serving, size), = allocated_by
     assert serving and size > 128 * 1024

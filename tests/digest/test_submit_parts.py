@@ -71,7 +71,8 @@ def _kernel(monkeypatch, signature):
 # rows per program.
 _FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16, 2)
 _NO_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
-# After the constants: ONE_ROOM, then CONTENTS (content digests stored: the default).
+# After the constants: ONE_ROOM, then CONTENTS (content digests stored: the default), then FOLD
+# (cells stored, not folded on the device: a bare kernel's default; the engine's twin folds).
 
 
 def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(monkeypatch):
@@ -82,7 +83,7 @@ def test_later_launches_call_the_compiled_kernel_with_every_argument_in_order(mo
     assert len(fake.jit_launches) == 1 and fake.jit_launches[0][0] == (4, 3, 3)
     grid, args = fake.direct_launches[0]
     assert grid == (2, 3, 1)
-    assert args == (1001, 111, 2001, 2501, 3001, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False)
+    assert args == (1001, 111, 2001, 2501, 3001, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False, False)
     assert kernel.launch_args(1001, 2001, 2501, 3001) == args
 
 
@@ -96,8 +97,8 @@ def test_a_one_room_launch_passes_the_room_by_value_to_a_kernel_of_its_own(monke
     kernel.launch(1001, 2001, 2501, 3001, n_rooms=1, max_pages=3, one_room=(7001, 4, 3, 700))
     kernel.launch(1002, 2002, 2502, 3002, n_rooms=2, max_pages=3, one_room=(7002, 4, 3, 700))  # ignored: two rooms
     assert len(fake.jit_launches) == 2
-    assert fake.direct_launches[0][1] == (1001, 111, 2001, 2501, 3001, 7001, 4, 3, 700, *_FP8_CONSTANTS, True, True, 0)
-    assert fake.direct_launches[1][1] == (1002, 111, 2002, 2502, 3002, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False)
+    assert fake.direct_launches[0][1] == (1001, 111, 2001, 2501, 3001, 7001, 4, 3, 700, *_FP8_CONSTANTS, True, True, False, 0)
+    assert fake.direct_launches[1][1] == (1002, 111, 2002, 2502, 3002, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False, False)
 
 
 @pytest.mark.parametrize("signature", [
@@ -143,7 +144,7 @@ def test_a_launch_given_its_device_and_stream_calls_the_c_launcher_directly(monk
     kernel.launch(1000, 2000, 2500, 3000, n_rooms=1, max_pages=1)  # the JIT compiles and loads it
     kernel.launch(1001, 2001, 2501, 3001, n_rooms=2, max_pages=3, device=0, stream=0xABC)
     assert fake.run_launches == [(2, 3, 2, 0xABC, "cu-function", ("packed",), None, None, None,
-                                  1001, 111, 2001, 2501, 3001, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False)]
+                                  1001, 111, 2001, 2501, 3001, *_NO_ROOM, *_FP8_CONSTANTS, False, True, False, False)]
     assert fake.direct_launches == []
 
 
