@@ -457,6 +457,8 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     for tag, (ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
         result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
                        f"engine_dropped_batches{tag}": dropped})
+    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms], fold=False).items():
+        result[f"cells_engine_submit_us{tag}"] = ms * 1e3
     pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
     pinned_ms = timer.ms("flush_read", pinned)
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
@@ -479,11 +481,13 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     return result
 
 
-def engine_gpu_ms_both(timer, layout, bufs, batches) -> dict:
+def engine_gpu_ms_both(timer, layout, bufs, batches, fold: bool = True) -> dict:
     """`engine_gpu_ms` of an engine that copies contents down (diagnosis on; key "") and
-    of one that does not (key "_no_contents")."""
+    of one that does not (key "_no_contents"); `fold` False: its kernel stores the cells
+    for the collector to fold (the engine before the device fold)."""
     return {"" if contents else "_no_contents":
-            engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents), batches)
+            engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents, fold=fold),
+                          batches)
             for contents in (True, False)}
 
 
@@ -801,7 +805,9 @@ def print_report(report) -> None:
                   f"({e['engine_dropped_batches'] + e['engine_dropped_batches_no_contents']} batches dropped); "
                   f"/ the 2 GiB read (flush_read) {e['engine_ratio']:.3f}, without contents "
                   f"{e['engine_ratio_no_contents']:.3f}; the collector's zeroing after it {e['zeroing_us']:.1f} us "
-                  f"({e['zeroing_bytes']} B), without contents {e['zeroing_us_no_contents']:.1f} us; "
+                  f"({e['zeroing_bytes']} B), without contents {e['zeroing_us_no_contents']:.1f} us; the same "
+                  f"engine storing its cells (no device fold): {e['cells_engine_submit_us']:.1f} us, without contents "
+                  f"{e['cells_engine_submit_us_no_contents']:.1f} us; "
                   f"the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
                   f"{e['pinned_outputs_read_TBps']:.2f} TB/s")
             print(f"[flush_read] {r['layout']} room of 64 pages: engine {e['medium_engine_us']:.1f} us, without "

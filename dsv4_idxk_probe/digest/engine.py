@@ -33,7 +33,7 @@ import torch
 
 from ..background import HandOff
 from .collector import BatchResult, Collector, Note
-from .launch import Launcher, PendingDigest, kernel_shape, staging_bytes
+from .launch import FOLD_SLICES, Launcher, PendingDigest, kernel_shape, staging_bytes
 from .layout import RowLayout, layout_signature
 from .pinned import EventPool, StagingPool
 from .result import RoomDigest
@@ -99,6 +99,8 @@ class DigestEngine(Launcher, Collector):
     `spare_buffers`: when a submit finds its staging buffers' size class empty (and so
     allocates on the caller's thread), the collector allocates this many more of that
     class (`StagingPool.refill`); 0: never.
+    `fold`: the kernel folds each room's cells on the device, so only the folds come down
+    (with `outputs` "device"); False: it stores the cells and the collector folds them.
 
     The launch path is `launch.Launcher`, the collector thread
     `collector.Collector`: both are parts of this class and read the
@@ -127,6 +129,7 @@ class DigestEngine(Launcher, Collector):
         mapped_tables: bool = True,
         mapped_table_programs: int = 16384,
         spare_buffers: int = 4,
+        fold: bool = True,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -167,8 +170,9 @@ class DigestEngine(Launcher, Collector):
         # The kernel folds each room's cells on the device (into the twin, kept at zero between
         # batches by the collector), so only the folds come down: with the twin only (atomics
         # into pinned host memory cross PCIe, if the bus has them at all).
-        self._fold = self._copies and backend == "triton"
-        self._fold_room_words = len(self.layer_ids) * len(layout.segments) + 1  # a room's fold beyond its pages
+        self._fold = self._copies and backend == "triton" and fold
+        # a one-room launch's fold beyond its page vector (`launch.fold_words`)
+        self._fold_room_words = FOLD_SLICES * len(self.layer_ids) * len(layout.segments) + 1
         self._zeroing: deque = deque()  # (event, staging buffer) whose zeroing is on its way (collector.py)
         self._zeroing_lock = threading.Lock()
         self.mapped_tables = mapped_tables

@@ -59,6 +59,7 @@ except ImportError:  # an older Triton: plain launches only (`dependent_launches
     gdc_wait = None
 
 from . import reference as ref
+from .launch import FOLD_SLICES
 from .room_table import ROOM_COLUMNS
 
 # %% kernel
@@ -74,6 +75,7 @@ _FMIX_1 = tl.constexpr(ref.FMIX_1)
 _FMIX_2 = tl.constexpr(ref.FMIX_2)
 
 _ROOM_COLUMNS = tl.constexpr(ROOM_COLUMNS)
+_FOLD_SLICES = tl.constexpr(FOLD_SLICES)
 LAYER_COLUMNS = 3  # int64: buffer address minus the table's own, global layer id, pages in the buffer
 _LAYER_COLUMNS = tl.constexpr(LAYER_COLUMNS)
 MAX_SEGMENTS = 4  # segments a layout may have for this kernel (index-K layouts have 1 or 2)
@@ -184,8 +186,9 @@ def _digest_rooms_kernel(
     room_table,  # address of int64 [n_rooms, 5]: page-table address, page-id bytes (4 or 8), pages, tokens, first cell
     layer_table,  # int64 [n_layers, 3]: the layer's buffer address minus the table's, global layer id, pages in it
     cells,  # address of uint64 [n_cells, n_segments]: cell contributions, room, then layer, then page; with
-    # FOLD instead each room's fold, at (its first cell) / layers + room x (layers x segments + 1):
-    # uint64 [pages] page vector, [layers, segments] matrix, [1] rows not read (all zero before)
+    # FOLD instead each room's fold, at (its first cell) / layers + room x (slices x layers x segments + 1):
+    # uint64 [pages] page vector, [slices, layers, segments] matrices, [1] rows not read (all zero before);
+    # slices: FOLD_SLICES for a launch of one room, else 1 (`launch.fold_words`)
     contents,  # address of uint64 [n_cells, n_segments]: each cell's segment digest d (its content digest), same order
     flags,  # address of uint8 [n_cells]: 1 where the row's page id is out of range (not read), else 0
     one_pages,  # ONE_ROOM: the room's page-table address, page-id bytes, pages and tokens, passed
@@ -284,8 +287,9 @@ def _digest_rooms_kernel(
     fold_entry = out
     if FOLD:
         n_layers = tl.num_programs(1).to(tl.int64)
-        fold = cells.to(tl.pointer_type(tl.uint64)) + first_cell // n_layers + room * (n_layers * NUM_SEGMENTS + 1)
-        fold_entry = fold + n_pages + layer * NUM_SEGMENTS
+        slices: tl.constexpr = _FOLD_SLICES if ONE_ROOM else 1  # see `launch.FOLD_SLICES`
+        fold = cells.to(tl.pointer_type(tl.uint64)) + first_cell // n_layers + room * (slices * n_layers * NUM_SEGMENTS + 1)
+        fold_entry = fold + n_pages + ((first_page // ROWS) % slices * n_layers + layer) * NUM_SEGMENTS
     page_sum = _store_cell(out, content_out, fold_entry, d0, readable, valid, layer_id, page, 1, CONTENTS, FOLD)
     if NUM_SEGMENTS > 1:
         page_sum += _store_cell(out, content_out, fold_entry, d1, readable, valid, layer_id, page, 2, CONTENTS, FOLD)
@@ -297,7 +301,7 @@ def _digest_rooms_kernel(
         tl.atomic_add(fold + page, page_sum, mask=valid, sem="relaxed")
         unread = tl.sum((valid & (readable == 0)).to(tl.int64), axis=0)
         if unread > 0:  # rare (a wrong page table): one address, so never added by every program
-            tl.atomic_add(fold + n_pages + n_layers * NUM_SEGMENTS, unread.to(tl.uint64), sem="relaxed")
+            tl.atomic_add(fold + n_pages + slices * n_layers * NUM_SEGMENTS, unread.to(tl.uint64), sem="relaxed")
     tl.store(flags.to(tl.pointer_type(tl.uint8)) + row_cell, tl.where(readable, 0, 1).to(tl.uint8), mask=valid)
 
 

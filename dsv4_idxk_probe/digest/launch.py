@@ -200,22 +200,37 @@ def out_of_range_counts(plan: CellPlan, flags: np.ndarray | None) -> list[int]:
     return [int(flag_block(plan, flags, i).sum()) for i in range(len(plan.page_counts))]
 
 
+# Copies of its (layer, segment) matrix the kernel adds a launch's one room into, program
+# by program (its first page mod FOLD_SLICES), summed by the host. Why: one copy takes each
+# of a layer's pages' atomics on one address (1,024 serialised adds for a 1,024-page
+# room, the size whose GPU time counts). A launch of several rooms (decode's steps:
+# short rooms) adds into one copy per room.
+FOLD_SLICES = 16
+
+
+def _slices(n_rooms: int) -> int:
+    return FOLD_SLICES if n_rooms == 1 else 1
+
+
 def fold_words(page_counts: Sequence[int], n_layers: int, n_segments: int) -> int:
     """Words of a launch's folds (`kernel.py`, FOLD): per room its page vector, its
-    (layer, segment) matrix and its count of rows not read."""
-    return sum(page_counts) + len(page_counts) * (n_layers * n_segments + 1)
+    (layer, segment) matrices (`_slices` of them) and its count of rows not read."""
+    return sum(page_counts) + len(page_counts) * (_slices(len(page_counts)) * n_layers * n_segments + 1)
 
 
 def fold_block(plan: CellPlan, folds: np.ndarray, slot: int, n_segments: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Room `slot`'s fold, as the kernel adds it up (views into `folds`): its (layer,
-    segment) matrix uint64 [layers, segments], its page vector uint64 [pages], and its
-    (layer, page) rows not read (out of range). It sits at (its first cell) / layers +
-    slot x (layers x segments + 1) words, the page vector first."""
+    """Room `slot`'s fold, as the kernel adds it up: its (layer, segment) matrix uint64
+    [layers, segments] (the sum of its copies: a new array), its page vector
+    uint64 [pages] (a view into `folds`), and its (layer, page) rows not read (out of
+    range). It sits at (its first cell) / layers + slot x (copies x layers x segments
+    + 1) words, the page vector first."""
     n_layers, n_pages = plan.n_layers, plan.page_counts[slot]
-    matrix_words = n_layers * n_segments
+    slices = _slices(len(plan.page_counts))
+    matrix_words = slices * n_layers * n_segments
     before = plan.first_cells[slot] // n_layers if n_layers else sum(plan.page_counts[:slot])
     base = before + slot * (matrix_words + 1)
-    matrix = folds[base + n_pages : base + n_pages + matrix_words].reshape(n_layers, n_segments)
+    matrix = folds[base + n_pages : base + n_pages + matrix_words].reshape(slices, n_layers, n_segments)
+    matrix = matrix.sum(axis=0, dtype=np.uint64)
     return matrix, folds[base : base + n_pages], int(folds[base + n_pages + matrix_words])
 
 
@@ -550,7 +565,7 @@ class Launcher:
         table_words = ROOM_COLUMNS * n_rooms
         input_words = -(-(table_words + host_words) // 32) * 32  # cells 256-byte aligned
         # the cells, or the rooms' folds (`fold_words`)
-        cells_end = input_words + (sum(page_counts) + n_rooms * self._fold_room_words if self._fold else total * n_seg)
+        cells_end = input_words + (sum(page_counts) + n_rooms * (n_layers * n_seg + 1) if self._fold else total * n_seg)
         contents_start = cells_end + ((total + 7) >> 3)
         contents_end = contents_start + total * n_seg
         staging = None

