@@ -83,13 +83,11 @@ typedef struct { const uint8_t *p, *end; } Cur;
 #define MAX_DEPTH 64
 #define MAX_FAST_SEGMENTS 8
 
-static inline int lit(Cur *c, const char *s, size_t n)
-{
-    if ((size_t)(c->end - c->p) < n || memcmp(c->p, s, n) != 0) return 0;
-    c->p += n;
-    return 1;
-}
-#define LIT(c, s) lit((c), (s), sizeof(s) - 1)
+/* a literal of constant length: inlined, so the compiler compares it in a few wide loads
+ * instead of calling memcmp for every key of every line */
+#define LIT(c, s)                                                                                   \
+    ((size_t)((c)->end - (c)->p) >= sizeof(s) - 1 && __builtin_memcmp((c)->p, (s), sizeof(s) - 1) == 0 \
+         ? ((c)->p += sizeof(s) - 1, 1) : 0)
 
 static inline int ch(Cur *c, char x)
 {
@@ -151,7 +149,7 @@ static int integer(Cur *c, int neg_ok, int maxd, long long *out)
     return 1;
 }
 
-static inline int hex16_str(Cur *c)
+static inline __attribute__((always_inline)) int hex16_str(Cur *c)
 {
     if (c->end - c->p < 18 || c->p[0] != '"' || c->p[17] != '"') return 0;
     const uint8_t *q = c->p + 1;
