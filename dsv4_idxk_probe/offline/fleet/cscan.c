@@ -83,13 +83,11 @@ typedef struct { const uint8_t *p, *end; } Cur;
 #define MAX_DEPTH 64
 #define MAX_FAST_SEGMENTS 8
 
-static inline int lit(Cur *c, const char *s, size_t n)
-{
-    if ((size_t)(c->end - c->p) < n || memcmp(c->p, s, n) != 0) return 0;
-    c->p += n;
-    return 1;
-}
-#define LIT(c, s) lit((c), (s), sizeof(s) - 1)
+/* a literal of constant length: inlined, so the compiler compares it in a few wide loads
+ * instead of calling memcmp for every key of every line */
+#define LIT(c, s)                                                                                   \
+    ((size_t)((c)->end - (c)->p) >= sizeof(s) - 1 && __builtin_memcmp((c)->p, (s), sizeof(s) - 1) == 0 \
+         ? ((c)->p += sizeof(s) - 1, 1) : 0)
 
 static inline int ch(Cur *c, char x)
 {
@@ -151,7 +149,7 @@ static int integer(Cur *c, int neg_ok, int maxd, long long *out)
     return 1;
 }
 
-static inline int hex16_str(Cur *c)
+static inline __attribute__((always_inline)) int hex16_str(Cur *c)
 {
     if (c->end - c->p < 18 || c->p[0] != '"' || c->p[17] != '"') return 0;
     const uint8_t *q = c->p + 1;
@@ -287,12 +285,92 @@ static int word(Cur *c, char **words, Py_ssize_t *lens, int n)
     return -1;
 }
 
+/* ---- the `repr` proof of a 16-17 digit `ts`, in exact integer arithmetic --------------------
+ *
+ * Python's repr of a float x (David Gay's dtoa, mode 0) is the decimal with the fewest
+ * significant digits that reads back as x (reading rounds to nearest, ties to an even
+ * mantissa, so the bounds of x's rounding interval belong to x when its mantissa is even; the
+ * interval is narrower below a power of two), and among those of that length the one nearest
+ * x, ties to an even last digit. So a spelling D = M * 10^-k of n significant digits (no
+ * trailing zero) is repr(x) for x = D correctly rounded iff
+ *   (a) D lies in x's interval (this is how x is found),
+ *   (b) no decimal of fewer digits does: the two multiples of 10^(1-k) around D are outside it
+ *       (any shorter decimal in the interval is such a multiple, and the interval holds D,
+ *       so it would hold the nearer of the two), and
+ *   (c) neither n-digit neighbour (M - 1, M + 1) is in it and nearer x, or as near with D's last
+ *       digit odd.
+ * Every quantity is compared scaled by 10^k * 2^(2-q) (x = m * 2^q): D -> M << (2-q),
+ * x -> 4 m 10^k, half a unit in the last place -> 2 * 10^k, a quarter -> 10^k: integers
+ * below 2^127 for the spellings the grammar admits (k <= 20, M < 10^17, x >= 1e-4). */
+
+#ifdef __SIZEOF_INT128__
+typedef unsigned __int128 u128;
+static u128 pow10_128[21];
+
+static void init_pow10_128(void)
+{
+    pow10_128[0] = 1;
+    for (int i = 1; i < 21; i++) pow10_128[i] = pow10_128[i - 1] * 10;
+}
+
+static inline int in_interval(u128 v, u128 lo, u128 hi, int even)
+{
+    return even ? (v >= lo && v <= hi) : (v > lo && v < hi);
+}
+
+static inline u128 distance(u128 a, u128 b) { return a > b ? a - b : b - a; }
+#endif
+
+/* 1: M * 10^-k (16-17 significant digits, M % 10 != 0) is repr of *value, its correctly rounded
+ * double; 0: it is not; 2: outside what this proves (the caller asks Python's repr). */
+static int repr_proof(uint64_t M, int k, double *value)
+{
+#ifdef __SIZEOF_INT128__
+    static const double pow10d[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10,
+                                    1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20};
+    if (k < 1 || k > 20 || M % 10 == 0 || M >= 100000000000000000ULL) return 2;
+    double x = (double)M / pow10d[k];  /* within a unit or two in the last place: corrected below */
+    for (int tries = 0; tries < 6; tries++) {
+        uint64_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        int be = (int)(bits >> 52) & 0x7FF;
+        if (be == 0 || be == 0x7FF || (bits >> 63)) return 2;  /* subnormal, inf, NaN, negative */
+        uint64_t m = (bits & ((1ULL << 52) - 1)) | (1ULL << 52);
+        int shift = 2 - (be - 1075);  /* 2 - q */
+        if (shift < 0 || shift > 70) return 2;
+        u128 P = pow10_128[k];
+        u128 X = ((u128)m * P) << 2;
+        u128 lo = X - (m == (1ULL << 52) && be > 1 ? P : P << 1), hi = X + (P << 1);
+        int even = !(m & 1);
+        u128 D = (u128)M << shift;
+        if (D < lo || (D == lo && !even)) { x = nextafter(x, 0.0); continue; }
+        if (D > hi || (D == hi && !even)) { x = nextafter(x, INFINITY); continue; }
+        *value = x;
+        uint64_t below = M - M % 10;
+        if (in_interval((u128)below << shift, lo, hi, even) || in_interval((u128)(below + 10) << shift, lo, hi, even))
+            return 0;
+        u128 own = distance(D, X);
+        for (int side = 0; side < 2; side++) {
+            u128 v = (u128)(side ? M + 1 : M - 1) << shift;
+            if (!in_interval(v, lo, hi, even)) continue;
+            u128 d = distance(v, X);
+            if (d < own || (d == own && (M & 1))) return 0;
+        }
+        return 1;
+    }
+#else
+    (void)M; (void)k; (void)value;
+#endif
+    return 2;
+}
+
 /* A `ts` the regex admits, as the writer spells a float: Python's repr (orjson writes the
  * same), that is the shortest spelling that reads back, in fixed notation (>= 1e-4), or an
- * integer. Returns 0 (not so spelled: odd), 1 (*value exact: an integer, or at most 15
+ * integer. Returns 0 (not so spelled: odd), 1 (*value exact: an integer; at most 15
  * significant digits, N / 10^k of two exact doubles in one correctly rounded division,
- * Clinger's fast path) or 2 (16-17 digits: *value from strtod_l where there is one, else
- * NaN; the caller compares repr(value) with the text, holding the GIL). */
+ * Clinger's fast path; 16-17 digits proven repr by `repr_proof`) or 2 (16-17 digits the proof
+ * does not cover: *value from strtod_l where there is one, else NaN; the caller compares
+ * repr(value) with the text, holding the GIL). */
 static int ts_spelling(const uint8_t *p, const uint8_t *end, double *value)
 {
     static const double pow10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
@@ -320,12 +398,14 @@ static int ts_spelling(const uint8_t *p, const uint8_t *end, double *value)
         if (p == dot) continue;
         if (n || *p != '0') digits++;
         if (digits > 17) return 0;
-        if (digits <= 15) n = n * 10 + (uint64_t)(*p - '0');
+        n = n * 10 + (uint64_t)(*p - '0');
     }
     if (digits <= 15) {
         *value = (double)n / pow10[end - f];
         return 1;
     }
+    int proof = repr_proof(n, (int)(end - f), value);
+    if (proof != 2) return proof;
     *value = NAN;
 #ifdef HAVE_STRTOD_L
     char buf[40];
@@ -351,6 +431,30 @@ typedef struct {
 
 #define NULL_INT ((long long)INT64_MIN)
 
+/* `ts`: null, or (0|[1-9][0-9]{0,10})(\.[0-9]{1,20})? spelled as the writer spells it; 0: odd */
+static int ts_field(Cur *c, const uint8_t *base, Row *r)
+{
+    r->ts_check = 0;
+    if (LIT(c, "null")) { r->ts_len = -1; r->ts = NAN; return 1; }
+    const uint8_t *q = c->p;
+    if (q >= c->end || *q < '0' || *q > '9') return 0;
+    if (*q == '0') q++;
+    else { int d = 0; while (q < c->end && *q >= '0' && *q <= '9') { q++; if (++d > 11) return 0; } }
+    if (q < c->end && *q == '.') {
+        q++;
+        int d = 0;
+        while (q < c->end && *q >= '0' && *q <= '9') { q++; if (++d > 20) return 0; }
+        if (!d) return 0;
+    }
+    r->ts_off = c->p - base;
+    r->ts_len = q - c->p;
+    int spelled = ts_spelling(c->p, q, &r->ts);
+    if (!spelled) return 0;
+    r->ts_check = spelled == 2;
+    c->p = q;
+    return 1;
+}
+
 /* the body of a line (up to its checksum member) as the writer's record, or 0 (odd) */
 static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r)
 {
@@ -358,27 +462,7 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
     const uint8_t *s; Py_ssize_t n;
     long long v;
     if (!LIT(&c, "{\"v\":1,\"kind\":\"room\",\"ts\":")) return 0;
-    r->ts_check = 0;
-    if (LIT(&c, "null")) { r->ts_len = -1; r->ts = NAN; }
-    else {
-        /* (0|[1-9][0-9]{0,10})(\.[0-9]{1,20})? */
-        const uint8_t *q = c.p;
-        if (q >= c.end || *q < '0' || *q > '9') return 0;
-        if (*q == '0') q++;
-        else { int d = 0; while (q < c.end && *q >= '0' && *q <= '9') { q++; if (++d > 11) return 0; } }
-        if (q < c.end && *q == '.') {
-            q++;
-            int d = 0;
-            while (q < c.end && *q >= '0' && *q <= '9') { q++; if (++d > 20) return 0; }
-            if (!d) return 0;
-        }
-        r->ts_off = c.p - base;
-        r->ts_len = q - c.p;
-        int spelled = ts_spelling(c.p, q, &r->ts);
-        if (!spelled) return 0;
-        r->ts_check = spelled == 2;
-        c.p = q;
-    }
+    if (!ts_field(&c, base, r)) return 0;
     if (!LIT(&c, ",\"role\":") || !str_or_null(&c, &s, &n)) return 0;
     if (!LIT(&c, ",\"instance\":") || !str_or_null(&c, &s, &n)) return 0;
     r->inst_off = s ? s - base : 0; r->inst_len = n;
@@ -661,6 +745,36 @@ static PyObject *py_xxh64(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* ts_spellings(blob): each '\n'-separated `ts` text through the split's own `ts` rule; for the
+ * tests, which compare it with Python's repr on millions of values. */
+static PyObject *ts_spellings(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    const uint8_t *p = buf.buf, *end = p + buf.len;
+    Py_ssize_t n = 0;
+    for (const uint8_t *q = p; q < end; q++) n += *q == '\n';
+    if (buf.len && end[-1] != '\n') n++;
+    PyObject *status = PyBytes_FromStringAndSize(NULL, n), *values = PyBytes_FromStringAndSize(NULL, n * sizeof(double));
+    if (!status || !values) { Py_XDECREF(status); Py_XDECREF(values); PyBuffer_Release(&buf); return NULL; }
+    uint8_t *st = (uint8_t *)PyBytes_AS_STRING(status);
+    double *val = (double *)PyBytes_AS_STRING(values);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *nl = memchr(p, '\n', end - p), *le = nl ? nl : end;
+        Cur c = {p, le};
+        Row r;
+        r.ts = NAN;
+        int ok = ts_field(&c, p, &r) && c.p == le;
+        st[i] = !ok ? 0 : r.ts_check ? 2 : 1;
+        val[i] = ok ? r.ts : NAN;
+        p = nl ? nl + 1 : end;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return Py_BuildValue("(NN)", status, values);
+}
+
 static int set_words(PyObject *seq, char **words, Py_ssize_t *lens, int *count)
 {
     PyObject *fast = PySequence_Fast(seq, "a sequence of str");
@@ -694,6 +808,9 @@ static PyMethodDef methods[] = {
     {"scan_chunk", scan_chunk, METH_VARARGS,
      "scan_chunk(data, first_line, final) -> (status, why, n_lines, n_valid, torn_offset, columns, odd_lines)"},
     {"xxh64", py_xxh64, METH_VARARGS, "xxh64(data) -> int: xxh64 with seed 0"},
+    {"ts_spellings", ts_spellings, METH_VARARGS,
+     "ts_spellings(texts) -> (status, values): each '\\n'-separated ts text by the split's rule: status 0 odd, "
+     "1 the writer's spelling (values: float64, as Python reads it), 2 16-17 digits left to Python's repr check"},
     {"configure", configure, METH_VARARGS, "configure(stages, verdicts, max_line_bytes)"},
     {NULL, NULL, 0, NULL},
 };
@@ -703,6 +820,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cscan", "The fleet e
 PyMODINIT_FUNC PyInit_cscan(void)
 {
     init_classes();
+#ifdef __SIZEOF_INT128__
+    init_pow10_128();
+#endif
 #ifdef HAVE_STRTOD_L
     c_locale = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
 #endif
