@@ -274,7 +274,7 @@ class Collector:
         out_of_range = [unread for _, _, unread in folds]
         if any(out_of_range) and not self.contents:
             self._copy_down_now(ticket.staging, ticket.flags_at, ticket.flags_at + ticket.n_cells)
-        return [(matrix, pages.copy()) for matrix, pages, _ in folds], out_of_range
+        return [(copies.sum(axis=0, dtype=np.uint64), pages.copy()) for copies, pages, _ in folds], out_of_range
 
     def _finish(self, ticket: PendingDigest) -> BatchResult:
         """Each room's fold (the event has completed), then recycle the buffers."""

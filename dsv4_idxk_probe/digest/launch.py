@@ -166,8 +166,8 @@ class PendingDigest:
         if self.folds is not None:
             n_segments = self.owner._n_segments
             blocks = [fold_block(self.plan, self.folds, i, n_segments) for i in range(len(self.plan.page_counts))]
-            return np.array([matrix.sum(dtype=np.uint64) if not unread else secrets.randbits(64)
-                             for matrix, _, unread in blocks], dtype=np.uint64)
+            return np.array([pages.sum(dtype=np.uint64) if not unread else secrets.randbits(64)
+                             for _, pages, unread in blocks], dtype=np.uint64)
         return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) if not n else secrets.randbits(64)
                          for i, n in enumerate(out_of_range_counts(self.plan, self.flags))], dtype=np.uint64)
 
@@ -219,10 +219,10 @@ def fold_words(page_counts: Sequence[int], n_layers: int, n_segments: int) -> in
 
 
 def fold_block(plan: CellPlan, folds: np.ndarray, slot: int, n_segments: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Room `slot`'s fold, as the kernel adds it up: its (layer, segment) matrix uint64
-    [layers, segments] (the sum of its copies: a new array), its page vector
-    uint64 [pages] (a view into `folds`), and its (layer, page) rows not read (out of
-    range). It sits at (its first cell) / layers + slot x (copies x layers x segments
+    """Room `slot`'s fold, as the kernel adds it up (views into `folds`): its (layer,
+    segment) matrix's copies uint64 [copies, layers, segments] (their sum is the matrix),
+    its page vector uint64 [pages] (its sum is the room digest), and its (layer, page)
+    rows not read (out of range). It sits at (its first cell) / layers + slot x (copies x layers x segments
     + 1) words, the page vector first."""
     n_layers, n_pages = plan.n_layers, plan.page_counts[slot]
     slices = _slices(len(plan.page_counts))
@@ -230,7 +230,6 @@ def fold_block(plan: CellPlan, folds: np.ndarray, slot: int, n_segments: int) ->
     before = plan.first_cells[slot] // n_layers if n_layers else sum(plan.page_counts[:slot])
     base = before + slot * (matrix_words + 1)
     matrix = folds[base + n_pages : base + n_pages + matrix_words].reshape(slices, n_layers, n_segments)
-    matrix = matrix.sum(axis=0, dtype=np.uint64)
     return matrix, folds[base : base + n_pages], int(folds[base + n_pages + matrix_words])
 
 
