@@ -285,6 +285,10 @@ static int word(Cur *c, char **words, Py_ssize_t *lens, int n)
     return -1;
 }
 
+/* exact powers of ten as doubles (up to 1e22, the last one a double holds exactly) */
+static const double pow10_double[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+                                      1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
 /* ---- the `repr` proof of a 16-17 digit `ts`, in exact integer arithmetic --------------------
  *
  * Python's repr of a float x (David Gay's dtoa, mode 0) is the decimal with the fewest
@@ -326,10 +330,8 @@ static inline u128 distance(u128 a, u128 b) { return a > b ? a - b : b - a; }
 static int repr_proof(uint64_t M, int k, double *value)
 {
 #ifdef __SIZEOF_INT128__
-    static const double pow10d[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10,
-                                    1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20};
     if (k < 1 || k > 20 || M % 10 == 0 || M >= 100000000000000000ULL) return 2;
-    double x = (double)M / pow10d[k];  /* within a unit or two in the last place: corrected below */
+    double x = (double)M / pow10_double[k];  /* within a unit or two in the last place: corrected below */
     for (int tries = 0; tries < 6; tries++) {
         uint64_t bits;
         memcpy(&bits, &x, sizeof bits);
@@ -373,8 +375,6 @@ static int repr_proof(uint64_t M, int k, double *value)
  * repr(value) with the text, holding the GIL). */
 static int ts_spelling(const uint8_t *p, const uint8_t *end, double *value)
 {
-    static const double pow10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
-                                   1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
     const uint8_t *start = p, *dot = memchr(p, '.', end - p);
     uint64_t n = 0;
     int digits = 0;
@@ -401,7 +401,7 @@ static int ts_spelling(const uint8_t *p, const uint8_t *end, double *value)
         n = n * 10 + (uint64_t)(*p - '0');
     }
     if (digits <= 15) {
-        *value = (double)n / pow10[end - f];
+        *value = (double)n / pow10_double[end - f];
         return 1;
     }
     int proof = repr_proof(n, (int)(end - f), value);
