@@ -133,8 +133,6 @@ class Collector:
                     self._warm_up_queued -= 1
                 if self._await(ticket):
                     self._deliver(ticket, self._finish)
-                if self._zeroing:
-                    self._reclaim()
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
                     self._refill()
                 if self._tickets.items:

@@ -24,8 +24,8 @@ hands out (`PendingDigest` from `launch.py`, `BatchResult` from
 from __future__ import annotations
 
 import logging
-from collections import deque
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
