@@ -61,7 +61,7 @@ from triton.language.extra.cuda import gdc_wait  # noqa: E402
 from bench.harness import write_result  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import reference as ref  # noqa: E402
-from dsv4_idxk_probe.digest.launch import kernel_shape  # noqa: E402
+from dsv4_idxk_probe.digest.launch import fold_words, kernel_shape  # noqa: E402
 from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, layer_table, layout_constants  # noqa: E402
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
@@ -467,7 +467,8 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     # device: zeroing the bytes of the twin the batch wrote (tables, folds, flags, contents).
     n_cells, n_seg = sizes.layers * sizes.pages, len(layout.segments)
     for tag, contents in (("", True), ("_no_contents", False)):
-        used = 8 * (32 + sizes.pages + sizes.layers * n_seg + 1) + 8 * (-(-n_cells // 8)) + (8 * n_cells * n_seg if contents else 0)
+        used = (8 * (32 + fold_words([sizes.pages], sizes.layers, n_seg)) + 8 * (-(-n_cells // 8))
+                + (8 * n_cells * n_seg if contents else 0))
         twin = torch.ones(used, dtype=torch.uint8, device=device)
         result[f"zeroing_bytes{tag}"] = used
         result[f"zeroing_us{tag}"] = timer.ms("flush_read", [twin.zero_]) * 1e3
