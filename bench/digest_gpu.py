@@ -424,8 +424,10 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
                    None)
     if engine_path:  # the engine's whole GPU time per room (kernel, copies) against the same-run 2 GiB read
         ceiling = ceilings["contiguous"]["flush_read"]["read_TBps"]
+        steady_ceiling = ceilings["contiguous"]["steady"]["read_TBps"]
         for tag in ("", "_no_contents"):
             engine_path[f"engine_ratio{tag}"] = engine_path[f"engine_read_TBps{tag}"] / ceiling
+            engine_path[f"engine_steady_ratio{tag}"] = engine_path[f"engine_steady_read_TBps{tag}"] / steady_ceiling
     ratios = {}
     for m in METHODS:
         tbps = best[m]["read_TBps"]
@@ -454,11 +456,14 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
         return {}
     rooms = [RoomRequest(f"e{i}", p, sizes.pages * 256) for i, p in enumerate(page_tables)]
     result = {}
-    for tag, (ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
+    for tag, (ms, steady_ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
         result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
+                       f"engine_steady_us{tag}": steady_ms * 1e3,
+                       f"engine_steady_read_TBps{tag}": read_bytes / (steady_ms * 1e-3) / 1e12,
                        f"engine_dropped_batches{tag}": dropped})
-    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms], fold=False).items():
+    for tag, (ms, steady_ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms], fold=False).items():
         result[f"cells_engine_submit_us{tag}"] = ms * 1e3
+        result[f"cells_engine_steady_us{tag}"] = steady_ms * 1e3
     pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
     pinned_ms = timer.ms("flush_read", pinned)
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
@@ -473,8 +478,9 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
         result[f"zeroing_bytes{tag}"] = used
         result[f"zeroing_us{tag}"] = timer.ms("flush_read", [twin.zero_]) * 1e3
     medium = [RoomRequest(f"m{i}", p[:64].contiguous(), 64 * 256) for i, p in enumerate(page_tables)]
-    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in medium]).items():
+    for tag, (ms, steady_ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in medium]).items():
         result[f"medium_engine_us{tag}"] = ms * 1e3
+        result[f"medium_engine_steady_us{tag}"] = steady_ms * 1e3
     launches = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=pin) for r in medium
                 for pin in (True, False)]
     result["medium_pinned_outputs_us"] = timer.ms("flush_read", launches[0::2]) * 1e3
@@ -492,13 +498,17 @@ def engine_gpu_ms_both(timer, layout, bufs, batches, fold: bool = True) -> dict:
             for contents in (True, False)}
 
 
-def engine_gpu_ms(timer, engine, batches, reps: int = 20) -> tuple[float, int]:
-    """GPU milliseconds per `engine.submit` of each batch, rotated (each alone after a read
-    flush, from the submit's first device call to its event; median), and the batches the
-    engine dropped. A GPU sleep queued before the start event keeps the submit's own host
-    time (tens of us a room) out of the measure: the GPU reaches the start only once the
-    whole submit is queued behind it."""
+def engine_gpu_ms(timer, engine, batches, reps: int = 20, steady_calls: int = 20) -> tuple[float, float, int]:
+    """GPU milliseconds per `engine.submit` of each batch, two ways, and the batches the
+    engine dropped. flush_read: each submit alone after a read flush, from its first
+    device call to its event, median of `reps`. steady (the bench's headline method, as
+    the ceilings' steady): `steady_calls` submits back to back, rotating over the
+    batches, per-submit time between two events, median of 7 runs after one that fills
+    the staging pool (a pinned allocation mid-run would wait for the GPU). Either way a
+    GPU sleep queued before the start event keeps the submits' own host time (tens of us
+    a room) out of the measure: the GPU reaches the start only once they are all queued."""
     engine.digest_now(batches[0])
+    steady_ms = float("nan")
     if timer.cuda:
         times = []
         for i in range(reps):
@@ -511,13 +521,32 @@ def engine_gpu_ms(timer, engine, batches, reps: int = 20) -> tuple[float, int]:
             end.synchronize()
             times.append(start.elapsed_time(end))
         ms = float(np.median(times))
+        runs = []
+        for run in range(8):
+            _drain(engine)
+            timer._flush_read()
+            torch.cuda._sleep(8_000_000 + 2_000_000 * steady_calls // 20)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(steady_calls):
+                engine.submit(batches[i % len(batches)], lambda _: None)
+            end.record()
+            end.synchronize()
+            if run:  # the first run fills the staging pool
+                runs.append(start.elapsed_time(end) / steady_calls)
+        steady_ms = float(np.median(runs))
     else:
         ms = timer.ms("flush_read", [lambda b=b: engine.submit(b, lambda _: None) for b in batches])
-    deadline = time.monotonic() + 30
+    _drain(engine)
+    engine.close()
+    return ms, steady_ms, engine.stats.dropped_batches
+
+
+def _drain(engine, timeout_s: float = 30.0) -> None:
+    """Wait until the collector has delivered every submitted room (its buffers back in their pool)."""
+    deadline = time.monotonic() + timeout_s
     while engine.stats.completed_rooms < engine.stats.submitted_rooms and time.monotonic() < deadline:
         time.sleep(0.01)
-    engine.close()
-    return ms, engine.stats.dropped_batches
 
 
 # %% 4-5. short rooms, launch floor, enqueue cost
@@ -609,8 +638,9 @@ def short_rooms(timer, device, sizes, shape, rng) -> dict:
     engine.close()
     # The engine's GPU time per room, copies included (with contents copied down, and without),
     # beside the kernel storing its outputs straight into pinned host memory (the first design).
-    for tag, (ms, _) in engine_gpu_ms_both(timer, layout, bufs, batches).items():
+    for tag, (ms, steady_ms, _) in engine_gpu_ms_both(timer, layout, bufs, batches).items():
         result[f"engine_gpu_us_per_room{tag}"] = ms * 1e3 / n_rooms
+        result[f"engine_steady_gpu_us_per_room{tag}"] = steady_ms * 1e3 / n_rooms
     pinned = [Launch(layout, bufs, batch, device, shape["rows"], shape["num_warps"], pinned=True) for batch in batches]
     result["pinned_outputs_us_per_room"] = timer.ms("flush_read", pinned) * 1e3 / n_rooms
     result.update({
@@ -648,11 +678,12 @@ def profile_one(name, device, sizes, shapes) -> None:
 
 def _compile_jobs(sizes) -> list[tuple]:
     shapes = {(name, r, w) for name in LAYOUTS for r, w in sweep_for(get_layout(name), sizes.sweep)}
-    jobs = [("digest", *shape, one_room, True, pdl) for shape in sorted(shapes) for one_room in (False, True)
+    jobs = [("digest", *shape, one_room, True, pdl, False) for shape in sorted(shapes) for one_room in (False, True)
             for pdl in sizes.pdl]
     defaults = {(name, kernel_shape(get_layout(name))["rows"], kernel_shape(get_layout(name))["num_warps"]) for name in LAYOUTS}
-    jobs += [("digest", *shape, one_room, False, pdl) for shape in sorted(defaults) for one_room in (False, True)
-             for pdl in sizes.pdl]
+    # the engine's own launches at its shape: with and without contents, folding on the device or not
+    jobs += [("digest", *shape, one_room, contents, pdl, fold) for shape in sorted(defaults) for one_room in (False, True)
+             for pdl in sizes.pdl for contents, fold in ((False, False), (False, True), (True, True))]
     jobs += [("contiguous", *config[:3], pdl) for config in CONTIGUOUS_CONFIGS for pdl in sizes.pdl]
     jobs += [("gathered", name, *config) for name in LAYOUTS for config in GATHERED_CONFIGS]
     return jobs
@@ -664,7 +695,7 @@ def _compile_one(job) -> str:
     try:
         device = "cuda"
         if job[0] == "digest":
-            _, name, rows, warps, one_room, contents, pdl = job
+            _, name, rows, warps, one_room, contents, pdl, fold = job
             layout = get_layout(name)
             table, align = layer_table([torch.empty((1, layout.row_bytes), dtype=torch.uint8, device=device)], [0], device)
             address = 1 << 40  # an address-sized integer: the run passes int64 addresses
@@ -673,7 +704,8 @@ def _compile_one(job) -> str:
             by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
             _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
                                         **layout_constants(layout, align), ROWS=rows,
-                                        ONE_ROOM=one_room, CONTENTS=contents, PDL=pdl, num_warps=warps, grid=(1,),
+                                        ONE_ROOM=one_room, CONTENTS=contents, FOLD=fold, PDL=pdl, num_warps=warps,
+                                        grid=(1,),
                                         **({"launch_pdl": True} if pdl else {}))
         elif job[0] == "contiguous":
             _, block, warps, policy, pdl = job
@@ -811,6 +843,11 @@ def print_report(report) -> None:
                   f"{e['cells_engine_submit_us_no_contents']:.1f} us; "
                   f"the kernel storing into pinned host memory: {e['pinned_outputs_us']:.1f} us = "
                   f"{e['pinned_outputs_read_TBps']:.2f} TB/s")
+            print(f"[steady] {r['layout']} as the engine digests it, submits back to back: "
+                  f"{e['engine_steady_us']:.1f} us, without contents {e['engine_steady_us_no_contents']:.1f} us; "
+                  f"/ the 2 GiB read (steady) {e['engine_steady_ratio']:.3f}, without contents "
+                  f"{e['engine_steady_ratio_no_contents']:.3f}; storing its cells: {e['cells_engine_steady_us']:.1f} "
+                  f"us, without contents {e['cells_engine_steady_us_no_contents']:.1f} us")
             print(f"[flush_read] {r['layout']} room of 64 pages: engine {e['medium_engine_us']:.1f} us, without "
                   f"contents {e['medium_engine_us_no_contents']:.1f}; kernel alone, outputs in pinned memory "
                   f"{e['medium_pinned_outputs_us']:.1f}, in device memory {e['medium_device_outputs_us']:.1f}")
