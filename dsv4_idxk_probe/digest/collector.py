@@ -132,6 +132,7 @@ class Collector:
                 if not ticket.counted and self._warm_up_queued > 0:
                     self._warm_up_queued -= 1
                 if self._await(ticket):
+                    self._defer()
                     self._deliver(ticket, self._finish)
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
                     self._refill()
@@ -139,6 +140,17 @@ class Collector:
                     yield_to_serving()  # between batches too, when several are waiting
         finally:
             self._collecting = False
+
+    def _defer(self) -> None:
+        """Before a batch's fold and callbacks (the collector's Python, a few hundred us
+        holding the GIL): sleep `defer_s` when no other batch waits. Why: a batch is done
+        ~0.1 ms after its submit, while the serving thread is still running the Python of
+        its step, and every GIL hand-off to this thread then makes it wait; a few ms later
+        it is most likely waiting on its model step, with the GIL free. Batches that queue
+        up meanwhile go through without sleeping, so throughput is not capped; a verdict
+        comes `defer_s` later."""
+        if self.defer_s and not self._tickets.items:
+            time.sleep(self.defer_s)
 
     def _refill(self) -> None:
         """Allocate spare staging buffers for the classes submits found empty

@@ -101,6 +101,8 @@ class DigestEngine(Launcher, Collector):
     class (`StagingPool.refill`); 0: never.
     `fold`: the kernel folds each room's cells on the device, so only the folds come down
     (with `outputs` "device"); False: it stores the cells and the collector folds them.
+    `defer_s`: how long the collector, once a batch's kernel is done and no other batch
+    waits, sleeps before folding and delivering it (`Collector._defer`); 0: at once.
 
     The launch path is `launch.Launcher`, the collector thread
     `collector.Collector`: both are parts of this class and read the
@@ -130,6 +132,7 @@ class DigestEngine(Launcher, Collector):
         mapped_table_programs: int = 16384,
         spare_buffers: int = 4,
         fold: bool = True,
+        defer_s: float = 0.0,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -189,6 +192,9 @@ class DigestEngine(Launcher, Collector):
             # for bursts of batches up to the smallest size class (64 KiB), and of
             # single-room batches up to 64 pages where those need more.
             self._staging.reserve(staging_bytes(32 + 64, len(self.layer_ids) * 64, len(layout.segments)), prealloc)
+        if not 0.0 <= defer_s <= 1.0:
+            raise ValueError(f"defer_s must be within [0, 1] seconds, got {defer_s!r}")
+        self.defer_s = defer_s
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
@@ -243,7 +249,7 @@ class DigestEngine(Launcher, Collector):
         # in-band slot, they must be readable once the stream is past the kernel.
         download = "collector" if decode and not getattr(config, "enforce", False) else "submit"
         return cls(layout, layer_ids, buffers, wait=config.digest.collector_wait, outputs=config.digest.outputs,
-                   dependent_launch=config.digest.dependent_launch,
+                   dependent_launch=config.digest.dependent_launch, defer_s=config.digest.collector_defer_ms / 1000,
                    contents=decode and config.diagnosis.enabled, download=download)
 
     # %% public API

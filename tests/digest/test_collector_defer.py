@@ -1,0 +1,78 @@
+"""The collector's deferral (`digest.collector_defer_ms`): a done batch waits `defer_s`
+before its fold and callbacks when no other batch waits, and batches that queue up
+meanwhile go through without sleeping, so the collector's throughput is not capped."""
+
+import threading
+
+import pytest
+
+from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout
+from dsv4_idxk_probe.digest import collector
+
+LAYOUT = get_layout("fp8")
+DEFER_S = 0.0123  # a value no other sleep of the collector uses
+
+
+@pytest.fixture
+def deferrals(monkeypatch):
+    """The collector's sleeps of `DEFER_S`, counted (and not slept: the test needs none)."""
+    slept = []
+    real_sleep = collector.time.sleep
+
+    def sleep(seconds):
+        if seconds == DEFER_S:
+            slept.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(collector.time, "sleep", sleep)
+    return slept
+
+
+def _room(i: int) -> list[RoomRequest]:
+    return [RoomRequest(f"r{i}", [0, 1], 512)]
+
+
+def test_a_lone_batch_is_deferred_once(random_buffers, deferrals):
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", defer_s=DEFER_S)
+    done, got = threading.Event(), []
+    engine.submit(_room(0), lambda result: (got.append(result), done.set()))
+    assert done.wait(10)  # delivered before `close` queues its end (which would be a batch waiting)
+    engine.close()
+    assert len(got) == 1 and got[0].error is None
+    assert deferrals == [DEFER_S]
+
+
+def test_batches_queued_behind_one_are_not_deferred(random_buffers, deferrals):
+    """The first batch's callback holds the collector until ten more are queued: of the
+    eleven, only the first (nothing behind it when it was done) and the last sleep."""
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=2), backend="reference", defer_s=DEFER_S)
+    release, got = threading.Event(), []
+
+    def first(result):
+        release.wait(10)
+        got.append(result)
+
+    engine.submit(_room(0), first)
+    for i in range(1, 11):
+        engine.submit(_room(i), got.append)
+    release.set()
+    engine.close()
+    assert len(got) == 11 and all(r.error is None for r in got)
+    assert len(deferrals) <= 2, deferrals
+
+
+def test_no_deferral_at_zero_and_the_config_reaches_the_engine(random_buffers, deferrals):
+    from dsv4_idxk_probe.config import parse_config
+
+    buffers = random_buffers(LAYOUT, 1, 2, seed=3)
+    assert DigestEngine.from_config(LAYOUT, [0], buffers, parse_config({}), role="decode").defer_s == 0.003
+    config = parse_config({"digest": {"collector_defer_ms": 0}})
+    engine = DigestEngine.from_config(LAYOUT, [0], buffers, config, role="decode")
+    assert engine.defer_s == 0
+    got = []
+    engine.submit(_room(0), got.append)
+    engine.close()
+    assert len(got) == 1 and deferrals == []
+    with pytest.raises(ValueError, match="defer_s"):
+        DigestEngine(LAYOUT, [0], buffers, backend="reference", defer_s=5.0)
