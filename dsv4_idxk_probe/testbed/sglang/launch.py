@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from ...vocabulary import PAGE_TOKENS
 from .env import ENV_RIG, ENV_ROLE
@@ -191,14 +191,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 PORT_RANGE = (20000, 32000)
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that are free now, drawn from PORT_RANGE."""
+def free_ports(n: int, avoid: Collection[int] = ()) -> list[int]:
+    """`n` distinct loopback ports that are free now, drawn from PORT_RANGE, none in `avoid`."""
     import random
 
     picked: list[int] = []
     while len(picked) < n:
         port = random.randrange(*PORT_RANGE)
-        if port in picked:
+        if port in picked or port in avoid:
             continue
         with socket.socket() as s:
             try:
@@ -331,13 +331,27 @@ def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s
         for role in ("prefill", "decode"):
             _wait_http(cluster, role, cluster.server_url(role) + "/health", deadline)
         (run_dir / "metrics-router").mkdir(exist_ok=True)
-        _spawn(cluster, "router", router_args(ports, opts),
-               server_env(env, site, run_dir / "metrics-router", "router", opts))
-        _wait_router(cluster, deadline)
+        _start_router(cluster, server_env(env, site, run_dir / "metrics-router", "router", opts), deadline)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+def _start_router(cluster: Cluster, env: dict[str, str], deadline: float, attempts: int = 3) -> None:
+    """The router starts last, a minute after its ports were picked: one taken meanwhile costs
+    the router (not the servers) a start on two other ports, `attempts` times at most."""
+    for attempt in range(attempts):
+        _spawn(cluster, "router", router_args(cluster.ports, cluster.options), env)
+        try:
+            _wait_router(cluster, deadline)
+            return
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+            cluster.procs.pop("router").wait()
+            taken = {cluster.ports.prefill, cluster.ports.decode, cluster.ports.bootstrap}
+            cluster.ports.router, cluster.ports.router_metrics = free_ports(2, avoid=taken)
 
 
 def _spawn(cluster: Cluster, name: str, args: list[str], env: dict[str, str]) -> None:
@@ -380,7 +394,10 @@ def _wait_router(cluster: Cluster, deadline: float) -> None:
     """The router registers workers in the background: wait until both are listed healthy."""
     while time.monotonic() < deadline:
         if cluster.procs["router"].poll() is not None:
-            raise LaunchError(f"router exited before it was ready:\n{cluster.log_tail('router')}")
+            tail = cluster.log_tail("router")
+            if "Address already in use" in tail:
+                raise PortTaken(f"router could not bind its port:\n{tail}")
+            raise LaunchError(f"router exited before it was ready:\n{tail}")
         try:
             status, body = http_get(cluster.url + "/workers", timeout=2.0)
             if status == 200 and _workers_ready(body):
