@@ -374,13 +374,19 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+#: What a server's or the router's log says when a port it was given is taken.
+BIND_FAILED = ("error while attempting to bind on address", "Address already in use")
+
+
 def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
     while time.monotonic() < deadline:
         proc = cluster.procs[name]
-        if proc.poll() is not None:
-            raise LaunchError(f"{name} server exited ({proc.returncode}) before it was healthy:\n{cluster.log_tail(name)}")
-        if "error while attempting to bind on address" in cluster.log_tail(name, 5):
-            raise PortTaken(f"{name} server could not bind its port:\n{cluster.log_tail(name, 5)}")
+        exited = proc.poll() is not None
+        tail = cluster.log_tail(name, 30 if exited else 5)
+        if any(sign in tail for sign in BIND_FAILED):  # uvicorn's port, or (exited) the bootstrap server's
+            raise PortTaken(f"{name} server could not bind its port:\n{tail}")
+        if exited:
+            raise LaunchError(f"{name} server exited ({proc.returncode}) before it was healthy:\n{tail}")
         try:
             if http_get(url, timeout=2.0)[0] == 200:
                 return
@@ -395,7 +401,7 @@ def _wait_router(cluster: Cluster, deadline: float) -> None:
     while time.monotonic() < deadline:
         if cluster.procs["router"].poll() is not None:
             tail = cluster.log_tail("router")
-            if "Address already in use" in tail:
+            if any(sign in tail for sign in BIND_FAILED):
                 raise PortTaken(f"router could not bind its port:\n{tail}")
             raise LaunchError(f"router exited before it was ready:\n{tail}")
         try:
