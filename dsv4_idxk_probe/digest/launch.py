@@ -195,7 +195,9 @@ def _known_tables(rooms: list, n_layers: int) -> tuple[list, int]:
 
 def out_of_range_counts(plan: CellPlan, flags: np.ndarray | None) -> list[int]:
     """Per room: its (layer, page) rows flagged as out of range."""
-    if flags is None or not flags.any():  # nearly every batch: one pass over a byte per row
+    # nearly every batch: one pass over a byte per row (the ufunc called directly: `ndarray.any`
+    # adds a Python frame, on the collector for every batch)
+    if flags is None or not np.logical_or.reduce(flags, axis=None):
         return [0] * len(plan.page_counts)
     return [int(flag_block(plan, flags, i).sum()) for i in range(len(plan.page_counts))]
 

@@ -46,8 +46,9 @@ class RoomDigest:
 
     @property
     def room(self) -> int:
-        """The room digest: every cell folded, sum mod 2^64."""
-        return int(self.layer_segment.sum(dtype=np.uint64)) & MASK64
+        """The room digest: every cell folded, sum mod 2^64 (the ufunc called directly:
+        `ndarray.sum` adds a Python frame, and the collector asks this for every record)."""
+        return int(np.add.reduce(self.layer_segment, axis=None, dtype=np.uint64)) & MASK64
 
     @property
     def layers(self) -> np.ndarray:

@@ -65,7 +65,7 @@ class _Room:
     the collector's."""
 
     __slots__ = ("room", "key", "pages", "n_tokens", "inband", "extra", "expected", "fetches", "first_divergence",
-                 "finished", "retired", "unsafe", "tickets", "in_flight", "table", "coverage")
+                 "finished", "retired", "unsafe", "tickets", "in_flight", "table", "coverage", "digest_record")
 
     def __init__(self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None,
                  extra: dict | None = None):
@@ -91,6 +91,8 @@ class _Room:
         # what became of its bytes (pd/coverage.py), made by the collector at its first verdict
         # (none made here: the serving thread's receipt stays one frame); counted once, untracked
         self.coverage: RoomCoverage | None = None
+        # its last digest's bytes and record (`DecodeMonitor._digest_record`), on the collector
+        self.digest_record: tuple | None = None
 
 
 class DecodeMonitor:
@@ -442,7 +444,8 @@ class DecodeMonitor:
             return "not_comparable", "layout signature differs from prefill's", None
         if inband is not None and inband.n_tokens != digest.n_tokens:
             return "not_comparable", f"prefill digested {inband.n_tokens} tokens, decode {digest.n_tokens}", None
-        need_vectors = self.fetch_always or inband is None or inband.room_digest != digest.room
+        room_value = digest.room if inband is not None else None  # a sum over the matrix: once
+        need_vectors = self.fetch_always or inband is None or inband.room_digest != room_value
         if need_vectors and state.expected is None and state.fetches < MAX_FETCHES_PER_ROOM:
             state.expected = self._fetch(state.room)
             state.fetches += state.expected is None
@@ -451,7 +454,7 @@ class DecodeMonitor:
             return comparison.verdict, comparison.reason, comparison
         if inband is None:
             return "unverified", "no prefill digest (none in band, none from the exchange)", None
-        if inband.room_digest == digest.room:
+        if inband.room_digest == room_value:
             return "match", "", None
         return "mismatch", "room digest differs; vectors unavailable, not localised", None
 
@@ -466,6 +469,23 @@ class DecodeMonitor:
                 self.metrics.exchange_errors.labels(kind="fetch").inc()
             return None
 
+    @staticmethod
+    def _digest_record(state: _Room | None, digest: RoomDigest | None) -> dict | None:
+        """`digest.to_record()`, kept per room: a room's digests at its receipt, steps and
+        finish are nearly always the same bytes, and their hex strings and lists are most of
+        a record's cost on the collector. Each record gets a dict of its own; the lists
+        inside are shared with the room's earlier records (written, never changed)."""
+        if digest is None or state is None:
+            return None
+        key = (digest.key, digest.signature, digest.n_tokens, digest.layer_ids, digest.segments,
+               digest.layer_segment.tobytes(), digest.pages.tobytes())
+        kept = state.digest_record
+        if kept is not None and kept[0] == key:
+            return dict(kept[1])
+        record = digest.to_record()
+        state.digest_record = (key, record)
+        return dict(record)
+
     def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None,
                  extra=None, diagnosis=None, page_events=None):
         record = room_record(
@@ -476,7 +496,7 @@ class DecodeMonitor:
             first_divergence=state.first_divergence if state is not None else None,
             extra=extra if extra is not None else (state.extra if state is not None and state.extra else None),
             tokens=state.n_tokens if state is not None else None,
-            diagnosis=diagnosis, page_events=page_events,
+            diagnosis=diagnosis, page_events=page_events, digest_record=self._digest_record(state, digest),
         )
         safe_invoke("decode.emit", self.emit, record)
         if state is not None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from tests.support.recordsink import Sink
 
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.digest.reference import digest_room
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
 from dsv4_idxk_probe.pd import decode as decode_module
@@ -93,6 +94,31 @@ def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
     assert (bad["stage"], bad["verdict"], bad["first_divergence"]) == ("decode_step", "mismatch", "decode_step")
     assert bad["localisation"]["layer_segments"] == [[2, "scale"]]
     assert bad["localisation"]["pages"] == [2]
+
+
+def test_each_record_carries_the_digest_of_its_own_stage(pair):
+    """Decode keeps a room's digest record between its stages (`DecodeMonitor._digest_record`):
+    a stage whose bytes differ gets its own, one whose bytes are back gets theirs again."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    room, src, dst, n_tokens = RoomId(6), [1, 3], [2, 11], 2 * 256
+    _copy_room(pre_bufs, src, dec_bufs, dst)
+    inband = _send(prefill, pre_sink, room, src, n_tokens)
+    expected = []
+    decode.room_received(room, dst, n_tokens, inband)
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    dec_sink.wait_for(1)
+    dec_bufs[2][dst[1], 5] ^= 0x01  # layer id 4, logical page 1, payload
+    decode.batch_done([], [(room, 10)])
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    dec_sink.wait_for(2)
+    dec_bufs[2][dst[1], 5] ^= 0x01  # back as it was
+    decode.room_finished(room)
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    records = dec_sink.wait_for(3)
+    assert [r["verdict"] for r in records] == ["match", "mismatch", "match"]
+    assert [r["digest"] for r in records] == [{**e, "key": room.key} for e in expected]
+    assert expected[1]["pages"] != expected[0]["pages"] == expected[2]["pages"]
+    assert records[0]["digest"] is not records[2]["digest"]  # a dict of its own per record
 
 
 def test_non_frozen_tail_bytes_never_matter(pair):
