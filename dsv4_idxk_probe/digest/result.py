@@ -24,8 +24,9 @@ def _hex_words(values: np.ndarray) -> list[str]:
 
 
 def _hex_rows(matrix: np.ndarray) -> list[list[str]]:
+    """Rows of `_hex_words`, cut in C (`zip` over one iterator `width` times, `map(list)`)."""
     words, width = _hex_words(matrix.reshape(-1)), matrix.shape[1] if matrix.ndim == 2 else 0
-    return [words[i : i + width] for i in range(0, len(words), width)] if width else [[] for _ in range(len(matrix))]
+    return list(map(list, zip(*[iter(words)] * width))) if width else [[] for _ in range(len(matrix))]
 
 
 @dataclass
