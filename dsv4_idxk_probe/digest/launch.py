@@ -768,7 +768,7 @@ class Launcher:
                 cells_end = at + n_cells * n_seg
                 ticket.cells = words[at:cells_end].view(np.uint64).reshape(-1, n_seg)
             ticket.flags_at = 8 * cells_end
-            ticket.flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + n_cells]
+            ticket.flags = words.view(np.uint8)[8 * cells_end : 8 * cells_end + n_cells]  # no torch call
             start = cells_end + ((n_cells + 7) >> 3)
             ticket.used = 8 * start
             if self.contents:

@@ -207,7 +207,7 @@ class RoomLogWriter:
             self._drop()
             return False
         try:
-            self._queue.put_nowait(record)
+            self._queue.put(record, False)  # `put_nowait` is one Python frame more
         except queue.Full:
             self._drop()
             return False
