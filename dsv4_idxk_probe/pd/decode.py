@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from ..background import yield_to_serving
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
-from ..metrics.definitions import ProbeMetrics
+from ..metrics.definitions import ProbeMetrics, counter_add
 from ..safety import record_error, safe_invoke
 from .coverage import RoomCoverage, estimated_bytes, judged_reason, outcome_of, skip_reason, stage_signatures
 from .inband import InbandDigest
@@ -123,7 +123,7 @@ class DecodeMonitor:
         self.engine = engine
         self.emit = emit
         self.metrics = metrics
-        self._digested_children: dict[str, tuple] = {}  # stage -> `_digested_metrics`
+        self._digest_metric_children: dict[tuple, tuple] = {}  # (stage, verdict) -> `_digest_metrics`
         self.fetch_vectors = fetch_vectors
         self.fetch_always = fetch_always
         self.step_interval = step_interval
@@ -507,13 +507,14 @@ class DecodeMonitor:
         m = self.metrics
         if m is None:
             return
-        m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
         if room_bytes is not None and enqueued is not None:  # every digest's result
-            digested, digest_bytes, latency = self._digested_metrics(stage)
-            digested.inc()
-            digest_bytes.inc(room_bytes)
-            latency.observe(time.monotonic() - enqueued)
+            verified, digested, digest_bytes, latency = self._digest_metrics(stage, verdict)
+            verified(1)
+            digested(1)
+            digest_bytes(room_bytes)
+            latency(time.monotonic() - enqueued)
         else:
+            m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
             if room_bytes is not None:
                 m.rooms_digested.labels(stage=stage).inc()
                 m.digest_bytes.labels(stage=stage).inc(room_bytes)
@@ -527,15 +528,19 @@ class DecodeMonitor:
                 per_segment = sum(1 for _, s in comparison.layer_segments if s == segment)
                 m.mismatch_cells.labels(stage=stage, segment=segment).inc(per_segment * len(comparison.pages))
 
-    def _digested_metrics(self, stage: str) -> tuple:
-        """A stage's labelled children for a digest's result (rooms digested, bytes, latency),
-        looked up once per stage: three `labels` calls per record otherwise."""
-        children = self._digested_children.get(stage)
+    def _digest_metrics(self, stage: str, verdict: str) -> tuple:
+        """What a digest's result counts (rooms verified with its verdict, rooms digested,
+        bytes, latency), looked up once per (stage, verdict): four `labels` calls and the
+        client's checks per record otherwise (`counter_add`)."""
+        key = (stage, verdict)
+        children = self._digest_metric_children.get(key)
         if children is None:
             m = self.metrics
-            children = (m.rooms_digested.labels(stage=stage), m.digest_bytes.labels(stage=stage),
-                        m.verify_latency_seconds.labels(stage=stage))
-            self._digested_children[stage] = children
+            children = (counter_add(m.rooms_verified.labels(stage=stage, verdict=verdict)),
+                        counter_add(m.rooms_digested.labels(stage=stage)),
+                        counter_add(m.digest_bytes.labels(stage=stage)),
+                        m.verify_latency_seconds.labels(stage=stage).observe)
+            self._digest_metric_children[key] = children
         return children
 
     # %% coverage (collector thread; docs/coverage.md)

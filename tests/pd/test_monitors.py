@@ -7,6 +7,8 @@ localised to its (layer, page, segment), with earlier stages shown as match.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +78,36 @@ def test_clean_room_matches_at_every_stage(pair):
         {**BASE, "stage": "decode_recv", "verdict": "match"},
     )
     assert value == 1.0
+
+
+def test_digest_results_are_counted_per_stage_and_verdict_room_after_room(pair):
+    """Decode keeps each (stage, verdict)'s metric children for its digest results
+    (`DecodeMonitor._digest_metrics`): every room is still counted, under its own verdict."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    rooms = [(RoomId(41), [1, 2], [3, 4]), (RoomId(42), [5, 6], [7, 8])]
+    for room, src, dst in rooms:
+        _copy_room(pre_bufs, src, dec_bufs, dst)
+        decode.room_received(room, dst, 2 * 256, _send(prefill, pre_sink, room, src, 2 * 256))
+    dec_sink.wait_for(2)
+    dec_bufs[0][8, 3] ^= 0x01  # room 42's second page: its finish mismatches
+    for room, _, _ in rooms:
+        decode.room_finished(room)
+    assert [r["verdict"] for r in dec_sink.wait_for(4)] == ["match", "match", "match", "mismatch"]
+    counted = threading.Event()  # the collector counts a record after emitting it: wait for it to be through
+    decode.engine.post(lambda _: counted.set())
+    assert counted.wait(10)
+
+    def sample(name, **labels):
+        return registry.get_sample_value(f"dsv4_idxk_probe_{name}", {**BASE, **labels})
+
+    assert sample("rooms_verified_total", stage="decode_recv", verdict="match") == 2
+    assert sample("rooms_verified_total", stage="decode_finish", verdict="match") == 1
+    assert sample("rooms_verified_total", stage="decode_finish", verdict="mismatch") == 1
+    for stage in ("decode_recv", "decode_finish"):
+        assert sample("rooms_digested_total", stage=stage) == 2
+        assert sample("verify_latency_seconds_count", stage=stage) == 2
+        assert sample("digest_bytes_total", stage=stage) == 2 * 2 * 256 // LAYOUT.tokens_per_slot * len(LAYER_IDS) * (
+            sum(seg.slot_bytes for seg in LAYOUT.segments))
 
 
 def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
