@@ -110,6 +110,26 @@ def test_digest_results_are_counted_per_stage_and_verdict_room_after_room(pair):
             sum(seg.slot_bytes for seg in LAYOUT.segments))
 
 
+def test_prefill_counts_every_batch_it_sends():
+    """Prefill keeps its `prefill_send` counters (`PrefillMonitor._send_counters`): every
+    batch is still counted, rooms and bytes."""
+    registry = CollectorRegistry()
+    sink = Sink()
+    prefill = PrefillMonitor(DigestEngine(LAYOUT, LAYER_IDS, _buffers(3)), sink, ProbeMetrics(registry, role="prefill"))
+    prefill.room_sent(RoomId(1), [0, 1], 2 * 256)
+    prefill.rooms_sent([(RoomId(2), [2], 256), (RoomId(3), [3, 4, 5], 3 * 256 - 64)])
+    sink.wait_for(3)
+    counted = threading.Event()  # the collector counts a batch after emitting its records
+    prefill.engine.post(lambda _: counted.set())
+    assert counted.wait(10)
+    prefill.engine.close()
+    labels = {**process_labels(role="prefill"), "stage": "prefill_send"}
+    slot_bytes = sum(seg.slot_bytes for seg in LAYOUT.segments)
+    slots = (2 * 256 + 256 + 3 * 256 - 64) // LAYOUT.tokens_per_slot
+    assert registry.get_sample_value("dsv4_idxk_probe_rooms_digested_total", labels) == 3
+    assert registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", labels) == slots * len(LAYER_IDS) * slot_bytes
+
+
 def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
     prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
     room = RoomId(5, attempt=1)
