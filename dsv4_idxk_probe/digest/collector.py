@@ -284,7 +284,8 @@ class Collector:
         out_of_range = [unread for _, _, unread in folds]
         if any(out_of_range) and not self.contents:
             self._copy_down_now(ticket.staging, ticket.flags_at, ticket.flags_at + ticket.n_cells)
-        return [(copies.sum(axis=0, dtype=np.uint64), pages.copy()) for copies, pages, _ in folds], out_of_range
+        add = np.add.reduce  # not `ndarray.sum`, which adds a Python frame per call
+        return [(add(copies, axis=0, dtype=np.uint64), pages.copy()) for copies, pages, _ in folds], out_of_range
 
     def _finish(self, ticket: PendingDigest) -> BatchResult:
         """Each room's fold (the event has completed), then recycle the buffers."""
@@ -297,37 +298,41 @@ class Collector:
             folded, out_of_range = self._folded(ticket)
         else:
             folded, out_of_range = None, out_of_range_counts(plan, ticket.flags)
-        page_counts = plan.page_counts
+        page_counts, segments, layout = plan.page_counts, self.layout.segment_names, self.layout
+        signature, layer_ids, n_layers = self.signature, self.layer_ids, len(self.layer_ids)
+        add = np.add.reduce  # not `ndarray.sum`, which adds a Python frame per call
+        room_values = []
         for slot, room in enumerate(ticket.rooms):
             if folded is not None:
                 layer_segment, pages = folded[slot]
             else:
                 layer_segment, pages = reference.fold_cells(plan.block(ticket.cells, slot))
+            outside = out_of_range[slot]
             digests.append(
                 RoomDigest(
                     key=room.key,
                     # Rows not read make the digest worthless: a signature no other digest
                     # has, so every comparison says not_comparable, never match.
-                    signature=self.signature if not out_of_range[slot] else secrets.randbits(64),
+                    signature=signature if not outside else secrets.randbits(64),
                     n_tokens=room.n_tokens,
-                    layer_ids=self.layer_ids,
-                    segments=self.layout.segment_names,
+                    layer_ids=layer_ids,
+                    segments=segments,
                     layer_segment=layer_segment,
                     pages=pages,
                 )
             )
+            room_values.append(add(layer_segment, axis=None, dtype=np.uint64) if not outside else secrets.randbits(64))
             n_pages = page_counts[slot]
-            frozen = min(max(room.n_tokens, 0) // self.layout.tokens_per_slot, n_pages * self.layout.slots)
+            frozen = min(max(room.n_tokens, 0) // layout.tokens_per_slot, n_pages * layout.slots)
             unread = 0
-            if out_of_range[slot]:  # rows not read are not digested bytes
-                per_page = frozen_slots_per_page(self.layout, n_pages, room.n_tokens)
+            if outside:  # rows not read are not digested bytes
+                per_page = frozen_slots_per_page(layout, n_pages, room.n_tokens)
                 unread = int(flag_block(plan, ticket.flags, slot).sum(axis=0, dtype=np.int64) @ per_page)
-            room_bytes.append((frozen * len(self.layer_ids) - unread) * self._frozen_bytes_per_slot)
+            room_bytes.append((frozen * n_layers - unread) * self._frozen_bytes_per_slot)
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
-        ticket.final_rooms = np.array([d.layer_segment.sum(dtype=np.uint64) if not n else secrets.randbits(64)
-                                       for d, n in zip(digests, out_of_range)], dtype=np.uint64)
+        ticket.final_rooms = np.array(room_values, dtype=np.uint64)
         room_contents = self._hand_back(ticket, out_of_range)
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),
                            out_of_range=tuple(out_of_range), contents=room_contents, ticket=ticket)

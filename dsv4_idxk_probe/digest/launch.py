@@ -195,7 +195,9 @@ def _known_tables(rooms: list, n_layers: int) -> tuple[list, int]:
 
 def out_of_range_counts(plan: CellPlan, flags: np.ndarray | None) -> list[int]:
     """Per room: its (layer, page) rows flagged as out of range."""
-    if flags is None or not flags.any():  # nearly every batch: one pass over a byte per row
+    # nearly every batch: one pass over a byte per row (the ufunc called directly: `ndarray.any`
+    # adds a Python frame, on the collector for every batch)
+    if flags is None or not np.logical_or.reduce(flags, axis=None):
         return [0] * len(plan.page_counts)
     return [int(flag_block(plan, flags, i).sum()) for i in range(len(plan.page_counts))]
 
@@ -766,7 +768,7 @@ class Launcher:
                 cells_end = at + n_cells * n_seg
                 ticket.cells = words[at:cells_end].view(np.uint64).reshape(-1, n_seg)
             ticket.flags_at = 8 * cells_end
-            ticket.flags = staging.host.numpy()[8 * cells_end : 8 * cells_end + n_cells]
+            ticket.flags = words.view(np.uint8)[8 * cells_end : 8 * cells_end + n_cells]  # no torch call
             start = cells_end + ((n_cells + 7) >> 3)
             ticket.used = 8 * start
             if self.contents:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -64,8 +65,9 @@ class RowLayout:
         """Tokens covered by one row (SGLang's page size, 256 for DSV4)."""
         return self.slots * self.tokens_per_slot
 
-    @property
+    @cached_property
     def segment_names(self) -> tuple[str, ...]:
+        """Made once (the collector names them in every batch's digests)."""
         return tuple(s.name for s in self.segments)
 
     def frozen_slots(self, n_tokens: int, logical_page: int) -> int:

@@ -24,8 +24,9 @@ def _hex_words(values: np.ndarray) -> list[str]:
 
 
 def _hex_rows(matrix: np.ndarray) -> list[list[str]]:
+    """Rows of `_hex_words`, cut in C (`zip` over one iterator `width` times, `map(list)`)."""
     words, width = _hex_words(matrix.reshape(-1)), matrix.shape[1] if matrix.ndim == 2 else 0
-    return [words[i : i + width] for i in range(0, len(words), width)] if width else [[] for _ in range(len(matrix))]
+    return list(map(list, zip(*[iter(words)] * width))) if width else [[] for _ in range(len(matrix))]
 
 
 @dataclass
@@ -46,8 +47,9 @@ class RoomDigest:
 
     @property
     def room(self) -> int:
-        """The room digest: every cell folded, sum mod 2^64."""
-        return int(self.layer_segment.sum(dtype=np.uint64)) & MASK64
+        """The room digest: every cell folded, sum mod 2^64 (the ufunc called directly:
+        `ndarray.sum` adds a Python frame, and the collector asks this for every record)."""
+        return int(np.add.reduce(self.layer_segment, axis=None, dtype=np.uint64)) & MASK64
 
     @property
     def layers(self) -> np.ndarray:

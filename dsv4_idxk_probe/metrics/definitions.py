@@ -127,6 +127,17 @@ def page_bucket(page: int) -> str:
     return "0" if page == 0 else str(1 << (page.bit_length() - 1))
 
 
+def counter_add(child):
+    """`child.inc` without prometheus_client's per-call checks, for a hot path: the value
+    object's own `inc(amount)`, which `Counter.inc` calls after checking that the metric is
+    observable (a labelled child always is) and the amount not negative (the caller's
+    never is): three Python frames fewer per increment, on the collector thread for every
+    record. `child.inc` where a client version keeps no such value object."""
+    value = getattr(child, "_value", None)
+    inc = getattr(value, "inc", None)
+    return inc if callable(inc) else child.inc
+
+
 class _Bound:
     """A metric whose base labels are already filled in.
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from ..background import yield_to_serving
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import Comparison, RoomDigest, compare
-from ..metrics.definitions import ProbeMetrics
+from ..metrics.definitions import ProbeMetrics, counter_add
 from ..safety import record_error, safe_invoke
 from .coverage import RoomCoverage, estimated_bytes, judged_reason, outcome_of, skip_reason, stage_signatures
 from .inband import InbandDigest
@@ -65,7 +65,7 @@ class _Room:
     the collector's."""
 
     __slots__ = ("room", "key", "pages", "n_tokens", "inband", "extra", "expected", "fetches", "first_divergence",
-                 "finished", "retired", "unsafe", "tickets", "in_flight", "table", "coverage")
+                 "finished", "retired", "unsafe", "tickets", "in_flight", "table", "coverage", "digest_record")
 
     def __init__(self, room: RoomId, pages: Any, n_tokens: int, inband: InbandDigest | None,
                  extra: dict | None = None):
@@ -91,6 +91,8 @@ class _Room:
         # what became of its bytes (pd/coverage.py), made by the collector at its first verdict
         # (none made here: the serving thread's receipt stays one frame); counted once, untracked
         self.coverage: RoomCoverage | None = None
+        # its last digest's bytes and record (`DecodeMonitor._digest_record`), on the collector
+        self.digest_record: tuple | None = None
 
 
 class DecodeMonitor:
@@ -121,6 +123,7 @@ class DecodeMonitor:
         self.engine = engine
         self.emit = emit
         self.metrics = metrics
+        self._digest_metric_children: dict[tuple, tuple] = {}  # (stage, verdict) -> `_digest_metrics`
         self.fetch_vectors = fetch_vectors
         self.fetch_always = fetch_always
         self.step_interval = step_interval
@@ -442,7 +445,8 @@ class DecodeMonitor:
             return "not_comparable", "layout signature differs from prefill's", None
         if inband is not None and inband.n_tokens != digest.n_tokens:
             return "not_comparable", f"prefill digested {inband.n_tokens} tokens, decode {digest.n_tokens}", None
-        need_vectors = self.fetch_always or inband is None or inband.room_digest != digest.room
+        room_value = digest.room if inband is not None else None  # a sum over the matrix: once
+        need_vectors = self.fetch_always or inband is None or inband.room_digest != room_value
         if need_vectors and state.expected is None and state.fetches < MAX_FETCHES_PER_ROOM:
             state.expected = self._fetch(state.room)
             state.fetches += state.expected is None
@@ -451,7 +455,7 @@ class DecodeMonitor:
             return comparison.verdict, comparison.reason, comparison
         if inband is None:
             return "unverified", "no prefill digest (none in band, none from the exchange)", None
-        if inband.room_digest == digest.room:
+        if inband.room_digest == room_value:
             return "match", "", None
         return "mismatch", "room digest differs; vectors unavailable, not localised", None
 
@@ -466,6 +470,23 @@ class DecodeMonitor:
                 self.metrics.exchange_errors.labels(kind="fetch").inc()
             return None
 
+    @staticmethod
+    def _digest_record(state: _Room | None, digest: RoomDigest | None) -> dict | None:
+        """`digest.to_record()`, kept per room: a room's digests at its receipt, steps and
+        finish are nearly always the same bytes, and their hex strings and lists are most of
+        a record's cost on the collector. Each record gets a dict of its own; the lists
+        inside are shared with the room's earlier records (written, never changed)."""
+        if digest is None or state is None:
+            return None
+        key = (digest.key, digest.signature, digest.n_tokens, digest.layer_ids, digest.segments,
+               digest.layer_segment.tobytes(), digest.pages.tobytes())
+        kept = state.digest_record
+        if kept is not None and kept[0] == key:
+            return dict(kept[1])
+        record = digest.to_record()
+        state.digest_record = (key, record)
+        return dict(record)
+
     def _publish(self, room, stage, step, verdict, reason, digest, comparison, state=None, room_bytes=None, enqueued=None,
                  extra=None, diagnosis=None, page_events=None):
         record = room_record(
@@ -476,7 +497,7 @@ class DecodeMonitor:
             first_divergence=state.first_divergence if state is not None else None,
             extra=extra if extra is not None else (state.extra if state is not None and state.extra else None),
             tokens=state.n_tokens if state is not None else None,
-            diagnosis=diagnosis, page_events=page_events,
+            diagnosis=diagnosis, page_events=page_events, digest_record=self._digest_record(state, digest),
         )
         safe_invoke("decode.emit", self.emit, record)
         if state is not None:
@@ -486,12 +507,19 @@ class DecodeMonitor:
         m = self.metrics
         if m is None:
             return
-        m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
-        if room_bytes is not None:
-            m.rooms_digested.labels(stage=stage).inc()
-            m.digest_bytes.labels(stage=stage).inc(room_bytes)
-        if enqueued is not None:
-            m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
+        if room_bytes is not None and enqueued is not None:  # every digest's result
+            verified, digested, digest_bytes, latency = self._digest_metrics(stage, verdict)
+            verified(1)
+            digested(1)
+            digest_bytes(room_bytes)
+            latency(time.monotonic() - enqueued)
+        else:
+            m.rooms_verified.labels(stage=stage, verdict=verdict).inc()
+            if room_bytes is not None:
+                m.rooms_digested.labels(stage=stage).inc()
+                m.digest_bytes.labels(stage=stage).inc(room_bytes)
+            if enqueued is not None:
+                m.verify_latency_seconds.labels(stage=stage).observe(time.monotonic() - enqueued)
         if verdict == "mismatch" and comparison is None:  # found bad, vectors unavailable: not localised
             m.mismatch_unlocalised.labels(stage=stage).inc()
         if comparison is not None and comparison.verdict == "mismatch":
@@ -499,6 +527,21 @@ class DecodeMonitor:
             for segment in comparison.segments:
                 per_segment = sum(1 for _, s in comparison.layer_segments if s == segment)
                 m.mismatch_cells.labels(stage=stage, segment=segment).inc(per_segment * len(comparison.pages))
+
+    def _digest_metrics(self, stage: str, verdict: str) -> tuple:
+        """What a digest's result counts (rooms verified with its verdict, rooms digested,
+        bytes, latency), looked up once per (stage, verdict): four `labels` calls and the
+        client's checks per record otherwise (`counter_add`)."""
+        key = (stage, verdict)
+        children = self._digest_metric_children.get(key)
+        if children is None:
+            m = self.metrics
+            children = (counter_add(m.rooms_verified.labels(stage=stage, verdict=verdict)),
+                        counter_add(m.rooms_digested.labels(stage=stage)),
+                        counter_add(m.digest_bytes.labels(stage=stage)),
+                        m.verify_latency_seconds.labels(stage=stage).observe)
+            self._digest_metric_children[key] = children
+        return children
 
     # %% coverage (collector thread; docs/coverage.md)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from ..digest.engine import BatchResult, DigestEngine, PendingDigest
 from ..digest.result import RoomDigest
 from ..digest.room_table import RoomRequest
-from ..metrics.definitions import ProbeMetrics
+from ..metrics.definitions import ProbeMetrics, counter_add
 from ..safety import safe_invoke
 from .records import room_record
 from .rooms import RoomId
@@ -68,6 +68,7 @@ class PrefillMonitor:
         self.emit = emit
         self.metrics = metrics
         self.recent = RecentRooms(table_size)
+        self._sent_metrics: tuple | None = None  # `_send_counters`, made at the first batch
 
     def rooms_sent(self, rooms: Sequence[tuple[RoomId, Any, int]],
                    extras: Sequence[dict | None] | None = None) -> PendingDigest | None:
@@ -91,6 +92,15 @@ class PrefillMonitor:
         """The full digest of a recent room, for the exchange; None once evicted."""
         return self.recent.get(key)
 
+    def _send_counters(self) -> tuple:
+        """Rooms digested and bytes at `prefill_send`, looked up once: two `labels` calls
+        and the client's per-call checks per batch otherwise (`counter_add`)."""
+        if self._sent_metrics is None:
+            m = self.metrics
+            self._sent_metrics = (counter_add(m.rooms_digested.labels(stage="prefill_send")),
+                                  counter_add(m.digest_bytes.labels(stage="prefill_send")))
+        return self._sent_metrics
+
     def _on_result(self, extras: Sequence[dict | None] | None, batch: BatchResult) -> None:
         """A batch's digests (collector thread): kept for the exchange, recorded with each
         room's extras, counted."""
@@ -109,7 +119,8 @@ class PrefillMonitor:
                 ),
             )
         if self.metrics is not None:
-            self.metrics.rooms_digested.labels(stage="prefill_send").inc(len(digests))
-            self.metrics.digest_bytes.labels(stage="prefill_send").inc(batch.bytes_digested)
+            rooms_digested, digest_bytes = self._send_counters()
+            rooms_digested(len(digests))
+            digest_bytes(batch.bytes_digested)
             if batch.gpu_seconds is not None:
                 self.metrics.digest_gpu_seconds.labels(stage="prefill_send").observe(batch.gpu_seconds)

@@ -67,8 +67,12 @@ def room_record(
     rid: str | None = None,
     diagnosis: list[dict] | None = None,
     page_events: dict[str, list] | None = None,
+    digest_record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build one ``kind: room`` record (plain JSON types only).
+
+    `digest_record`: `digest.to_record()` where the caller has it already (decode keeps
+    a room's, its digests at every stage being nearly always the same bytes).
 
     `rid` may also come in `extra` (``{"rid": ...}``, as the hooks pass it):
     it is written as the record's own ``rid`` field either way.
@@ -88,7 +92,7 @@ def room_record(
         "stage": stage,
         "step": step,
         "layout": layout,
-        "digest": digest.to_record() if digest is not None else None,
+        "digest": (digest_record if digest_record is not None else digest.to_record()) if digest is not None else None,
         "verdict": verdict,
         "reason": reason,
         "expected_room": f"{expected_room:016x}" if expected_room is not None else None,

@@ -206,9 +206,17 @@ class RoomLogWriter:
         if self._closed:
             self._drop()
             return False
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
+        # What `Queue.put(record, block=False)` does, under the queue's own lock taken
+        # directly: `put` runs seven Python frames (its condition's enter and exit, `_qsize`,
+        # `_put`), and the probe's threads emit a record for every room stage.
+        q = self._queue
+        with q.mutex:
+            full = len(q.queue) >= q.maxsize
+            if not full:
+                q.queue.append(record)
+                q.unfinished_tasks += 1
+                q.not_empty.notify()
+        if full:
             self._drop()
             return False
         return True

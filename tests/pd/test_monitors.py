@@ -7,6 +7,8 @@ localised to its (layer, page, segment), with earlier stages shown as match.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from tests.support.recordsink import Sink
 
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
+from dsv4_idxk_probe.digest.reference import digest_room
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
 from dsv4_idxk_probe.pd import decode as decode_module
@@ -77,6 +80,56 @@ def test_clean_room_matches_at_every_stage(pair):
     assert value == 1.0
 
 
+def test_digest_results_are_counted_per_stage_and_verdict_room_after_room(pair):
+    """Decode keeps each (stage, verdict)'s metric children for its digest results
+    (`DecodeMonitor._digest_metrics`): every room is still counted, under its own verdict."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    rooms = [(RoomId(41), [1, 2], [3, 4]), (RoomId(42), [5, 6], [7, 8])]
+    for room, src, dst in rooms:
+        _copy_room(pre_bufs, src, dec_bufs, dst)
+        decode.room_received(room, dst, 2 * 256, _send(prefill, pre_sink, room, src, 2 * 256))
+    dec_sink.wait_for(2)
+    dec_bufs[0][8, 3] ^= 0x01  # room 42's second page: its finish mismatches
+    for room, _, _ in rooms:
+        decode.room_finished(room)
+    assert [r["verdict"] for r in dec_sink.wait_for(4)] == ["match", "match", "match", "mismatch"]
+    counted = threading.Event()  # the collector counts a record after emitting it: wait for it to be through
+    decode.engine.post(lambda _: counted.set())
+    assert counted.wait(10)
+
+    def sample(name, **labels):
+        return registry.get_sample_value(f"dsv4_idxk_probe_{name}", {**BASE, **labels})
+
+    assert sample("rooms_verified_total", stage="decode_recv", verdict="match") == 2
+    assert sample("rooms_verified_total", stage="decode_finish", verdict="match") == 1
+    assert sample("rooms_verified_total", stage="decode_finish", verdict="mismatch") == 1
+    for stage in ("decode_recv", "decode_finish"):
+        assert sample("rooms_digested_total", stage=stage) == 2
+        assert sample("verify_latency_seconds_count", stage=stage) == 2
+        assert sample("digest_bytes_total", stage=stage) == 2 * 2 * 256 // LAYOUT.tokens_per_slot * len(LAYER_IDS) * (
+            sum(seg.slot_bytes for seg in LAYOUT.segments))
+
+
+def test_prefill_counts_every_batch_it_sends():
+    """Prefill keeps its `prefill_send` counters (`PrefillMonitor._send_counters`): every
+    batch is still counted, rooms and bytes."""
+    registry = CollectorRegistry()
+    sink = Sink()
+    prefill = PrefillMonitor(DigestEngine(LAYOUT, LAYER_IDS, _buffers(3)), sink, ProbeMetrics(registry, role="prefill"))
+    prefill.room_sent(RoomId(1), [0, 1], 2 * 256)
+    prefill.rooms_sent([(RoomId(2), [2], 256), (RoomId(3), [3, 4, 5], 3 * 256 - 64)])
+    sink.wait_for(3)
+    counted = threading.Event()  # the collector counts a batch after emitting its records
+    prefill.engine.post(lambda _: counted.set())
+    assert counted.wait(10)
+    prefill.engine.close()
+    labels = {**process_labels(role="prefill"), "stage": "prefill_send"}
+    slot_bytes = sum(seg.slot_bytes for seg in LAYOUT.segments)
+    slots = (2 * 256 + 256 + 3 * 256 - 64) // LAYOUT.tokens_per_slot
+    assert registry.get_sample_value("dsv4_idxk_probe_rooms_digested_total", labels) == 3
+    assert registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", labels) == slots * len(LAYER_IDS) * slot_bytes
+
+
 def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
     prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
     room = RoomId(5, attempt=1)
@@ -93,6 +146,31 @@ def test_change_after_receipt_is_found_at_next_stage_and_localised(pair):
     assert (bad["stage"], bad["verdict"], bad["first_divergence"]) == ("decode_step", "mismatch", "decode_step")
     assert bad["localisation"]["layer_segments"] == [[2, "scale"]]
     assert bad["localisation"]["pages"] == [2]
+
+
+def test_each_record_carries_the_digest_of_its_own_stage(pair):
+    """Decode keeps a room's digest record between its stages (`DecodeMonitor._digest_record`):
+    a stage whose bytes differ gets its own, one whose bytes are back gets theirs again."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, _ = pair
+    room, src, dst, n_tokens = RoomId(6), [1, 3], [2, 11], 2 * 256
+    _copy_room(pre_bufs, src, dec_bufs, dst)
+    inband = _send(prefill, pre_sink, room, src, n_tokens)
+    expected = []
+    decode.room_received(room, dst, n_tokens, inband)
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    dec_sink.wait_for(1)
+    dec_bufs[2][dst[1], 5] ^= 0x01  # layer id 4, logical page 1, payload
+    decode.batch_done([], [(room, 10)])
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    dec_sink.wait_for(2)
+    dec_bufs[2][dst[1], 5] ^= 0x01  # back as it was
+    decode.room_finished(room)
+    expected.append(digest_room(dec_bufs, dst, n_tokens, LAYOUT, LAYER_IDS).to_record())
+    records = dec_sink.wait_for(3)
+    assert [r["verdict"] for r in records] == ["match", "mismatch", "match"]
+    assert [r["digest"] for r in records] == [{**e, "key": room.key} for e in expected]
+    assert expected[1]["pages"] != expected[0]["pages"] == expected[2]["pages"]
+    assert records[0]["digest"] is not records[2]["digest"]  # a dict of its own per record
 
 
 def test_non_frozen_tail_bytes_never_matter(pair):
