@@ -18,6 +18,7 @@ Nothing here raises: a closed stderr costs the progress, never the command.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ class Progress:
         self.width = width
         self._lock = threading.Lock()
         self._started = time.monotonic()
-        self._last = 0.0
+        self._last = -math.inf  # not 0.0: the monotonic clock starts near 0 at boot, and the first line must show
         self._open_line = False  # a terminal line waits for its end
         self._printed = False
 

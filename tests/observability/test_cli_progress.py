@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import time
 
+from dsv4_idxk_probe.cli import progress as cli_progress
 from dsv4_idxk_probe.cli.progress import Progress
+from dsv4_idxk_probe.offline.fleet import pipeline
 
 
 def test_quiet_work_prints_nothing(capsys):
@@ -37,6 +39,23 @@ def test_counts_are_rate_limited_but_the_last_one_shows():
     lines = stream.getvalue().splitlines()
     assert lines == ["dsv4-idxk-probe diff: reading: 1/1,000 files (0%)",
                      "dsv4-idxk-probe diff: reading: 1,000/1,000 files (100%)"]
+
+
+def test_the_first_count_shows_on_a_machine_booted_moments_ago(monkeypatch):
+    """The monotonic clock counts from boot: a rate limit measured from 0 hid the first
+    lines for `every_s` after boot (a fresh CI machine)."""
+    monkeypatch.setattr(cli_progress.time, "monotonic", lambda: 12.0)
+    stream = io.StringIO()
+    with Progress("diff", stream, quiet_s=0, every_s=3600) as p:
+        p.count(1, 10, "files", what="reading")
+    assert stream.getvalue().splitlines()[0] == "dsv4-idxk-probe diff: reading: 1/10 files (10%)"
+
+
+def test_the_fleet_pass_shows_its_first_progress_line_soon_after_boot(monkeypatch):
+    monkeypatch.setattr(pipeline.time, "monotonic", lambda: 1.0)
+    lines = []
+    pipeline.Progress(lines.append, every=2.0)("reading 3 files")
+    assert lines == ["[   0.0 s] reading 3 files"]
 
 
 def test_lines_fit_100_columns_and_a_closed_stream_costs_only_the_progress():

@@ -12,6 +12,7 @@ scan and the complex keys' joined state.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -42,7 +43,8 @@ class Progress:
     """Progress lines, at most one every `every` seconds unless forced."""
 
     def __init__(self, out: Callable[[str], None] | None, every: float = 2.0):
-        self.out, self.every, self.last, self.start = out, every, 0.0, time.monotonic()
+        # last: -inf, not 0.0 (the monotonic clock starts near 0 at boot: the first line must show)
+        self.out, self.every, self.last, self.start = out, every, -math.inf, time.monotonic()
 
     def __call__(self, message: str, force: bool = False) -> None:
         if self.out is None:
