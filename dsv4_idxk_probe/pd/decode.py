@@ -499,14 +499,18 @@ class DecodeMonitor:
             tokens=state.n_tokens if state is not None else None,
             diagnosis=diagnosis, page_events=page_events, digest_record=self._digest_record(state, digest),
         )
-        safe_invoke("decode.emit", self.emit, record)
+        # counted before the record goes out: whoever sees a record sees its counts
         if state is not None:
             safe_invoke("decode.coverage", self._cover, state, verdict, reason, digest, room_bytes)
         if self.on_verdict is not None:
             safe_invoke("decode.on_verdict", self.on_verdict, room, stage, verdict, comparison)
+        if self.metrics is not None:
+            safe_invoke("decode.metrics", self._count, stage, verdict, comparison, room_bytes, enqueued)
+        safe_invoke("decode.emit", self.emit, record)
+
+    def _count(self, stage, verdict, comparison, room_bytes, enqueued) -> None:
+        """A published verdict's metrics."""
         m = self.metrics
-        if m is None:
-            return
         if room_bytes is not None and enqueued is not None:  # every digest's result
             verified, digested, digest_bytes, latency = self._digest_metrics(stage, verdict)
             verified(1)

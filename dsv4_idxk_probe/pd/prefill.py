@@ -102,11 +102,17 @@ class PrefillMonitor:
         return self._sent_metrics
 
     def _on_result(self, extras: Sequence[dict | None] | None, batch: BatchResult) -> None:
-        """A batch's digests (collector thread): kept for the exchange, recorded with each
-        room's extras, counted."""
+        """A batch's digests (collector thread): counted, kept for the exchange, recorded with
+        each room's extras (counted first: whoever sees a record sees its counts)."""
         digests = batch.digests
         if extras is None:
             extras = (None,) * len(digests)
+        if self.metrics is not None:
+            rooms_digested, digest_bytes = self._send_counters()
+            rooms_digested(len(digests))
+            digest_bytes(batch.bytes_digested)
+            if batch.gpu_seconds is not None:
+                self.metrics.digest_gpu_seconds.labels(stage="prefill_send").observe(batch.gpu_seconds)
         for digest, extra in zip(digests, extras):
             self.recent.put(digest)
             room = RoomId.from_key(digest.key)
@@ -118,9 +124,3 @@ class PrefillMonitor:
                     digest=digest, layout=self.engine.layout.name, extra=dict(extra) if extra else None,
                 ),
             )
-        if self.metrics is not None:
-            rooms_digested, digest_bytes = self._send_counters()
-            rooms_digested(len(digests))
-            digest_bytes(batch.bytes_digested)
-            if batch.gpu_seconds is not None:
-                self.metrics.digest_gpu_seconds.labels(stage="prefill_send").observe(batch.gpu_seconds)

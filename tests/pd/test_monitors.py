@@ -317,3 +317,36 @@ def test_page_ids_past_the_buffers_are_not_read_and_not_judged(pair):
     record = dec_sink.wait_for(1)[0]
     assert (record["stage"], record["verdict"]) == ("decode_recv", "not_comparable")
     assert "outside the index-K buffers" in record["reason"]
+
+
+def test_a_record_goes_out_after_its_counts():
+    """Whoever sees a room's record (a log tailer, a test) sees its metrics already counted:
+    both monitors count before they emit."""
+    pre_registry, dec_registry = CollectorRegistry(), CollectorRegistry()
+    seen = []
+
+    def counted_at_emit(registry, role):
+        def emit(record):
+            labels = {**process_labels(role=role), "stage": record["stage"]}
+            seen.append((record["stage"], registry.get_sample_value("dsv4_idxk_probe_rooms_digested_total", labels)))
+        return emit
+
+    pre_bufs, dec_bufs = _buffers(1), _buffers(2)
+    prefill = PrefillMonitor(DigestEngine(LAYOUT, LAYER_IDS, pre_bufs), counted_at_emit(pre_registry, "prefill"),
+                             ProbeMetrics(pre_registry, role="prefill"))
+    decode = DecodeMonitor(DigestEngine(LAYOUT, LAYER_IDS, dec_bufs), counted_at_emit(dec_registry, "decode"),
+                           ProbeMetrics(dec_registry, role="decode"), fetch_vectors=prefill.lookup)
+    try:
+        _copy_room(pre_bufs, [1, 2], dec_bufs, [3, 4])
+        pending = prefill.room_sent(RoomId(5), [1, 2], 512)
+        assert pending.wait()
+        decode.room_received(RoomId(5), [3, 4], 512, InbandDigest(int(pending.room_digests[0]), prefill.engine.signature, 512))
+        decode.room_finished(RoomId(5))
+        for engine in (prefill.engine, decode.engine):  # every record out
+            done = threading.Event()
+            engine.post(lambda _: done.set())
+            assert done.wait(10)
+    finally:
+        prefill.engine.close()
+        decode.engine.close()
+    assert sorted(seen) == [("decode_finish", 1.0), ("decode_recv", 1.0), ("prefill_send", 1.0)]
