@@ -378,12 +378,16 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 BIND_FAILED = ("error while attempting to bind on address", "Address already in use")
 
 
+def _bind_failed(log_tail: str) -> bool:
+    return any(sign in log_tail for sign in BIND_FAILED)
+
+
 def _wait_http(cluster: Cluster, name: str, url: str, deadline: float) -> None:
     while time.monotonic() < deadline:
         proc = cluster.procs[name]
         exited = proc.poll() is not None
         tail = cluster.log_tail(name, 30 if exited else 5)
-        if any(sign in tail for sign in BIND_FAILED):  # uvicorn's port, or (exited) the bootstrap server's
+        if _bind_failed(tail):  # uvicorn's port, or (exited) the bootstrap server's
             raise PortTaken(f"{name} server could not bind its port:\n{tail}")
         if exited:
             raise LaunchError(f"{name} server exited ({proc.returncode}) before it was healthy:\n{tail}")
@@ -401,7 +405,7 @@ def _wait_router(cluster: Cluster, deadline: float) -> None:
     while time.monotonic() < deadline:
         if cluster.procs["router"].poll() is not None:
             tail = cluster.log_tail("router")
-            if any(sign in tail for sign in BIND_FAILED):
+            if _bind_failed(tail):
                 raise PortTaken(f"router could not bind its port:\n{tail}")
             raise LaunchError(f"router exited before it was ready:\n{tail}")
         try:
