@@ -58,10 +58,16 @@ step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --call
 # trip: cycles/s against the bare pool; then the wrappers' CPU per call under sync-debug "error".
 step hostpool 300 python3 -m bench.overhead --device cuda --skip-rig --reps 7 --out "$res/overhead_hostpool"
 step hicachesync 180 python3 -m bench.hicache_overhead --device cuda --standalone
+# Where restore verification's time goes on the copying thread: wall and thread CPU with its
+# collector running and held, and a cProfile of the copying thread (not in the default list).
+step hicacheprofile 150 python3 -m bench.hicache_profile --device cuda --calls 800 --rounds 5
 # HiCache restore verification inside serving-shaped traffic (one write-through backup per
 # room, half the rooms restore a prefix, 10 ms GPU model steps): rooms/s on/off, 7 pairs.
 step hicacheserving 240 python3 -m bench.hicache_serving --device cuda --reps 7 --target-seconds 2 --step-ms 10 \
     --out "$res/hicache_serving"
+# The same with the restore collectors' deferral off (hicache.restore_defer_ms 0; not in the default list).
+step hicacheservingnodefer 240 python3 -m bench.hicache_serving --device cuda --reps 7 --target-seconds 2 --step-ms 10 \
+    --restore-defer-ms 0 --out "$res/hicache_serving_nodefer"
 # The submit's parts with the engine's two output places (digest.outputs), one after the other.
 step profile 150 bash -c "python3 -m bench.submit_profile --calls 200 --out $res/profile && \
     python3 -m bench.submit_profile --calls 200 --outputs pinned --out $res/profile_pinned"

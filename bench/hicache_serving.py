@@ -60,14 +60,17 @@ class ServingPool(StandalonePool):
 class Probed:
     """The adapter's wrappers on ServingPool, with one probe config (restore verification on or off)."""
 
-    def __init__(self, restore: bool, work: Path):
+    def __init__(self, restore: bool, work: Path, defer_ms: float | None = None):
         from prometheus_client import CollectorRegistry
 
         from dsv4_idxk_probe.config import load_config
         from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
 
         config_file = work / f"hicache-serving-restore-{'on' if restore else 'off'}.yaml"
-        config_file.write_text(yaml.safe_dump({"hicache": {"restore_verify": restore}}))
+        section = {"restore_verify": restore}
+        if defer_ms is not None:
+            section["restore_defer_ms"] = defer_ms
+        config_file.write_text(yaml.safe_dump({"hicache": section}))
         env = {ev.DSV4_IDXK_PROBE: "1", ev.DSV4_IDXK_PROBE_CONFIG: str(config_file)}
         self.registry = CollectorRegistry()
         self.runtime = SimpleNamespace(metrics=ProbeMetrics(self.registry), config=load_config(env),
@@ -183,6 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-debug", action="store_true",
                    help="CUDA: serve every timed run under torch.cuda.set_sync_debug_mode('error') (a sync on any "
                         "thread raises: on the serving thread the run fails, on a probe thread it is counted)")
+    p.add_argument("--restore-defer-ms", type=float, default=None,
+                   help="hicache.restore_defer_ms of the restore-on variant (default: the config's default)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.step_wait is None:
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
     wait = step_wait(args.step_wait, device)
     sync = _event_wait if device.type == "cuda" else (lambda: None)  # no sync-debug trip: an event, not a device sync
     work = Path(tempfile.mkdtemp(prefix="hicache-serving-"))
-    probes = {"restore-off": Probed(False, work), "restore-on": Probed(True, work)}
+    probes = {"restore-off": Probed(False, work), "restore-on": Probed(True, work, args.restore_defer_ms)}
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for variant in VARIANTS:  # registers the pool, builds the digest engine, warms caches: not timed
         with probes[variant] as probed:

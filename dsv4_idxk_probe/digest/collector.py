@@ -39,6 +39,10 @@ from .room_table import frozen_slots_per_page
 
 log = logging.getLogger(__name__)
 
+#: The most sleeps of `defer_s` before a done batch is delivered while submits keep coming
+#: (`Collector._defer`): a verdict is at most this many `defer_s` late.
+DEFER_ROUNDS = 4
+
 
 @dataclass
 class BatchResult:
@@ -142,15 +146,24 @@ class Collector:
             self._collecting = False
 
     def _defer(self) -> None:
-        """Before a batch's fold and callbacks (the collector's Python, a few hundred us
-        holding the GIL): sleep `defer_s` when no other batch waits. Why: a batch is done
-        ~0.1 ms after its submit, while the serving thread is still running the Python of
-        its step, and every GIL hand-off to this thread then makes it wait; a few ms later
-        it is most likely waiting on its model step, with the GIL free. Batches that queue
-        up meanwhile go through without sleeping, so throughput is not capped; a verdict
-        comes `defer_s` later."""
-        if self.defer_s and not self._tickets.items:
+        """Before a batch's fold and callbacks (the collector's Python and its device calls,
+        a few hundred us holding the GIL): when no other batch waits, sleep `defer_s`, and
+        again while the serving thread submitted meanwhile, up to `DEFER_ROUNDS` times. Why:
+        a batch is done ~0.1 ms after its submit, while the serving thread is still busy
+        (the Python of its step, a HiCache load's layers), and running beside it makes it
+        wait for the GIL and pay for every contended hand-off in its own CPU time (measured
+        on an H200: +150 us per restore digest call, docs/overhead.md); once it submits
+        nothing for `defer_s` it is most likely waiting on its model step, with the GIL
+        free. Batches that queue up meanwhile go through without sleeping, so throughput is
+        not capped; a verdict comes at most `DEFER_ROUNDS * defer_s` later."""
+        if not self.defer_s or self._tickets.items:
+            return
+        stats = self.stats
+        for _ in range(DEFER_ROUNDS):
+            seen = stats.submitted_rooms
             time.sleep(self.defer_s)
+            if stats.submitted_rooms == seen:
+                return  # quiet for defer_s: the serving thread has most likely gone to wait
 
     def _refill(self) -> None:
         """Allocate spare staging buffers for the classes submits found empty

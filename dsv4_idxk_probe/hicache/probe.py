@@ -126,7 +126,8 @@ class HiCacheProbe:
         # restore verification (docs/hicache.md): on by default, never waits for the device
         self.restore = (
             RestoreVerifier(settings.restore_max_pages, settings.restore_queue_max, self._on_restore,
-                            self._count_on_copy_path, self._on_restore_evict)
+                            self._count_on_copy_path, self._on_restore_evict,
+                            defer_s=settings.restore_defer_ms / 1000)
             if settings.restore_verify
             else None
         )

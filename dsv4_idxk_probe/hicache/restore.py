@@ -127,9 +127,12 @@ class RestoreVerifier:
 
     def __init__(self, max_pages: int, queue_max: int, report: Callable[[Any, LoadComparison, dict], None],
                  count: Callable[[str, str, str, int], None], on_evict: Callable[[int], None],
-                 engine_factory: Callable[..., Any] | None = None):
+                 engine_factory: Callable[..., Any] | None = None, defer_s: float = 0.0):
         """`report(state, comparison, context)`: a load's comparison, on the collector thread.
-        `count(path, outcome, reason, nbytes)`: coverage (ProbeMetrics.count_coverage)."""
+        `count(path, outcome, reason, nbytes)`: coverage (ProbeMetrics.count_coverage).
+        `defer_s`: how long each pool's collector waits for the copying thread to go quiet
+        before it reads back, stores and compares (`hicache.restore_defer_ms`)."""
+        self.defer_s = defer_s
         self.store = HostPageDigests(max_pages, on_evict)
         self.queue_max = queue_max
         self._report = report
@@ -169,6 +172,7 @@ class RestoreVerifier:
         layout = pool_layout(geom.name, geom.item_bytes)
         buffers = [state.views.device_layer(layer) for layer in range(geom.layers)]
         engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max)
+        engine.defer_s = self.defer_s  # validated with the settings (`HiCacheSettings.restore_defer_ms`)
         snapshot = None
         if getattr(engine, "backend", None) == "reference":  # no GPU: digests would run on the copying thread
             from .restore_snapshot import SnapshotDigests

@@ -14,6 +14,7 @@ Keys (all optional; defaults and types in `HiCacheSettings`; ranges in `RANGES`,
   restore_verify     bool   digest index-K pages at backup, compare after each load (on by default; no sync)
   restore_max_pages  int    host pages whose backup digests are kept; the oldest are evicted and counted, 0-100,000,000
   restore_queue_max  int    restore digests waiting for the collector per pool; more are counted unverified, 1-1,000,000
+  restore_defer_ms   float  how long a restore collector waits for the copying thread to go quiet before its work, 0-1000 ms
 
 `HiCacheSettings` is a msgspec Struct (the schema: unknown keys refused, bounds in its
 types); a bad value raises `HiCacheConfigError` naming the field (``hicache.guard`` ...,
@@ -40,6 +41,7 @@ RANGES = {
     # per page: 8 B x layers x segments + ~250 B (docs/hicache.md, "Restore verification")
     "restore_max_pages": (0, 100_000_000),
     "restore_queue_max": (1, 1_000_000),
+    "restore_defer_ms": (0.0, 1000.0),
 }
 MAX_IO_BACKENDS = 16
 MAX_IO_BACKEND_CHARS = 64
@@ -67,6 +69,8 @@ class HiCacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restore_verify: bool = True
     restore_max_pages: integer(*RANGES["restore_max_pages"]) = 262_144
     restore_queue_max: integer(*RANGES["restore_queue_max"]) = 1024
+    restore_defer_ms: Annotated[float, msgspec.Meta(ge=RANGES["restore_defer_ms"][0],
+                                                    le=RANGES["restore_defer_ms"][1])] = 3.0
 
     def __post_init__(self):
         if len(set(self.io_backends)) != len(self.io_backends):  # one series set per name

@@ -76,3 +76,53 @@ def test_no_deferral_at_zero_and_the_config_reaches_the_engine(random_buffers, d
     assert len(got) == 1 and deferrals == []
     with pytest.raises(ValueError, match="defer_s"):
         DigestEngine(LAYOUT, [0], buffers, backend="reference", defer_s=5.0)
+
+
+@pytest.mark.parametrize("busy_sleeps, expected", [(2, 3), (99, collector.DEFER_ROUNDS)])
+def test_submits_during_the_sleep_extend_it_up_to_the_cap(random_buffers, monkeypatch, busy_sleeps, expected):
+    """While the serving thread keeps submitting (here: during the first `busy_sleeps`
+    sleeps), the collector sleeps again; once a sleep passes quietly it delivers, and it
+    never sleeps more than DEFER_ROUNDS times for one batch."""
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=4), backend="reference", defer_s=DEFER_S)
+    slept = []
+    real_sleep = collector.time.sleep
+
+    def sleep(seconds):
+        if seconds != DEFER_S:
+            return real_sleep(seconds)
+        slept.append(seconds)
+        if len(slept) <= busy_sleeps:
+            engine.stats.submitted_rooms += 1  # what a submit on the serving thread meanwhile leaves
+
+    monkeypatch.setattr(collector.time, "sleep", sleep)
+    done, got = threading.Event(), []
+    engine.submit(_room(0), lambda result: (got.append(result), done.set()))
+    assert done.wait(10)
+    engine.close()
+    assert len(got) == 1 and got[0].error is None
+    assert len(slept) == expected
+
+
+def test_restore_engines_take_the_hicache_deferral():
+    """`hicache.restore_defer_ms` reaches each pool's restore engine (3 ms by default)."""
+    from types import SimpleNamespace
+
+    from dsv4_idxk_probe.hicache.restore import RestoreVerifier
+    from dsv4_idxk_probe.hicache.settings import parse_settings
+
+    assert parse_settings({}).restore_defer_ms == 3.0
+    settings = parse_settings({"restore_defer_ms": 7.5})
+    made = []
+
+    def factory(layout, layer_ids, buffers, queue_max):
+        made.append(SimpleNamespace(backend="triton", defer_s=None))
+        return made[-1]
+
+    verifier = RestoreVerifier(4, 4, lambda *a: None, lambda *a: None, lambda *a: None, engine_factory=factory,
+                               defer_s=settings.restore_defer_ms / 1000)
+    geom = SimpleNamespace(name="deepseek_v4_c4_indexer", layers=2, item_bytes=8448, page_size=256)
+    views = SimpleNamespace(device_layer=lambda layer: None)
+    assert verifier.pool(SimpleNamespace(key=1, geom=geom, views=views, invariants_failed=False)) is not None
+    assert made[0].defer_s == 0.0075
+    with pytest.raises(Exception, match="restore_defer_ms"):
+        parse_settings({"restore_defer_ms": 5000})

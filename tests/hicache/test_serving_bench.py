@@ -17,3 +17,23 @@ def test_the_serving_leg_runs_small_on_the_cpu_and_every_compared_load_matches(t
     assert report["restore_verdicts"]["unverified"] == 0 and report["probe_errors"] == 0
     assert len(report["rooms_per_s_ratio"]["per_pair"]) == 2
     assert all(run["rooms"] > 0 for runs in report["runs"].values() for run in runs)
+
+
+def test_the_restore_profile_runs_small_on_the_cpu_and_holds_the_collector_off(capsys):
+    """bench/hicache_profile.py: every case and variant timed, the collector held off for a
+    burst (its note blocks until the burst is timed) and then caught up, no probe failure."""
+    from bench import hicache_profile
+
+    assert hicache_profile.main(["--calls", "32", "--burst", "16", "--rounds", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    for variant in ("bare", "wrapped, collector running", "wrapped, collector held"):
+        assert out.count(variant) == 2, out
+    assert "cProfile, copying thread, wrapped backup" in out
+
+
+def test_the_serving_leg_takes_the_restore_deferral(tmp_path):
+    """`--restore-defer-ms` reaches the restore-on variant's config (the GPU session's nodefer step)."""
+    from bench.hicache_serving import Probed
+
+    probed = Probed(True, tmp_path, 0.0)
+    assert probed.runtime.config.hicache["restore_defer_ms"] == 0.0
