@@ -64,12 +64,19 @@ def real_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine,
 
 
 def _role_options(role: str) -> dict:
-    """What `DigestEngine.from_config` chooses per role beyond the config's digest section."""
+    """What `DigestEngine.from_config` chooses per role with the shipped config: where the
+    outputs' copy down is made, and the collector's deferral (`digest.collector_defer_ms`)."""
     import inspect
 
-    if "download" not in inspect.signature(DigestEngine).parameters:  # an engine from before the option
-        return {}
-    return {"download": "collector" if role == "decode" else "submit"}
+    from dsv4_idxk_probe.config import parse_config
+
+    params = inspect.signature(DigestEngine).parameters
+    options = {}
+    if "download" in params:  # an engine from before the option has neither
+        options["download"] = "collector" if role == "decode" else "submit"
+    if "defer_s" in params:
+        options["defer_s"] = parse_config({}).digest.collector_defer_ms / 1000
+    return options
 
 
 def fake_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
