@@ -150,6 +150,17 @@ def cpu_us(fn, calls: int, burst: int = 0, between=None) -> float:
     return spent / calls * 1e6
 
 
+def closed_cleanly(installs) -> bool:
+    """Drain and forget each install's probe; False (said) when any thread counted a probe failure."""
+    for inst in installs:
+        inst.drain()
+        forget(inst.runtime)
+    failures = error_counts()
+    if failures:
+        print(f"FAIL: probe failures counted during the run: {failures}")
+    return not failures
+
+
 class Installed:
     def __init__(self, cls, index_checks: bool):
         self.registry = CollectorRegistry()
@@ -320,12 +331,7 @@ def main(argv=None) -> int:
             return 1
         print(f"sync check: no synchronising call in any timed wrapped call; device checks counted {int(got)} straddles")
 
-    for inst in installs.values():
-        inst.drain()
-        forget(inst.runtime)
-    failures = error_counts()
-    if failures:
-        print(f"FAIL: probe failures counted during the run: {failures}")
+    if not closed_cleanly(installs.values()):
         return 1
     mode = "standalone" if args.standalone else "sglang DeepSeekV4PagedHostPool"
     print(f"\ndevice={args.device} pool={mode} layers={LAYERS} pages/call={PAGES} rounds={args.rounds} calls={args.calls}")
