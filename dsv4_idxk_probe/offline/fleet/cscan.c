@@ -656,7 +656,8 @@ static int repr_checks(const uint8_t *data, Out *o)
                 continue;
             }
         }
-        o->rows[kept++] = *r;
+        if (kept != i) o->rows[kept] = *r;  /* rows move only behind a dropped one */
+        kept++;
     }
     o->n_rows = kept;
     if (!n_bad) return 1;
@@ -677,15 +678,10 @@ static int repr_checks(const uint8_t *data, Out *o)
 static __thread Row *spare_rows;
 static __thread Py_ssize_t spare_cap;
 
-#define COLUMN(name, ctype, expr)                                               \
-    do {                                                                        \
-        PyObject *b_ = PyBytes_FromStringAndSize(NULL, n * sizeof(ctype));      \
-        if (!b_) goto fail;                                                     \
-        ctype *a_ = (ctype *)PyBytes_AS_STRING(b_);                             \
-        for (Py_ssize_t i = 0; i < n; i++) { const Row *r = &o.rows[i]; a_[i] = (ctype)(expr); } \
-        if (PyDict_SetItemString(cols, name, b_) < 0) { Py_DECREF(b_); goto fail; } \
-        Py_DECREF(b_);                                                          \
-    } while (0)
+#define N_NUMERIC 10
+static const char *numeric_names[N_NUMERIC] = {"line", "attempt", "step", "ts", "tokens", "cells", "dh", "flags",
+                                               "stage", "live"};
+static const Py_ssize_t numeric_width[N_NUMERIC] = {8, 8, 8, 8, 8, 8, 8, 1, 1, 1};
 
 static PyObject *scan_chunk(PyObject *self, PyObject *args)
 {
@@ -704,21 +700,33 @@ static PyObject *scan_chunk(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     PyObject *cols = NULL, *result = NULL;
     PyObject *lists[4] = {NULL, NULL, NULL, NULL};
+    PyObject *numeric[N_NUMERIC] = {NULL};
     if (!ok) { PyErr_NoMemory(); goto fail; }
     if (!repr_checks(data, &o)) goto fail;
     Py_ssize_t n = o.n_rows;
     cols = PyDict_New();
     if (!cols) goto fail;
-    COLUMN("line", long long, r->line);
-    COLUMN("attempt", long long, r->attempt);
-    COLUMN("step", long long, r->step);
-    COLUMN("ts", double, r->ts);
-    COLUMN("tokens", long long, r->tokens);
-    COLUMN("cells", long long, r->cells);
-    COLUMN("dh", uint64_t, r->dh);
-    COLUMN("flags", uint8_t, r->flags);
-    COLUMN("stage", int8_t, r->stage);
-    COLUMN("live", int8_t, r->live);
+    /* the numeric columns filled in one pass over the rows, not a pass per column */
+    for (int j = 0; j < N_NUMERIC; j++)
+        if (!(numeric[j] = PyBytes_FromStringAndSize(NULL, n * numeric_width[j]))) goto fail;
+    {
+        long long *line = (long long *)PyBytes_AS_STRING(numeric[0]), *attempt = (long long *)PyBytes_AS_STRING(numeric[1]),
+                  *step = (long long *)PyBytes_AS_STRING(numeric[2]), *tokens = (long long *)PyBytes_AS_STRING(numeric[4]),
+                  *cells = (long long *)PyBytes_AS_STRING(numeric[5]);
+        double *ts = (double *)PyBytes_AS_STRING(numeric[3]);
+        uint64_t *dh = (uint64_t *)PyBytes_AS_STRING(numeric[6]);
+        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(numeric[7]);
+        int8_t *stage = (int8_t *)PyBytes_AS_STRING(numeric[8]), *live = (int8_t *)PyBytes_AS_STRING(numeric[9]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Row *r = &o.rows[i];
+            line[i] = r->line, attempt[i] = r->attempt, step[i] = r->step, ts[i] = r->ts, tokens[i] = r->tokens;
+            cells[i] = r->cells, dh[i] = r->dh, flags[i] = r->flags, stage[i] = r->stage, live[i] = r->live;
+        }
+    }
+    for (int j = 0; j < N_NUMERIC; j++) {
+        if (PyDict_SetItemString(cols, numeric_names[j], numeric[j]) < 0) goto fail;
+        Py_CLEAR(numeric[j]);
+    }
     {
         PyObject *last[4] = {NULL, NULL, NULL, NULL};
         const uint8_t *lp[4] = {NULL, NULL, NULL, NULL};
@@ -752,6 +760,7 @@ static PyObject *scan_chunk(PyObject *self, PyObject *args)
     cols = NULL;
 fail:
     for (int k = 0; k < 4; k++) Py_XDECREF(lists[k]);
+    for (int j = 0; j < N_NUMERIC; j++) Py_XDECREF(numeric[j]);
     Py_XDECREF(cols);
     spare_rows = o.rows, spare_cap = o.cap_rows;
     free(o.odd);
