@@ -105,8 +105,7 @@ typedef struct {
     double since, until;  /* the window [since, until) (NaN: open) */
     PyObject *instance_ok;   /* instance -> bool (None: any instance) */
     PyObject *instance_seen; /* {instance: bool}, the answers so far */
-    char *json;           /* clean_rooms_json's buffer, kept between blocks */
-    Py_ssize_t json_cap;
+    Py_ssize_t json_size; /* clean_rooms_json's last block's size */
     char *text;           /* the rooms' and rids' UTF-8 text, one after another (no object per string) */
     Py_ssize_t text_n, text_cap;
     int prefill_stage, max_kept;
@@ -679,8 +678,9 @@ static PyObject *table_complex_positions(RoomTable *t, PyObject *unused)
 
 /* ---- the clean rooms' JSON, as output._clean_rooms writes it from SQL ---- */
 
+/* Text made straight into a bytes object (handed out as it is: no copy of each block). */
 typedef struct {
-    char *p;
+    PyObject *obj;  /* the bytes, `cap` long, `n` of them written */
     Py_ssize_t n, cap;
     int high;  /* a text put here has a byte json_safe may escape (DEL or past ASCII) */
 } Buf;
@@ -690,12 +690,12 @@ static int put(Buf *b, const char *s, Py_ssize_t n)
     if (b->n + n > b->cap) {
         Py_ssize_t cap = b->cap ? b->cap : 1 << 16;
         while (cap < b->n + n) cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (!np) { PyErr_NoMemory(); return 0; }
-        b->p = np;
+        if (!b->obj) b->obj = PyBytes_FromStringAndSize(NULL, cap);
+        else if (_PyBytes_Resize(&b->obj, cap) < 0) b->obj = NULL;  /* (it freed the old one) */
+        if (!b->obj) return 0;
         b->cap = cap;
     }
-    memcpy(b->p + b->n, s, n);
+    memcpy(PyBytes_AS_STRING(b->obj) + b->n, s, n);
     b->n += n;
     return 1;
 }
@@ -847,11 +847,13 @@ static PyObject *table_clean_rooms_json(RoomTable *t, PyObject *args)
     if (stop > t->n_sorted) stop = t->n_sorted;
     Py_ssize_t n = stop > start ? stop - start : 0;
     long long *ords = malloc((n ? n : 1) * sizeof(long long)), *ends = malloc((n ? n : 1) * sizeof(long long));
-    /* the table's buffer, kept between blocks: a fresh one grown to ~15 MB a block costs its
-       copies on growth and a page fault per 4 KiB */
-    Buf b = {t->json, 0, t->json_cap, tuple_high(stages) || tuple_high(verdicts) || tuple_high(wesc)};
+    /* sized as the last block and a little more: grown by doubling, a block's text would be
+       copied on the way */
+    Buf b = {NULL, 0, 0, tuple_high(stages) || tuple_high(verdicts) || tuple_high(wesc)};
     PyObject *result = NULL;
     if (!ords || !ends) { PyErr_NoMemory(); goto out; }
+    if (t->json_size && !(b.obj = PyBytes_FromStringAndSize(NULL, t->json_size + t->json_size / 8))) goto out;
+    b.cap = b.obj ? PyBytes_GET_SIZE(b.obj) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyState *k = t->sorted[start + i];
         if (!room_json(&b, t, k, stages, verdicts, wesc, finish)) goto out;
@@ -859,14 +861,16 @@ static PyObject *table_clean_rooms_json(RoomTable *t, PyObject *args)
         ends[i] = b.n;
         if (sep_len && !put(&b, sep, sep_len)) goto out;
     }
-    result = Py_BuildValue("(y#y#y#O)", (const char *)ords, n * (Py_ssize_t)sizeof(long long),
-                           (const char *)ends, n * (Py_ssize_t)sizeof(long long), b.p ? b.p : "", b.n,
-                           b.high ? Py_False : Py_True);
+    if (!b.obj && !(b.obj = PyBytes_FromStringAndSize(NULL, 0))) goto out;
+    if (b.n < b.cap && _PyBytes_Resize(&b.obj, b.n) < 0) goto out;  /* shrunk in place */
+    t->json_size = b.n;
+    result = Py_BuildValue("(y#y#NO)", (const char *)ords, n * (Py_ssize_t)sizeof(long long),
+                           (const char *)ends, n * (Py_ssize_t)sizeof(long long), b.obj, b.high ? Py_False : Py_True);
+    b.obj = NULL;  /* the tuple has it (or it was released with the failed tuple) */
 out:
     free(ords);
     free(ends);
-    t->json = b.p;
-    t->json_cap = b.cap;
+    Py_XDECREF(b.obj);
     return result;
 }
 
@@ -1121,7 +1125,6 @@ static void table_dealloc(RoomTable *t)
     free(t->rec_ord);
     free(t->sorted);
     free(t->judged);
-    free(t->json);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
