@@ -467,8 +467,11 @@ typedef struct {
     long long n_tokens, cells;
 } LastDigest;
 
-/* the body of a line (up to its checksum member) as the writer's record, or 0 (odd) */
-static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r, LastDigest *last)
+/* The body of a line as the writer's record, from `start` (no further than `head_end`): 1 and
+ * *stop where the record's members end (where its checksum member must begin), or 0 (odd).
+ * Nothing the split accepts is a newline. */
+static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r, LastDigest *last,
+                     const uint8_t **stop)
 {
     Cur c = {start, head_end};
     const uint8_t *s; Py_ssize_t n;
@@ -525,7 +528,8 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
     }
     if (!LIT(&c, ",\"rid\":") || !str_or_null(&c, &s, &n) || n == 0) return 0;
     r->rid_off = s ? s - base : 0; r->rid_len = n;
-    return c.p == c.end;
+    *stop = c.p;
+    return 1;
 }
 
 /* ---- the chunk ------------------------------------------------------------------------ */
@@ -579,6 +583,16 @@ static int push_odd(Out *o, long long line)
     return 1;
 }
 
+/* Where the line ends if a checksum member begins at `he` and ends it (at a newline, or at the
+ * data's end in a final chunk), else NULL. */
+static const uint8_t *suffix_end(const uint8_t *he, const uint8_t *end, int final)
+{
+    if (end - he < SUFFIX_LEN) return NULL;
+    const uint8_t *le = he + SUFFIX_LEN;
+    if (le < end ? *le != '\n' : !final) return NULL;
+    return memcmp(he, ",\"h\":\"", 6) == 0 && le[-2] == '"' && le[-1] == '}' ? le : NULL;
+}
+
 /* returns 0 on out-of-memory */
 static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int final, Out *o)
 {
@@ -586,9 +600,28 @@ static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int 
     long long line = first_line;
     LastDigest last = {NULL, 0, 0, 0, 0, 0};
     while (p < end) {
+        Row r;
+        const uint8_t *he, *le;
+        r.line = line;
+        /* A canonical line needs no search for its newline: the split stops where its checksum
+           member begins, and with no newline in what it accepts, the line ends after that member
+           exactly when the line is canonical (as the split bounded by the newline would say). */
+        if (canonical(data, p, end, &r, &last, &he) && (le = suffix_end(he, end, final)) && le - p <= max_line_bytes) {
+            int tail = le == end;
+            o->n_lines++;
+            if (!checksum_ok(p, le)) {
+                if (tail) { o->status = 2; o->torn_off = p - data; return 1; }
+                o->status = 1; o->why = "a line fails its checksum"; return 1;
+            }
+            o->n_valid++;
+            if (!push_row(o, &r)) return 0;
+            line++;
+            p = tail ? end : le + 1;
+            continue;
+        }
         const uint8_t *nl = memchr(p, '\n', end - p);
         int tail = nl == NULL;  /* the file's last line, without newline (only when final) */
-        const uint8_t *le = tail ? end : nl;
+        le = tail ? end : nl;
         Py_ssize_t len = le - p;
         o->n_lines++;
         if (len > max_line_bytes) { o->status = 1; o->why = "line over the reader's bound"; return 1; }
@@ -601,9 +634,9 @@ static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int 
             o->status = 1; o->why = "a line fails its checksum"; return 1;
         }
         o->n_valid++;
-        Row r;
-        r.line = line;
-        if (canonical(data, p, le - SUFFIX_LEN, &r, &last)) { if (!push_row(o, &r)) return 0; }
+        if (canonical(data, p, le - SUFFIX_LEN, &r, &last, &he) && he == le - SUFFIX_LEN) {
+            if (!push_row(o, &r)) return 0;  /* (not reached: the unbounded split above says the same) */
+        }
         else if (!push_odd(o, line)) return 0;
         line++;
         p = tail ? end : nl + 1;
