@@ -706,8 +706,8 @@ static int repr_checks(const uint8_t *data, Out *o)
     return 1;
 }
 
-/* The rows array is kept for the thread's next chunk: a fresh one per chunk costs a page
- * fault per 4 KiB written (~1.5 MB a chunk), more than the rows' own making. */
+/* The rows array is kept for the thread's next chunk (one per scanning thread, never freed):
+ * a fresh one per chunk costs a page fault per 4 KiB written, more than the rows' own making. */
 static __thread Row *spare_rows;
 static __thread Py_ssize_t spare_cap;
 
