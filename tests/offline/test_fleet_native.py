@@ -229,6 +229,42 @@ def test_the_native_split_on_the_hostile_lines(tmp_path, monkeypatch):
     _compare_passes(hostile_set(tmp_path / "logs"), monkeypatch)
 
 
+def _digest_text(line: bytes) -> bytes:
+    body = _body(line)
+    return body[body.index(b',"digest":') + len(b',"digest":'):body.index(b',"verdict":')]
+
+
+def test_a_lines_row_does_not_depend_on_the_lines_before_it():
+    """Each line scanned alone, in a chunk of its own, gives the row it gives in its file: a
+    digest whose bytes are the line before's is compared with them instead of read again, and
+    a line is split before its newline is looked for; neither may change a row."""
+    pre, dec = room_records(RoomPlan(5, steps=(32, 64)))
+    p, d = [encode_line(r) for r in pre], [encode_line(r) for r in dec]
+    assert _digest_text(p[0]) == _digest_text(d[0])  # one digest text for the whole room
+    refused = _drop_row(d[1])  # a digest pack_digest refuses
+    lines = d + p  # a prefill record after decode records with its very digest: still checked as prefill's
+    lines += [refused] * 3 + [_digest(p[0], _digest_text(refused))]  # the refused one as prefill's
+    lines += [_digest(d[2], _digest_text(d[2]) + b" ")]  # the same digest, then a space: odd
+    lines += [d[3], _set(d[3], b"verdict", b'"mismatch"'), _digest(d[3], b"null"), d[3]]
+    lines += [_digest(d[1], b'{"a":[1,{"b":"c"}]}')] * 2  # another object, repeated
+    lines += [d[0][:-1]]  # the last line without its newline
+    data = b"".join(lines)
+    whole = cscan().scan_chunk(data, 1, True)
+    assert whole[0] == 0 and whole[2] == len(lines)
+    cols, odd = {k: [] for k in whole[5]}, []
+    for i, line in enumerate(lines, start=1):
+        status, _, n_lines, n_valid, _, part, part_odd = cscan().scan_chunk(line, i, True)
+        assert (status, n_lines, n_valid) == (0, 1, 1), i
+        for k, v in part.items():
+            cols[k].append(v)
+        odd.append(part_odd)
+    assert b"".join(odd) == whole[6] and len(whole[6]) == 8  # the line with a space after its digest
+    for k, v in whole[5].items():
+        assert (b"".join(cols[k]) if isinstance(v, bytes) else sum(cols[k], [])) == v, k
+    flags = whole[5]["flags"]
+    assert flags[len(d)] == 3 and flags[len(d) + len(p) + 3] == 1  # prefill's digest as written, refused
+
+
 def test_ts_reads_as_python_reads_it_when_spelled_as_the_writer_spells_it():
     """A ts is canonical as an integer or as repr(float) spells it (what orjson writes), and
     then reads as Python reads it; any other spelling is an odd line."""

@@ -250,6 +250,20 @@ def test_many_keys_grow_the_table_and_keep_each_one(tmp_path):
     assert sum(v == "complex" for v in judged.values()) == 15
 
 
+def test_rooms_past_the_entrys_inline_text_and_stages_past_its_inline_ones(tmp_path):
+    """Rooms of 24 bytes and less are kept in their entry, longer ones in the arena; a room's
+    first three decode stages in its entry, more on the heap: the same judgment and JSON."""
+    lines = []
+    for i, room in enumerate(["9" * 23, "8" * 24, "7" * 25, "r" * 200, "6" * 19], start=1):
+        pre, dec = room_records(RoomPlan(i, steps=(32, 64, 96, 128) if i % 2 else (32,),
+                                         fault=Fault(0, 1, 2) if i == 3 else None))
+        for r in pre + dec:
+            r["room"] = room
+        lines += [encode_line(r) for r in pre + dec]
+    judged = assert_same_judgment(write(tmp_path / "long.jsonl", lines))
+    assert len(judged) == 5 and sum(v == "complex" for v in judged.values()) == 1
+
+
 def test_bad_columns_are_refused_with_a_message():
     table = native.room_table()
     with pytest.raises(ValueError, match="room and rid"):

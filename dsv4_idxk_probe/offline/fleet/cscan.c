@@ -455,8 +455,23 @@ static int ts_field(Cur *c, const uint8_t *base, Row *r)
     return 1;
 }
 
-/* the body of a line (up to its checksum member) as the writer's record, or 0 (odd) */
-static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r)
+/* The last digest read in this chunk, with what its reading found: a room's decode records
+ * follow one another and nearly always carry the same digest text, and comparing its bytes is
+ * far cheaper than splitting and hashing them again. The split reads a digest's own bytes
+ * only, so equal bytes read the same. */
+typedef struct {
+    const uint8_t *p;  /* NULL: none yet */
+    Py_ssize_t n;
+    uint64_t h;        /* xxh64 of the text */
+    int strict;        /* the writer's digest, as `pack_digest` accepts it */
+    long long n_tokens, cells;
+} LastDigest;
+
+/* The body of a line as the writer's record, from `start` (no further than `head_end`): 1 and
+ * *stop where the record's members end (where its checksum member must begin), or 0 (odd).
+ * Nothing the split accepts is a newline. */
+static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *head_end, Row *r, LastDigest *last,
+                     const uint8_t **stop)
 {
     Cur c = {start, head_end};
     const uint8_t *s; Py_ssize_t n;
@@ -482,21 +497,24 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
     r->dh = 0;
     if (!LIT(&c, "null")) {
         const uint8_t *d0 = c.p;
-        long long nt = 0, cells = 0;
         if (c.p >= c.end || *c.p != '{') return 0;
-        if (strict_digest(&c, &nt, &cells)) {  /* the writer's digest: the common case, any stage */
-            r->flags = 1;
-            if (r->stage == 0) {
-                r->flags = 3;
-                r->tokens = nt;
-                r->cells = cells;
+        if (!(last->p && c.end - c.p >= last->n && memcmp(c.p, last->p, last->n) == 0)) {
+            long long nt = 0, cells = 0;
+            int strict = strict_digest(&c, &nt, &cells);  /* the writer's digest: the common case, any stage */
+            if (!strict) {
+                c.p = d0;
+                if (!skip_value(&c, 0)) return 0;
             }
-        } else {
-            c.p = d0;
-            if (!skip_value(&c, 0)) return 0;
-            r->flags = 1;
+            *last = (LastDigest){d0, c.p - d0, xxh64(d0, c.p - d0), strict, nt, cells};
         }
-        r->dh = xxh64(d0, c.p - d0);
+        c.p = d0 + last->n;
+        r->flags = 1;
+        r->dh = last->h;
+        if (last->strict && r->stage == 0) {
+            r->flags = 3;
+            r->tokens = last->n_tokens;
+            r->cells = last->cells;
+        }
     }
     if (!LIT(&c, ",\"verdict\":")) return 0;
     if (LIT(&c, "null")) r->live = -1;
@@ -510,7 +528,8 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
     }
     if (!LIT(&c, ",\"rid\":") || !str_or_null(&c, &s, &n) || n == 0) return 0;
     r->rid_off = s ? s - base : 0; r->rid_len = n;
-    return c.p == c.end;
+    *stop = c.p;
+    return 1;
 }
 
 /* ---- the chunk ------------------------------------------------------------------------ */
@@ -564,15 +583,45 @@ static int push_odd(Out *o, long long line)
     return 1;
 }
 
+/* Where the line ends if a checksum member begins at `he` and ends it (at a newline, or at the
+ * data's end in a final chunk), else NULL. */
+static const uint8_t *suffix_end(const uint8_t *he, const uint8_t *end, int final)
+{
+    if (end - he < SUFFIX_LEN) return NULL;
+    const uint8_t *le = he + SUFFIX_LEN;
+    if (le < end ? *le != '\n' : !final) return NULL;
+    return memcmp(he, ",\"h\":\"", 6) == 0 && le[-2] == '"' && le[-1] == '}' ? le : NULL;
+}
+
 /* returns 0 on out-of-memory */
 static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int final, Out *o)
 {
     const uint8_t *p = data, *end = data + size;
     long long line = first_line;
+    LastDigest last = {NULL, 0, 0, 0, 0, 0};
     while (p < end) {
+        Row r;
+        const uint8_t *he, *le;
+        r.line = line;
+        /* A canonical line needs no search for its newline: the split stops where its checksum
+           member begins, and with no newline in what it accepts, the line ends after that member
+           exactly when the line is canonical (as the split bounded by the newline would say). */
+        if (canonical(data, p, end, &r, &last, &he) && (le = suffix_end(he, end, final)) && le - p <= max_line_bytes) {
+            int tail = le == end;
+            o->n_lines++;
+            if (!checksum_ok(p, le)) {
+                if (tail) { o->status = 2; o->torn_off = p - data; return 1; }
+                o->status = 1; o->why = "a line fails its checksum"; return 1;
+            }
+            o->n_valid++;
+            if (!push_row(o, &r)) return 0;
+            line++;
+            p = tail ? end : le + 1;
+            continue;
+        }
         const uint8_t *nl = memchr(p, '\n', end - p);
         int tail = nl == NULL;  /* the file's last line, without newline (only when final) */
-        const uint8_t *le = tail ? end : nl;
+        le = tail ? end : nl;
         Py_ssize_t len = le - p;
         o->n_lines++;
         if (len > max_line_bytes) { o->status = 1; o->why = "line over the reader's bound"; return 1; }
@@ -585,9 +634,9 @@ static int scan(const uint8_t *data, Py_ssize_t size, long long first_line, int 
             o->status = 1; o->why = "a line fails its checksum"; return 1;
         }
         o->n_valid++;
-        Row r;
-        r.line = line;
-        if (canonical(data, p, le - SUFFIX_LEN, &r)) { if (!push_row(o, &r)) return 0; }
+        if (canonical(data, p, le - SUFFIX_LEN, &r, &last, &he) && he == le - SUFFIX_LEN) {
+            if (!push_row(o, &r)) return 0;  /* (not reached: the unbounded split above says the same) */
+        }
         else if (!push_odd(o, line)) return 0;
         line++;
         p = tail ? end : nl + 1;
@@ -640,7 +689,8 @@ static int repr_checks(const uint8_t *data, Out *o)
                 continue;
             }
         }
-        o->rows[kept++] = *r;
+        if (kept != i) o->rows[kept] = *r;  /* rows move only behind a dropped one */
+        kept++;
     }
     o->n_rows = kept;
     if (!n_bad) return 1;
@@ -656,15 +706,15 @@ static int repr_checks(const uint8_t *data, Out *o)
     return 1;
 }
 
-#define COLUMN(name, ctype, expr)                                               \
-    do {                                                                        \
-        PyObject *b_ = PyBytes_FromStringAndSize(NULL, n * sizeof(ctype));      \
-        if (!b_) goto fail;                                                     \
-        ctype *a_ = (ctype *)PyBytes_AS_STRING(b_);                             \
-        for (Py_ssize_t i = 0; i < n; i++) { const Row *r = &o.rows[i]; a_[i] = (ctype)(expr); } \
-        if (PyDict_SetItemString(cols, name, b_) < 0) { Py_DECREF(b_); goto fail; } \
-        Py_DECREF(b_);                                                          \
-    } while (0)
+/* The rows array is kept for the thread's next chunk (one per scanning thread, never freed):
+ * a fresh one per chunk costs a page fault per 4 KiB written, more than the rows' own making. */
+static __thread Row *spare_rows;
+static __thread Py_ssize_t spare_cap;
+
+#define N_NUMERIC 10
+static const char *numeric_names[N_NUMERIC] = {"line", "attempt", "step", "ts", "tokens", "cells", "dh", "flags",
+                                               "stage", "live"};
+static const Py_ssize_t numeric_width[N_NUMERIC] = {8, 8, 8, 8, 8, 8, 8, 1, 1, 1};
 
 static PyObject *scan_chunk(PyObject *self, PyObject *args)
 {
@@ -674,6 +724,8 @@ static PyObject *scan_chunk(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*Lp", &buf, &first_line, &final)) return NULL;
     Out o;
     memset(&o, 0, sizeof o);
+    o.rows = spare_rows, o.cap_rows = spare_cap;  /* this thread's rows array of its last chunk */
+    spare_rows = NULL, spare_cap = 0;
     int ok;
     const uint8_t *data = buf.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -681,21 +733,33 @@ static PyObject *scan_chunk(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     PyObject *cols = NULL, *result = NULL;
     PyObject *lists[4] = {NULL, NULL, NULL, NULL};
+    PyObject *numeric[N_NUMERIC] = {NULL};
     if (!ok) { PyErr_NoMemory(); goto fail; }
     if (!repr_checks(data, &o)) goto fail;
     Py_ssize_t n = o.n_rows;
     cols = PyDict_New();
     if (!cols) goto fail;
-    COLUMN("line", long long, r->line);
-    COLUMN("attempt", long long, r->attempt);
-    COLUMN("step", long long, r->step);
-    COLUMN("ts", double, r->ts);
-    COLUMN("tokens", long long, r->tokens);
-    COLUMN("cells", long long, r->cells);
-    COLUMN("dh", uint64_t, r->dh);
-    COLUMN("flags", uint8_t, r->flags);
-    COLUMN("stage", int8_t, r->stage);
-    COLUMN("live", int8_t, r->live);
+    /* the numeric columns filled in one pass over the rows, not a pass per column */
+    for (int j = 0; j < N_NUMERIC; j++)
+        if (!(numeric[j] = PyBytes_FromStringAndSize(NULL, n * numeric_width[j]))) goto fail;
+    {
+        long long *line = (long long *)PyBytes_AS_STRING(numeric[0]), *attempt = (long long *)PyBytes_AS_STRING(numeric[1]),
+                  *step = (long long *)PyBytes_AS_STRING(numeric[2]), *tokens = (long long *)PyBytes_AS_STRING(numeric[4]),
+                  *cells = (long long *)PyBytes_AS_STRING(numeric[5]);
+        double *ts = (double *)PyBytes_AS_STRING(numeric[3]);
+        uint64_t *dh = (uint64_t *)PyBytes_AS_STRING(numeric[6]);
+        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(numeric[7]);
+        int8_t *stage = (int8_t *)PyBytes_AS_STRING(numeric[8]), *live = (int8_t *)PyBytes_AS_STRING(numeric[9]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Row *r = &o.rows[i];
+            line[i] = r->line, attempt[i] = r->attempt, step[i] = r->step, ts[i] = r->ts, tokens[i] = r->tokens;
+            cells[i] = r->cells, dh[i] = r->dh, flags[i] = r->flags, stage[i] = r->stage, live[i] = r->live;
+        }
+    }
+    for (int j = 0; j < N_NUMERIC; j++) {
+        if (PyDict_SetItemString(cols, numeric_names[j], numeric[j]) < 0) goto fail;
+        Py_CLEAR(numeric[j]);
+    }
     {
         PyObject *last[4] = {NULL, NULL, NULL, NULL};
         const uint8_t *lp[4] = {NULL, NULL, NULL, NULL};
@@ -729,8 +793,9 @@ static PyObject *scan_chunk(PyObject *self, PyObject *args)
     cols = NULL;
 fail:
     for (int k = 0; k < 4; k++) Py_XDECREF(lists[k]);
+    for (int j = 0; j < N_NUMERIC; j++) Py_XDECREF(numeric[j]);
     Py_XDECREF(cols);
-    free(o.rows);
+    spare_rows = o.rows, spare_cap = o.cap_rows;
     free(o.odd);
     PyBuffer_Release(&buf);
     return result;

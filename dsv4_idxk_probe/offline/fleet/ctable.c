@@ -16,9 +16,10 @@
  * the reference joiner must read. `clean_rooms_json` writes the clean rooms' lines of
  * `diff --json` in blocks as `output.py` writes them from SQL, in order of their first
  * decode record. Entries are dense, in order of first appearance, behind an open-addressed
- * index of 32-bit entry numbers; the rooms' and rids' text is copied into one arena (no
- * object per room), an entry holds references to its instances and layout (shared strings).
- * No Python loop runs per row.
+ * index of 32-bit entry numbers tagged with 32 bits of their hash; a room of up to 24 bytes
+ * and a key's first three decode stages live in its entry, longer rooms and the rids' text in
+ * one arena (no object per room), an entry holds references to its instances and layout
+ * (shared strings). No Python loop runs per row.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -54,32 +55,43 @@ typedef struct {          /* prefill records of one `tokens` value (classify's p
     uint8_t has;          /* the first record has a digest */
 } Group;
 
+#define ROOM_INLINE 24  /* a room this long or shorter is kept in its entry (a 63-bit integer's digits fit) */
+#define KEPT_INLINE 3   /* kept stages held in the entry before they move to the heap (recv, a step, finish) */
+
+/* One key. A lookup reads the first 48 bytes only (hash, attempt, room), and a decode record
+ * updates what follows: they sit together, so that a row touches one or two cache lines of
+ * its entry and, for most rooms, no other memory (room text and first stages inline). */
 typedef struct {
+    Py_hash_t hash;
+    long long attempt;
+    int32_t room_len;     /* the key's room, in `room.in` up to ROOM_INLINE bytes, else in the arena at `room.at` */
+    uint16_t flags;
+    union { char in[ROOM_INLINE]; long long at; } room;
+    int32_t p, d;
+    long long first_d;        /* the first decode record's position */
+    uint64_t p_dh, d_dh;
+    double d_ts;              /* the least decode `ts` (NaN: none) */
+    int32_t n_kept, cap_kept, n_groups;
+    union { Kept in[KEPT_INLINE]; Kept *heap; } kept;  /* `in` while cap_kept <= KEPT_INLINE */
     /* texts kept in the table's arena, as (offset, UTF-8 length); length -1: none (null) */
-    long long room_at, p_rid_at, p_rid_nn_at, d_rid_at;
-    int32_t room_len;     /* the key's room */
+    long long p_rid_at, p_rid_nn_at, d_rid_at;
     int32_t p_rid_len;    /* the first prefill record's rid (-1: null) */
     int32_t p_rid_nn_len; /* the first prefill rid that is not null (-1: none) */
     int32_t d_rid_len;    /* the first decode record's rid that is not null (-1: none) */
     PyObject *p_inst, *p_layout, *d_inst;  /* the first prefill record's instance and layout, the first decode one's */
-    long long attempt;
-    Py_hash_t hash;
-    int32_t p, d;
-    long long first_d, ptok;  /* the first decode record's position; the first prefill record's tokens */
+    long long ptok;           /* the first prefill record's tokens */
     long long first_p;        /* the first prefill record's position */
     long long p_cells;        /* the first prefill record's digest cells */
-    double d_ts;              /* the least decode `ts` (NaN: none) */
-    uint64_t p_dh, d_dh;
-    Kept *kept;
     Group g0;                 /* the first tokens group; more in `groups` */
     Group *groups;
-    int32_t n_kept, cap_kept, n_groups;
-    uint16_t flags;
 } KeyState;
+
+static inline Kept *kept_of(KeyState *k) { return k->cap_kept > KEPT_INLINE ? k->kept.heap : k->kept.in; }
 
 typedef struct {
     PyObject_HEAD
-    uint32_t *index;      /* open addressing: entry number + 1, 0 for an empty slot */
+    uint64_t *index;      /* open addressing: entry number + 1 (low 32 bits; 0: an empty slot) and the
+                             hash's high 32 bits, so that a probe past another key reads no entry */
     KeyState *keys;       /* the entries, in order of first appearance */
     Py_ssize_t cap, n, cap_keys, kept_bytes;
     uint32_t *rec_key;    /* every record's entry number, in the order added (reading order) */
@@ -87,14 +99,24 @@ typedef struct {
     Py_ssize_t n_rec, cap_rec;
     KeyState **sorted;    /* the clean decoded keys by first decode position (sort_clean) */
     Py_ssize_t n_sorted;
+    int8_t *judged;       /* each entry's judgment, kept until the next add (one byte a key to
+                             read where a pass over the entries would read two cache lines each) */
     int selecting;        /* `select` was called: keys outside it are left out of everything */
     double since, until;  /* the window [since, until) (NaN: open) */
     PyObject *instance_ok;   /* instance -> bool (None: any instance) */
     PyObject *instance_seen; /* {instance: bool}, the answers so far */
+    Py_ssize_t json_size; /* clean_rooms_json's last block's size */
     char *text;           /* the rooms' and rids' UTF-8 text, one after another (no object per string) */
     Py_ssize_t text_n, text_cap;
     int prefill_stage, max_kept;
 } RoomTable;
+
+static inline const char *room_of(const RoomTable *t, const KeyState *k)
+{
+    return k->room_len <= ROOM_INLINE ? k->room.in : t->text + k->room.at;
+}
+
+#define SLOT(h, e) (((uint64_t)(h) & 0xFFFFFFFF00000000ULL) | (uint64_t)(e))
 
 static Py_hash_t key_hash(Py_hash_t room_hash, long long attempt)
 {
@@ -176,15 +198,21 @@ static PyObject *text_str(RoomTable *t, long long at, int32_t len)
     return PyUnicode_DecodeUTF8(t->text + at, len, "surrogatepass");
 }
 
+static PyObject *room_str(const RoomTable *t, const KeyState *k)
+{
+    return PyUnicode_DecodeUTF8(room_of(t, k), k->room_len, "surrogatepass");
+}
+
 static int table_grow(RoomTable *t)
 {
     Py_ssize_t cap = t->cap ? t->cap * 2 : 1024;
-    uint32_t *index = calloc(cap, sizeof(uint32_t));
+    uint64_t *index = calloc(cap, sizeof(uint64_t));
     if (!index) { PyErr_NoMemory(); return 0; }
     for (Py_ssize_t e = 0; e < t->n; e++) {
-        Py_ssize_t j = (Py_ssize_t)((uint64_t)t->keys[e].hash & (uint64_t)(cap - 1));
+        Py_hash_t h = t->keys[e].hash;
+        Py_ssize_t j = (Py_ssize_t)((uint64_t)h & (uint64_t)(cap - 1));
         while (index[j]) j = (j + 1) & (cap - 1);
-        index[j] = (uint32_t)(e + 1);
+        index[j] = SLOT(h, e + 1);
     }
     free(t->index);
     if (t->cap > (1 << 18)) release_freed();
@@ -197,39 +225,59 @@ static int table_grow(RoomTable *t)
 static KeyState *table_entry(RoomTable *t, PyObject *room, long long attempt, uint32_t *id)
 {
     if (!PyUnicode_Check(room)) { PyErr_SetString(PyExc_TypeError, "a room must be a str"); return NULL; }
-    if ((t->n + 1) * 2 > t->cap && !table_grow(t)) return NULL;
+    /* up to three quarters full: a probe past another key reads its slot's tag, not its entry */
+    if ((t->n + 1) * 4 > t->cap * 3 && !table_grow(t)) return NULL;
     Py_hash_t rh = PyObject_Hash(room);
     if (rh == -1) return NULL;
     Py_hash_t h = key_hash(rh, attempt);
     Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)((uint64_t)h & (uint64_t)mask);
+    PyObject *tmp;
+    Py_ssize_t n;
+    const char *u = utf8_of(room, &n, &tmp);
+    if (!u) return NULL;
     for (;;) {
-        uint32_t e = t->index[i];
-        if (!e) break;
-        KeyState *k = &t->keys[e - 1];
-        if (k->hash == h && k->attempt == attempt) {
-            int eq = text_is(t, k->room_at, k->room_len, room);
-            if (eq < 0) return NULL;
-            if (eq) { *id = e - 1; return k; }
+        uint64_t slot = t->index[i];
+        if (!slot) break;
+        if (slot == SLOT(h, slot & 0xFFFFFFFFULL)) {  /* the same high hash bits: look at the entry */
+            uint32_t e = (uint32_t)slot;
+            KeyState *k = &t->keys[e - 1];
+            if (k->hash == h && k->attempt == attempt && k->room_len == n && memcmp(room_of(t, k), u, n) == 0) {
+                Py_XDECREF(tmp);
+                *id = e - 1;
+                return k;
+            }
         }
         i = (i + 1) & mask;
     }
-    if (t->n >= (Py_ssize_t)UINT32_MAX - 1) { PyErr_SetString(PyExc_OverflowError, "too many keys"); return NULL; }
+    if (t->n >= (Py_ssize_t)UINT32_MAX - 1) {
+        Py_XDECREF(tmp);
+        PyErr_SetString(PyExc_OverflowError, "too many keys");
+        return NULL;
+    }
+    if (n > INT32_MAX) { Py_XDECREF(tmp); PyErr_SetString(PyExc_OverflowError, "a room over 2 GB"); return NULL; }
     if (t->n == t->cap_keys) {
         Py_ssize_t cap = t->cap_keys ? t->cap_keys + t->cap_keys / 2 : 1024;
         KeyState *keys = realloc(t->keys, cap * sizeof(KeyState));
-        if (!keys) { PyErr_NoMemory(); return NULL; }
+        if (!keys) { Py_XDECREF(tmp); PyErr_NoMemory(); return NULL; }
         if (keys != t->keys && t->cap_keys > 4096) release_freed();
         t->keys = keys;
         t->cap_keys = cap;
     }
     KeyState *k = &t->keys[t->n];
     memset(k, 0, sizeof *k);
-    if (!keep_text(t, room, &k->room_at, &k->room_len)) return NULL;
+    k->room_len = (int32_t)n;
+    if (n <= ROOM_INLINE) memcpy(k->room.in, u, n);
+    else {
+        int32_t len;
+        int ok = keep_text(t, room, &k->room.at, &len);
+        if (!ok) { Py_XDECREF(tmp); return NULL; }
+    }
+    Py_XDECREF(tmp);
     k->p_rid_len = k->p_rid_nn_len = k->d_rid_len = -1;
     k->attempt = attempt;
     k->hash = h;
     k->d_ts = NAN;
-    t->index[i] = (uint32_t)(t->n + 1);
+    t->index[i] = SLOT(h, t->n + 1);
     *id = (uint32_t)t->n;
     t->n++;
     return k;
@@ -267,13 +315,23 @@ static int column(PyObject *cols, const char *name, Py_ssize_t width, Py_ssize_t
     return 1;
 }
 
+/* What was derived from the keys' state (their order, judgments): stale once a row is added. */
+static void forget_judgments(RoomTable *t)
+{
+    free(t->sorted);
+    t->sorted = NULL;
+    free(t->judged);
+    t->judged = NULL;
+}
+
 /* The first record of the row's (stage, step) in the key's kept stages (the earliest position).
  * Past `max_kept` distinct (stage, step) the key goes to the reference join (complex). */
 static int keep_stage(RoomTable *t, KeyState *k, int8_t stage, long long step, long long ord, int8_t live, double ts)
 {
     if (k->flags & K_CAPPED) return 1;
+    Kept *kept = kept_of(k);
     for (int32_t j = 0; j < k->n_kept; j++) {
-        Kept *e = &k->kept[j];
+        Kept *e = &kept[j];
         if (e->stage == stage && e->step == step) {
             if (ord < e->ord) { e->ord = ord; e->live = live; e->ts = ts; }
             e->n++;
@@ -282,21 +340,30 @@ static int keep_stage(RoomTable *t, KeyState *k, int8_t stage, long long step, l
     }
     if (k->n_kept >= t->max_kept) {
         k->flags |= K_CAPPED | K_COMPLEX;
-        t->kept_bytes -= k->cap_kept * (Py_ssize_t)sizeof(Kept);
-        free(k->kept);
-        k->kept = NULL;
+        if (k->cap_kept > KEPT_INLINE) {
+            t->kept_bytes -= k->cap_kept * (Py_ssize_t)sizeof(Kept);
+            free(k->kept.heap);
+        }
         k->n_kept = k->cap_kept = 0;
         return 1;
     }
     if (k->n_kept == k->cap_kept) {
-        int32_t cap = k->cap_kept ? k->cap_kept * 2 : 3;
-        Kept *nk = realloc(k->kept, cap * sizeof(Kept));
-        if (!nk) { PyErr_NoMemory(); return 0; }
-        t->kept_bytes += (cap - k->cap_kept) * (Py_ssize_t)sizeof(Kept);
-        k->kept = nk;
-        k->cap_kept = cap;
+        if (!k->cap_kept) k->cap_kept = KEPT_INLINE;  /* the entry's own room first */
+        else {
+            int32_t cap = k->cap_kept * 2;
+            Kept *nk = malloc(cap * sizeof(Kept));
+            if (!nk) { PyErr_NoMemory(); return 0; }
+            memcpy(nk, kept, k->n_kept * sizeof(Kept));
+            if (k->cap_kept > KEPT_INLINE) {
+                free(kept);
+                t->kept_bytes -= k->cap_kept * (Py_ssize_t)sizeof(Kept);
+            }
+            t->kept_bytes += cap * (Py_ssize_t)sizeof(Kept);
+            k->kept.heap = kept = nk;
+            k->cap_kept = cap;
+        }
     }
-    k->kept[k->n_kept++] = (Kept){step, ord, ts, 1, stage, live};
+    kept[k->n_kept++] = (Kept){step, ord, ts, 1, stage, live};
     return 1;
 }
 
@@ -361,6 +428,8 @@ static PyObject *text_list(PyObject *cols, const char *name, Py_ssize_t n)
     return o;
 }
 
+#define PREFETCH_ROWS 16
+
 static PyObject *table_add(RoomTable *t, PyObject *args)
 {
     PyObject *cols;
@@ -375,8 +444,7 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
     Py_ssize_t n = PyList_GET_SIZE(rooms);
     PyObject *insts = text_list(cols, "instance", n), *layouts = insts ? text_list(cols, "layout", n) : NULL;
     if (!layouts) return NULL;
-    free(t->sorted);
-    t->sorted = NULL;
+    forget_judgments(t);
     Py_buffer b[N_COLS];
     int got = 0, ok = 0;
     for (; got < N_COLS; got++)
@@ -386,9 +454,22 @@ static PyObject *table_add(RoomTable *t, PyObject *args)
     const uint8_t *flags = b[2].buf;
     const uint64_t *dh = b[3].buf;
     const double *ts = b[8].buf;
+    KeyState *k = NULL;
+    uint32_t id = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t id;
-        KeyState *k = table_entry(t, PyList_GET_ITEM(rooms, i), attempt[i], &id);
+        /* the index slot of a room some rows ahead, asked for now: a key's first row misses
+           the cache there (the index is tens of MB, its slots random) */
+        if (i + PREFETCH_ROWS < n) {
+            PyObject *ahead = PyList_GET_ITEM(rooms, i + PREFETCH_ROWS);
+            if (PyUnicode_CheckExact(ahead) && ahead != PyList_GET_ITEM(rooms, i + PREFETCH_ROWS - 1) && t->cap) {
+                Py_hash_t h = key_hash(PyObject_Hash(ahead), attempt[i + PREFETCH_ROWS]);
+                __builtin_prefetch(&t->index[(uint64_t)h & (uint64_t)(t->cap - 1)]);
+            }
+        }
+        /* a key's records mostly follow one another, and the pass hands equal rooms in a row
+           as one str: the same object and attempt are the same entry, without a lookup */
+        if (!k || PyList_GET_ITEM(rooms, i) != PyList_GET_ITEM(rooms, i - 1) || attempt[i] != attempt[i - 1])
+            k = table_entry(t, PyList_GET_ITEM(rooms, i), attempt[i], &id);
         if (!k) goto done;
         int has = flags[i] & 1;
         long long ord = (fid << LINE_BITS) | line[i];
@@ -481,8 +562,7 @@ static PyObject *table_mark_complex(RoomTable *t, PyObject *keys)
 {
     PyObject *it = PyObject_GetIter(keys), *item;
     if (!it) return NULL;
-    free(t->sorted);
-    t->sorted = NULL;
+    forget_judgments(t);
     while ((item = PyIter_Next(it))) {
         PyObject *room;
         long long attempt;
@@ -528,6 +608,16 @@ static int judgment(const RoomTable *t, const KeyState *k)
     return 0;
 }
 
+/* Every entry's judgment (t->judged), made when missing; NULL on error. */
+static const int8_t *judgments(RoomTable *t)
+{
+    if (t->judged) return t->judged;
+    t->judged = malloc(t->n ? t->n : 1);
+    if (!t->judged) { PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t i = 0; i < t->n; i++) t->judged[i] = (int8_t)judgment(t, &t->keys[i]);
+    return t->judged;
+}
+
 static PyObject *table_judge(RoomTable *t, PyObject *unused)
 {
     static const char *names[3] = {"complex", "clean", "prefill_only"};
@@ -537,7 +627,7 @@ static PyObject *table_judge(RoomTable *t, PyObject *unused)
         const KeyState *k = &t->keys[i];
         int j = judgment(t, k);
         if (j < 0) continue;
-        PyObject *key = Py_BuildValue("(NL)", text_str(t, k->room_at, k->room_len), k->attempt);
+        PyObject *key = Py_BuildValue("(NL)", room_str(t, k), k->attempt);
         PyObject *v = key ? PyUnicode_FromString(names[j]) : NULL;
         if (!v || PyDict_SetItem(out, key, v) < 0) { Py_XDECREF(key); Py_XDECREF(v); Py_DECREF(out); return NULL; }
         Py_DECREF(key);
@@ -549,10 +639,10 @@ static PyObject *table_judge(RoomTable *t, PyObject *unused)
 static PyObject *table_counts(RoomTable *t, PyObject *unused)
 {
     long long c[3] = {0, 0, 0};
-    for (Py_ssize_t i = 0; i < t->n; i++) {
-        int j = judgment(t, &t->keys[i]);
-        if (j >= 0) c[j]++;
-    }
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
+    for (Py_ssize_t i = 0; i < t->n; i++)
+        if (judged[i] >= 0) c[judged[i]]++;
     return Py_BuildValue("{sLsLsL}", "complex", c[0], "clean", c[1], "prefill_only", c[2]);
 }
 
@@ -563,7 +653,7 @@ static PyObject *table_complex_keys(RoomTable *t, PyObject *unused)
     for (Py_ssize_t i = 0; out && i < t->n; i++) {
         const KeyState *k = &t->keys[i];
         if (judgment(t, k) != 0) continue;
-        PyObject *key = Py_BuildValue("(NL)", text_str(t, k->room_at, k->room_len), k->attempt);
+        PyObject *key = Py_BuildValue("(NL)", room_str(t, k), k->attempt);
         if (!key || PyList_Append(out, key) < 0) { Py_XDECREF(key); Py_CLEAR(out); break; }
         Py_DECREF(key);
     }
@@ -573,40 +663,60 @@ static PyObject *table_complex_keys(RoomTable *t, PyObject *unused)
 /* The positions of every record of a complex key, in reading order (the reference join reads them). */
 static PyObject *table_complex_positions(RoomTable *t, PyObject *unused)
 {
-    uint8_t *cx = malloc(t->n ? t->n : 1);
-    if (!cx) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < t->n; i++) cx[i] = judgment(t, &t->keys[i]) == 0;
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     Py_ssize_t m = 0;
-    for (Py_ssize_t r = 0; r < t->n_rec; r++) m += cx[t->rec_key[r]];
+    for (Py_ssize_t r = 0; r < t->n_rec; r++) m += judged[t->rec_key[r]] == 0;
     PyObject *out = PyBytes_FromStringAndSize(NULL, m * (Py_ssize_t)sizeof(long long));
     if (out) {
         long long *o = (long long *)PyBytes_AS_STRING(out);
         for (Py_ssize_t r = 0; r < t->n_rec; r++)
-            if (cx[t->rec_key[r]]) *o++ = t->rec_ord[r];
+            if (judged[t->rec_key[r]] == 0) *o++ = t->rec_ord[r];
     }
-    free(cx);
     return out;
 }
 
 /* ---- the clean rooms' JSON, as output._clean_rooms writes it from SQL ---- */
 
-typedef struct { char *p; Py_ssize_t n, cap; } Buf;
+/* Text made straight into a bytes object (handed out as it is: no copy of each block). */
+typedef struct {
+    PyObject *obj;  /* the bytes, `cap` long, `n` of them written */
+    Py_ssize_t n, cap;
+    int high;  /* a text put here has a byte json_safe may escape (DEL or past ASCII) */
+} Buf;
 
 static int put(Buf *b, const char *s, Py_ssize_t n)
 {
     if (b->n + n > b->cap) {
         Py_ssize_t cap = b->cap ? b->cap : 1 << 16;
         while (cap < b->n + n) cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (!np) { PyErr_NoMemory(); return 0; }
-        b->p = np;
+        if (!b->obj) b->obj = PyBytes_FromStringAndSize(NULL, cap);
+        else if (_PyBytes_Resize(&b->obj, cap) < 0) b->obj = NULL;  /* (it freed the old one) */
+        if (!b->obj) return 0;
         b->cap = cap;
     }
-    memcpy(b->p + b->n, s, n);
+    memcpy(PyBytes_AS_STRING(b->obj) + b->n, s, n);
     b->n += n;
     return 1;
 }
 #define PUTS(b, s) put((b), (s), (Py_ssize_t)strlen(s))
+
+/* A room's or rid's text: noted when json_safe may have to escape a byte of it. */
+static int put_text(Buf *b, const char *s, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) b->high |= (uint8_t)s[i] >= 0x7F;
+    return put(b, s, n);
+}
+
+/* Whether a str of the tuple has a byte json_safe may escape. */
+static int tuple_high(PyObject *tuple)
+{
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(tuple); j++) {
+        PyObject *s = PyTuple_GET_ITEM(tuple, j);
+        if (!PyUnicode_IS_ASCII(s) || PyUnicode_FindChar(s, 0x7F, 0, PyUnicode_GET_LENGTH(s), 1) != -1) return 1;
+    }
+    return 0;
+}
 
 static int put_int(Buf *b, long long v)
 {
@@ -627,7 +737,7 @@ static int put_str(Buf *b, PyObject *s)  /* a str's UTF-8 bytes (callers quote t
 static int put_text_or_null(Buf *b, RoomTable *t, long long at, int32_t len)  /* quoted, or null */
 {
     if (len < 0) return PUTS(b, "null");
-    return PUTS(b, "\"") && put(b, t->text + at, len) && PUTS(b, "\"");
+    return PUTS(b, "\"") && put_text(b, t->text + at, len) && PUTS(b, "\"");
 }
 
 static int stage_rank[256];
@@ -642,24 +752,27 @@ static int cmp_kept(const void *x, const void *y)
     return a->ord < b->ord ? -1 : a->ord > b->ord;
 }
 
+typedef struct { long long first_d; KeyState *k; } ByFirst;
+
 static int cmp_first_d(const void *x, const void *y)
 {
-    const KeyState *a = *(KeyState *const *)x, *b = *(KeyState *const *)y;
+    const ByFirst *a = x, *b = y;
     return a->first_d < b->first_d ? -1 : a->first_d > b->first_d;
 }
 
 static int room_json(Buf *b, RoomTable *t, KeyState *k, PyObject *stages, PyObject *verdicts, PyObject *wesc, int finish)
 {
-    qsort(k->kept, k->n_kept, sizeof(Kept), cmp_kept);
+    Kept *kept = kept_of(k);
+    qsort(kept, k->n_kept, sizeof(Kept), cmp_kept);
     int closed = 0;
-    if (!PUTS(b, "{\"room\":\"") || !put(b, t->text + k->room_at, k->room_len) || !PUTS(b, "\",\"attempt\":")
+    if (!PUTS(b, "{\"room\":\"") || !put_text(b, room_of(t, k), k->room_len) || !PUTS(b, "\",\"attempt\":")
         || !put_int(b, k->attempt)
         || !PUTS(b, ",\"rid\":{\"prefill\":") || !put_text_or_null(b, t, k->p_rid_at, k->p_rid_len)
         || !PUTS(b, ",\"decode\":") || !put_text_or_null(b, t, k->d_rid_at, k->d_rid_len)
         || !PUTS(b, "},\"verdict\":\"match\",\"first_divergence\":null,\"last_match_before\":null,\"stages\":["))
         return 0;
     for (int32_t j = 0; j < k->n_kept; j++) {
-        const Kept *e = &k->kept[j];
+        const Kept *e = &kept[j];
         long long fid = e->ord >> LINE_BITS;
         if (e->stage < 0 || e->stage >= PyTuple_GET_SIZE(stages) || fid >= PyTuple_GET_SIZE(wesc)
             || e->live >= PyTuple_GET_SIZE(verdicts)) {
@@ -689,14 +802,20 @@ static int room_json(Buf *b, RoomTable *t, KeyState *k, PyObject *stages, PyObje
 static int sort_clean(RoomTable *t)
 {
     if (t->sorted) return 1;
+    const int8_t *judged = judgments(t);
+    if (!judged) return 0;
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(t, &t->keys[i]) == 1;
+    for (Py_ssize_t i = 0; i < t->n; i++) n += judged[i] == 1;
+    /* sorted as (position, entry) pairs: a comparison then reads no entry */
+    ByFirst *pairs = malloc((n ? n : 1) * sizeof(ByFirst));
     t->sorted = malloc((n ? n : 1) * sizeof(KeyState *));
-    if (!t->sorted) { PyErr_NoMemory(); return 0; }
+    if (!pairs || !t->sorted) { free(pairs); free(t->sorted); t->sorted = NULL; PyErr_NoMemory(); return 0; }
     n = 0;
     for (Py_ssize_t i = 0; i < t->n; i++)
-        if (judgment(t, &t->keys[i]) == 1) t->sorted[n++] = &t->keys[i];
-    qsort(t->sorted, n, sizeof(KeyState *), cmp_first_d);
+        if (judged[i] == 1) pairs[n++] = (ByFirst){t->keys[i].first_d, &t->keys[i]};
+    qsort(pairs, n, sizeof(ByFirst), cmp_first_d);
+    for (Py_ssize_t i = 0; i < n; i++) t->sorted[i] = pairs[i].k;
+    free(pairs);
     t->n_sorted = n;
     return 1;
 }
@@ -728,9 +847,13 @@ static PyObject *table_clean_rooms_json(RoomTable *t, PyObject *args)
     if (stop > t->n_sorted) stop = t->n_sorted;
     Py_ssize_t n = stop > start ? stop - start : 0;
     long long *ords = malloc((n ? n : 1) * sizeof(long long)), *ends = malloc((n ? n : 1) * sizeof(long long));
-    Buf b = {NULL, 0, 0};
+    /* sized as the last block and a little more: grown by doubling, a block's text would be
+       copied on the way */
+    Buf b = {NULL, 0, 0, tuple_high(stages) || tuple_high(verdicts) || tuple_high(wesc)};
     PyObject *result = NULL;
     if (!ords || !ends) { PyErr_NoMemory(); goto out; }
+    if (t->json_size && !(b.obj = PyBytes_FromStringAndSize(NULL, t->json_size + t->json_size / 8))) goto out;
+    b.cap = b.obj ? PyBytes_GET_SIZE(b.obj) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         KeyState *k = t->sorted[start + i];
         if (!room_json(&b, t, k, stages, verdicts, wesc, finish)) goto out;
@@ -738,12 +861,16 @@ static PyObject *table_clean_rooms_json(RoomTable *t, PyObject *args)
         ends[i] = b.n;
         if (sep_len && !put(&b, sep, sep_len)) goto out;
     }
-    result = Py_BuildValue("(y#y#y#)", (const char *)ords, n * (Py_ssize_t)sizeof(long long),
-                           (const char *)ends, n * (Py_ssize_t)sizeof(long long), b.p ? b.p : "", b.n);
+    if (!b.obj && !(b.obj = PyBytes_FromStringAndSize(NULL, 0))) goto out;
+    if (b.n < b.cap && _PyBytes_Resize(&b.obj, b.n) < 0) goto out;  /* shrunk in place */
+    t->json_size = b.n;
+    result = Py_BuildValue("(y#y#NO)", (const char *)ords, n * (Py_ssize_t)sizeof(long long),
+                           (const char *)ends, n * (Py_ssize_t)sizeof(long long), b.obj, b.high ? Py_False : Py_True);
+    b.obj = NULL;  /* the tuple has it (or it was released with the failed tuple) */
 out:
     free(ords);
     free(ends);
-    free(b.p);
+    Py_XDECREF(b.obj);
     return result;
 }
 
@@ -781,8 +908,9 @@ static PyObject *table_clean_counts(RoomTable *t, PyObject *args)
         dups += k->p - 1;
         if (first_d < 0 || k->first_d < first_d) first_d = k->first_d;
         int closed = 0;
+        const Kept *kept = kept_of((KeyState *)k);
         for (int32_t s = 0; s < k->n_kept; s++) {
-            const Kept *e = &k->kept[s];
+            const Kept *e = &kept[s];
             closed |= e->stage == finish;
             live += e->live == live_mismatch || e->live == live_nc;
             dups += e->n - 1;
@@ -856,18 +984,20 @@ static int cmp_po(const void *x, const void *y)
 
 static PyObject *table_prefill_only(RoomTable *t, PyObject *unused)
 {
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < t->n; i++) n += judgment(t, &t->keys[i]) == 2;
+    for (Py_ssize_t i = 0; i < t->n; i++) n += judged[i] == 2;
     KeyState **keys = malloc((n ? n : 1) * sizeof(KeyState *));
     if (!keys) return PyErr_NoMemory();
     n = 0;
     for (Py_ssize_t i = 0; i < t->n; i++)
-        if (judgment(t, &t->keys[i]) == 2) keys[n++] = &t->keys[i];
+        if (judged[i] == 2) keys[n++] = &t->keys[i];
     qsort(keys, n, sizeof(KeyState *), cmp_po);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         KeyState *k = keys[i];
-        PyObject *row = Py_BuildValue("(LNLN)", k->first_p, text_str(t, k->room_at, k->room_len), k->attempt,
+        PyObject *row = Py_BuildValue("(LNLN)", k->first_p, room_str(t, k), k->attempt,
                                       text_str(t, k->p_rid_nn_at, k->p_rid_nn_len));
         if (!row) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i, row);
@@ -920,10 +1050,11 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
             if (hit < 0) { Py_DECREF(prid); Py_DECREF(drid); Py_DECREF(out); return NULL; }
         }
         if (!hit) { Py_DECREF(prid); Py_DECREF(drid); continue; }
-        qsort(k->kept, k->n_kept, sizeof(Kept), cmp_kept_ord);
+        Kept *kept = kept_of(k);
+        qsort(kept, k->n_kept, sizeof(Kept), cmp_kept_ord);
         PyObject *stages = PyList_New(k->n_kept);
         for (int32_t s = 0; stages && s < k->n_kept; s++) {
-            const Kept *e = &k->kept[s];
+            const Kept *e = &kept[s];
             PyObject *step = e->step == NULL_INT ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLongLong(e->step);
             PyObject *ts = isnan(e->ts) ? (Py_INCREF(Py_None), Py_None) : PyFloat_FromDouble(e->ts);
             PyObject *row = step && ts ? Py_BuildValue("(iOiOL)", e->stage, step, e->live, ts, e->ord) : NULL;
@@ -933,7 +1064,7 @@ static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
             PyList_SET_ITEM(stages, s, row);
         }
         PyObject *ptok = k->ptok == NULL_INT ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLongLong(k->ptok);
-        PyObject *room = text_str(t, k->room_at, k->room_len), *row = NULL;
+        PyObject *room = room_str(t, k), *row = NULL;
         if (stages && ptok && room)  /* N: the tuple takes these references */
             row = Py_BuildValue("(LNLNNON)", k->first_d, room, k->attempt, prid, drid, ptok, stages);
         else {
@@ -954,7 +1085,7 @@ static PyObject *table_nbytes(RoomTable *t, void *unused)
     /* what the process holds for the table: the index, the entries and record positions in
        use (the arrays' unused tails are never touched, so never resident), the kept stages and
        groups, and the rooms' and rids' text */
-    return PyLong_FromSsize_t(t->cap * (Py_ssize_t)sizeof(uint32_t) + t->n * (Py_ssize_t)sizeof(KeyState)
+    return PyLong_FromSsize_t(t->cap * (Py_ssize_t)sizeof(uint64_t) + t->n * (Py_ssize_t)sizeof(KeyState)
                               + t->kept_bytes + t->n_rec * (Py_ssize_t)(sizeof(uint32_t) + sizeof(long long))
                               + t->text_n);
 }
@@ -982,7 +1113,7 @@ static void table_dealloc(RoomTable *t)
         Py_XDECREF(k->p_inst);
         Py_XDECREF(k->p_layout);
         Py_XDECREF(k->d_inst);
-        free(k->kept);
+        if (k->cap_kept > KEPT_INLINE) free(k->kept.heap);
         free(k->groups);
     }
     free(t->keys);
@@ -993,6 +1124,7 @@ static void table_dealloc(RoomTable *t)
     free(t->rec_key);
     free(t->rec_ord);
     free(t->sorted);
+    free(t->judged);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -1011,9 +1143,10 @@ static PyMethodDef table_methods[] = {
     {"complex_positions", (PyCFunction)table_complex_positions, METH_NOARGS,
      "complex_positions() -> int64 bytes: the positions of every record of a complex key, in reading order"},
     {"clean_rooms_json", (PyCFunction)table_clean_rooms_json, METH_VARARGS,
-     "clean_rooms_json(stages, verdicts, file_names, start=0, stop=all, sep=b'') -> (positions, ends, text): the "
-     "clean rooms' JSON (as output._clean_rooms writes it, before json_safe), in order of their first decode record, "
-     "rooms start to stop of that order, each line followed by sep (ends: where each line ends, before its sep)"},
+     "clean_rooms_json(stages, verdicts, file_names, start=0, stop=all, sep=b'') -> (positions, ends, text, plain): "
+     "the clean rooms' JSON (as output._clean_rooms writes it, before json_safe), in order of their first decode "
+     "record, rooms start to stop of that order, each line followed by sep (ends: where each line ends, before its "
+     "sep; plain: no byte json_safe could escape, DEL or past ASCII)"},
     {"clean_counts", (PyCFunction)table_clean_counts, METH_VARARGS,
      "clean_counts(finish_stage, mismatch, not_comparable) -> {'rooms', 'open', 'live', 'duplicates', "
      "'records', 'first_record', 'prefill_only', 'conflicts', 'first_decode', 'stages'}: the clean keys' counts "

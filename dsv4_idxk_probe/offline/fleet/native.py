@@ -62,7 +62,7 @@ def clean_rooms(table, file_names: list[str]) -> list[tuple[int, bytes]]:
     """(first decode position, JSON line) of every clean key in `table`, in that order, as
     `output` writes a clean room from SQL; `file_names[fid]` is a file's name as JSON
     spells it inside a string."""
-    ords, ends, text = table.clean_rooms_json(tuple(STAGES), tuple(VERDICTS), tuple(file_names))
+    ords, ends, text, _ = table.clean_rooms_json(tuple(STAGES), tuple(VERDICTS), tuple(file_names))
     starts = [0, *np.frombuffer(ends, np.int64).tolist()]
     return [(o, json_safe(text[starts[i]:starts[i + 1]]))
             for i, o in enumerate(np.frombuffer(ords, np.int64).tolist())]

@@ -188,13 +188,13 @@ def clean_blocks(table, ordered_files: list[str]) -> Iterator[tuple[np.ndarray, 
     names = file_names_json(ordered_files)
     start = 0
     while True:
-        ords, ends, text = table.clean_rooms_json(tuple(STAGES), tuple(VERDICTS), names, start,
-                                                  start + JSON_BLOCK, SEPARATOR)
+        ords, ends, text, plain = table.clean_rooms_json(tuple(STAGES), tuple(VERDICTS), names, start,
+                                                         start + JSON_BLOCK, SEPARATOR)
         if not ords:
             return
         ords, ends = np.frombuffer(ords, np.int64), np.frombuffer(ends, np.int64)
-        # json_safe escapes only DEL and non-ASCII controls: ASCII text without DEL has none
-        if not (text.isascii() and b"\x7f" not in text) and json_safe(text) is not text:
+        # json_safe escapes only DEL and non-ASCII controls: `plain` says the C found none of those bytes
+        if not plain and json_safe(text) is not text:
             # a control to escape (rare): line by line, new ends
             lines = [json_safe(text[a:e]) for a, e in zip([0, *(ends[:-1] + len(SEPARATOR)).tolist()], ends.tolist())]
             ends = np.cumsum([len(j) + len(SEPARATOR) for j in lines], dtype=np.int64) - len(SEPARATOR)
