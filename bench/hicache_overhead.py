@@ -150,12 +150,14 @@ def cpu_us(fn, calls: int, burst: int = 0, between=None) -> float:
     return spent / calls * 1e6
 
 
-def closed_cleanly(installs) -> bool:
-    """Drain and forget each install's probe; False (said) when any thread counted a probe failure."""
+def closed_cleanly(installs, before: dict | None = None) -> bool:
+    """Drain and forget each install's probe; False (said) when any thread counted a probe
+    failure (since `before`, an `error_counts()` taken earlier: the counts are the process's)."""
     for inst in installs:
         inst.drain()
         forget(inst.runtime)
-    failures = error_counts()
+    before = before or {}
+    failures = {name: n - before.get(name, 0) for name, n in error_counts().items() if n > before.get(name, 0)}
     if failures:
         print(f"FAIL: probe failures counted during the run: {failures}")
     return not failures

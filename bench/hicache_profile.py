@@ -31,6 +31,7 @@ import torch
 from bench.harness import Table, median
 from bench.hicache_overhead import LAYERS, Installed, StandalonePool, closed_cleanly, indices
 from dsv4_idxk_probe.hicache import probe_for
+from dsv4_idxk_probe.safety import error_counts
 
 
 def _engines(inst) -> list:
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=18)
     args = p.parse_args(argv)
+    errors_before = error_counts()
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     pool = StandalonePool(dev)
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
         print(f"\ncProfile, copying thread, wrapped {case}, {done} calls (collector running), by own time:")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
-    return 0 if closed_cleanly([inst]) else 1
+    return 0 if closed_cleanly([inst], errors_before) else 1
 
 
 if __name__ == "__main__":
