@@ -37,7 +37,7 @@ def test_the_restore_profile_runs_small_on_the_cpu_and_holds_the_collector_off(c
 
 
 def test_the_serving_leg_takes_the_restore_deferral(tmp_path):
-    """`--restore-defer-ms` reaches the restore-on variant's config (the GPU session's nodefer step)."""
+    """`--restore-defer-ms` reaches the restore-on variant's config (step hicacheservingnodefer of bench/gpu_session.sh)."""
     from bench.hicache_serving import Probed
 
     probed = Probed(True, tmp_path, 0.0)
