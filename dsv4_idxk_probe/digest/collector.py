@@ -39,8 +39,8 @@ from .room_table import frozen_slots_per_page
 
 log = logging.getLogger(__name__)
 
-#: The most sleeps of `defer_s` before a done batch is delivered while submits keep coming
-#: (`Collector._defer`): a verdict is at most this many `defer_s` late.
+#: The most sleeps of `defer_s` an engine may ask for (`defer_rounds`) before a done batch is
+#: delivered while submits keep coming (`Collector._defer`).
 DEFER_ROUNDS = 4
 
 
@@ -148,18 +148,20 @@ class Collector:
     def _defer(self) -> None:
         """Before a batch's fold and callbacks (the collector's Python and its device calls,
         a few hundred us holding the GIL): when no other batch waits, sleep `defer_s`, and
-        again while the serving thread submitted meanwhile, up to `DEFER_ROUNDS` times. Why:
+        again while the serving thread submitted meanwhile, up to `defer_rounds` times. Why:
         a batch is done ~0.1 ms after its submit, while the serving thread is still busy
         (the Python of its step, a HiCache load's layers), and running beside it makes it
         wait for the GIL and pay for every contended hand-off in its own CPU time (measured
         on an H200: +150 us per restore digest call, docs/overhead.md); once it submits
         nothing for `defer_s` it is most likely waiting on its model step, with the GIL
         free. Batches that queue up meanwhile go through without sleeping, so throughput is
-        not capped; a verdict comes at most `DEFER_ROUNDS * defer_s` later."""
+        not capped; a verdict comes at most `defer_rounds * defer_s` later. The PD engines
+        sleep one round: prefill publishes a room's vectors from here, and a decode receipt
+        judged before they are out is neither localised nor diagnosed."""
         if not self.defer_s or self._tickets.items:
             return
         stats = self.stats
-        for _ in range(DEFER_ROUNDS):
+        for _ in range(self.defer_rounds):
             seen = stats.submitted_rooms
             time.sleep(self.defer_s)
             if stats.submitted_rooms == seen:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..background import HandOff
-from .collector import BatchResult, Collector, Note
+from .collector import DEFER_ROUNDS, BatchResult, Collector, Note
 from .launch import FOLD_SLICES, Launcher, PendingDigest, kernel_shape, staging_bytes
 from .layout import RowLayout, layout_signature
 from .pinned import EventPool, StagingPool
@@ -103,6 +103,8 @@ class DigestEngine(Launcher, Collector):
     (with `outputs` "device"); False: it stores the cells and the collector folds them.
     `defer_s`: how long the collector, once a batch's kernel is done and no other batch
     waits, sleeps before folding and delivering it (`Collector._defer`); 0: at once.
+    `defer_rounds`: that many sleeps at most, the next only when the serving thread
+    submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
 
     The launch path is `launch.Launcher`, the collector thread
     `collector.Collector`: both are parts of this class and read the
@@ -133,6 +135,7 @@ class DigestEngine(Launcher, Collector):
         spare_buffers: int = 4,
         fold: bool = True,
         defer_s: float = 0.0,
+        defer_rounds: int = 1,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -194,7 +197,10 @@ class DigestEngine(Launcher, Collector):
             self._staging.reserve(staging_bytes(32 + 64, len(self.layer_ids) * 64, len(layout.segments)), prealloc)
         if not 0.0 <= defer_s <= 1.0:
             raise ValueError(f"defer_s must be within [0, 1] seconds, got {defer_s!r}")
+        if not 1 <= defer_rounds <= DEFER_ROUNDS:
+            raise ValueError(f"defer_rounds must be within [1, {DEFER_ROUNDS}], got {defer_rounds!r}")
         self.defer_s = defer_s
+        self.defer_rounds = defer_rounds
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"

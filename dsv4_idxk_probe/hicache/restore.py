@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..digest.collector import DEFER_ROUNDS
 from ..digest.layout import RowLayout, Segment, shipped_layouts
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
@@ -172,7 +173,9 @@ class RestoreVerifier:
         layout = pool_layout(geom.name, geom.item_bytes)
         buffers = [state.views.device_layer(layer) for layer in range(geom.layers)]
         engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max)
-        engine.defer_s = self.defer_s  # validated with the settings (`HiCacheSettings.restore_defer_ms`)
+        # validated with the settings (`HiCacheSettings.restore_defer_ms`); the copying thread's
+        # loads of a restore and the backups after it are one busy stretch: wait until it ends
+        engine.defer_s, engine.defer_rounds = self.defer_s, DEFER_ROUNDS
         snapshot = None
         if getattr(engine, "backend", None) == "reference":  # no GPU: digests would run on the copying thread
             from .restore_snapshot import SnapshotDigests

@@ -83,7 +83,8 @@ def test_submits_during_the_sleep_extend_it_up_to_the_cap(random_buffers, monkey
     """While the serving thread keeps submitting (here: during the first `busy_sleeps`
     sleeps), the collector sleeps again; once a sleep passes quietly it delivers, and it
     never sleeps more than DEFER_ROUNDS times for one batch."""
-    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=4), backend="reference", defer_s=DEFER_S)
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=4), backend="reference", defer_s=DEFER_S,
+                          defer_rounds=collector.DEFER_ROUNDS)
     slept = []
     real_sleep = collector.time.sleep
 
@@ -115,7 +116,7 @@ def test_restore_engines_take_the_hicache_deferral():
     made = []
 
     def factory(layout, layer_ids, buffers, queue_max):
-        made.append(SimpleNamespace(backend="triton", defer_s=None))
+        made.append(SimpleNamespace(backend="triton", defer_s=None, defer_rounds=None))
         return made[-1]
 
     verifier = RestoreVerifier(4, 4, lambda *a: None, lambda *a: None, lambda *a: None, engine_factory=factory,
@@ -123,6 +124,32 @@ def test_restore_engines_take_the_hicache_deferral():
     geom = SimpleNamespace(name="deepseek_v4_c4_indexer", layers=2, item_bytes=8448, page_size=256)
     views = SimpleNamespace(device_layer=lambda layer: None)
     assert verifier.pool(SimpleNamespace(key=1, geom=geom, views=views, invariants_failed=False)) is not None
-    assert made[0].defer_s == 0.0075
+    assert made[0].defer_s == 0.0075 and made[0].defer_rounds == collector.DEFER_ROUNDS
     with pytest.raises(Exception, match="restore_defer_ms"):
         parse_settings({"restore_defer_ms": 5000})
+
+
+def test_the_pd_engines_sleep_one_round_while_submits_keep_coming(random_buffers, monkeypatch):
+    """From the config (the PD sides) one sleep only: prefill publishes a room's vectors from
+    its collector, and a decode receipt judged before they are out is not localised."""
+    from dsv4_idxk_probe.config import parse_config
+
+    engine = DigestEngine.from_config(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=5), parse_config({}),
+                                      role="prefill")
+    slept = []
+    real_sleep = collector.time.sleep
+
+    def sleep(seconds):
+        if seconds != engine.defer_s:
+            return real_sleep(seconds)
+        slept.append(seconds)
+        engine.stats.submitted_rooms += 1  # the serving thread never stops submitting
+
+    monkeypatch.setattr(collector.time, "sleep", sleep)
+    done = threading.Event()
+    engine.submit(_room(0), lambda result: done.set())
+    assert done.wait(10)
+    engine.close()
+    assert slept == [engine.defer_s]
+    with pytest.raises(ValueError, match="defer_rounds"):
+        DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=6), backend="reference", defer_rounds=0)
