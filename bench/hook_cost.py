@@ -58,32 +58,27 @@ def real_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine,
     layout = get_layout("fp8")
     pool = 64 * pages + 1
     buffers = [torch.randint(0, 256, (pool, layout.row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
-    decode = DigestEngine(layout, list(range(layers)), buffers, contents=contents, **_role_options("decode"))
-    prefill = DigestEngine(layout, list(range(layers)), buffers, contents=False, **_role_options("prefill"))
+    decode = DigestEngine(layout, list(range(layers)), buffers, **_role_options("decode", contents))
+    prefill = DigestEngine(layout, list(range(layers)), buffers, **_role_options("prefill", contents))
     return decode, prefill
 
 
-def _role_options(role: str) -> dict:
-    """What `DigestEngine.from_config` chooses per role with the shipped config: where the
-    outputs' copy down is made, and the collector's deferral (`digest.collector_defer_ms`)."""
-    import inspect
-
+def _role_options(role: str, diagnosis: bool) -> dict:
+    """`DigestEngine.role_options` with the shipped config (decode's diagnosis as asked); an
+    engine from before that method gets the contents choice alone and its own defaults."""
     from dsv4_idxk_probe.config import parse_config
 
-    params = inspect.signature(DigestEngine).parameters
-    options = {}
-    if "download" in params:  # an engine from before the option has neither
-        options["download"] = "collector" if role == "decode" else "submit"
-    if "defer_s" in params:
-        options["defer_s"] = parse_config({}).digest.collector_defer_ms / 1000
-    return options
+    options = getattr(DigestEngine, "role_options", None)
+    if options is None:
+        return {"contents": diagnosis and role == "decode"}
+    return options(parse_config({"diagnosis": {"enabled": diagnosis}}), role)
 
 
 def fake_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
     from bench.hook_ops import cuda_path_engine
 
-    return (cuda_path_engine(layers, pages, contents=contents, **_role_options("decode")),
-            cuda_path_engine(layers, pages, contents=False, **_role_options("prefill")))
+    return (cuda_path_engine(layers, pages, **_role_options("decode", contents)),
+            cuda_path_engine(layers, pages, **_role_options("prefill", contents)))
 
 
 def page_tables(n: int, pages: int, where: str, device: str) -> list:

@@ -106,13 +106,13 @@ def fake_device_calls(engine: DigestEngine, events: int = 64) -> DigestEngine:
     return engine
 
 
-def cuda_path_engine(layers: int, pages: int, *, contents: bool = True, download: str = "submit",
-                     defer_s: float = 0.0) -> DigestEngine:
-    """A DigestEngine on host buffers that takes its CUDA submit path, device calls faked."""
+def cuda_path_engine(layers: int, pages: int, **options) -> DigestEngine:
+    """A DigestEngine on host buffers that takes its CUDA submit path, device calls faked.
+    `options`: the engine's own (contents on and the copy down at submit unless given)."""
     layout = get_layout("fp8")
     buffers = [torch.zeros(pages + 2, layout.row_bytes, dtype=torch.uint8) for _ in range(layers)]
-    engine = DigestEngine(layout, list(range(layers)), buffers, backend="triton", contents=contents,
-                          download=download, defer_s=defer_s)
+    engine = DigestEngine(layout, list(range(layers)), buffers, backend="triton",
+                          **{"contents": True, "download": "submit", **options})
     return fake_device_calls(engine)
 
 

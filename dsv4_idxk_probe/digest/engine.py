@@ -247,16 +247,22 @@ class DigestEngine(Launcher, Collector):
     @classmethod
     def from_config(cls, layout: RowLayout, layer_ids: Sequence[int], buffers: Sequence[torch.Tensor], config: Any, *,
                     role: str) -> "DigestEngine":
-        """An engine set up by the probe config (its `digest` section), for `role`'s side:
-        content digests only on decode with diagnosis on, the one reader of them."""
+        """An engine set up by the probe config (its `digest` section), for `role`'s side."""
+        return cls(layout, layer_ids, buffers, **cls.role_options(config, role))
+
+    @staticmethod
+    def role_options(config: Any, role: str) -> dict:
+        """The keyword arguments `from_config` gives an engine of `role`'s side (benches that
+        build engines of their own take them from here): content digests only on decode with
+        diagnosis on, the one reader of them."""
         decode = role == "decode"
         # Decode reads its digests on the collector alone, unless enforce judges receipts
         # on the serving thread (sglang/pd_decode.mismatch_flags): then, like prefill's
         # in-band slot, they must be readable once the stream is past the kernel.
         download = "collector" if decode and not getattr(config, "enforce", False) else "submit"
-        return cls(layout, layer_ids, buffers, wait=config.digest.collector_wait, outputs=config.digest.outputs,
-                   dependent_launch=config.digest.dependent_launch, defer_s=config.digest.collector_defer_ms / 1000,
-                   contents=decode and config.diagnosis.enabled, download=download)
+        return {"wait": config.digest.collector_wait, "outputs": config.digest.outputs,
+                "dependent_launch": config.digest.dependent_launch, "defer_s": config.digest.collector_defer_ms / 1000,
+                "contents": decode and config.diagnosis.enabled, "download": download}
 
     # %% public API
 

@@ -64,3 +64,23 @@ def test_a_receipt_runs_no_python_code_of_queue_or_threading(hook_ops):
     engine.close()
     assert {"decode", "engine", "background"} <= modules  # it did profile the receipt
     assert not modules & {"queue", "threading"}
+
+
+def test_hook_cost_builds_its_engines_as_the_probe_config_does():
+    """bench/hook_cost.py's engines take each role's options from `DigestEngine.role_options`,
+    the ones `from_config` gives the serving sides (the deferral too, which the bench once
+    left at 0)."""
+    from bench import hook_cost
+    from dsv4_idxk_probe.config import parse_config
+    from dsv4_idxk_probe.digest import DigestEngine
+
+    for diagnosis in (True, False):
+        engines = hook_cost.fake_engines(2, 3, diagnosis)
+        config = parse_config({"diagnosis": {"enabled": diagnosis}})
+        for engine, role in zip(engines, ("decode", "prefill")):
+            want = DigestEngine.role_options(config, role)
+            got = {"wait": engine.wait, "outputs": engine.outputs, "dependent_launch": engine.dependent_launch,
+                   "defer_s": engine.defer_s, "contents": engine.contents, "download": engine.download}
+            assert got == want, role
+            assert engine.defer_s > 0 and engine.contents == (diagnosis and role == "decode")
+            engine.close()
