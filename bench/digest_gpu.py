@@ -62,7 +62,8 @@ from bench.harness import write_result  # noqa: E402
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, get_layout  # noqa: E402
 from dsv4_idxk_probe.digest import reference as ref  # noqa: E402
 from dsv4_idxk_probe.digest.launch import fold_words, kernel_shape  # noqa: E402
-from dsv4_idxk_probe.digest.kernel import DigestKernel, _digest_rooms_kernel, layer_table, layout_constants  # noqa: E402
+from dsv4_idxk_probe.digest.kernel import (DigestKernel, _digest_rooms_kernel, dependent_launches_on,  # noqa: E402
+                                           layer_table, layout_constants)
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
@@ -328,9 +329,10 @@ class Launch:
     or in pinned host memory, where the engine's first design kept them (`pinned`)."""
 
     def __init__(self, layout, bufs, rooms, device, rows=1, warps=4, by_value=True, pinned=False, contents=True,
-                 pdl=False):
+                 pdl=False, fold=False):
         self.plan = plan_cells(rooms, len(bufs))
         self.store_contents = contents  # the kernel stores content digests (the engine: with diagnosis)
+        self.fold = fold  # the kernel adds its cells into the room's folds (the engine's way; `cells` holds them)
         pinned = pinned and device.type == "cuda"
         where = {"device": "cpu", "pin_memory": True} if pinned else {"device": device}
         table = torch.tensor([[r.pages.data_ptr(), r.pages.element_size(), r.n_pages, r.n_tokens, first]
@@ -349,7 +351,7 @@ class Launch:
 
     def tune(self, rows, warps, pdl=False):
         self.kernel = DigestKernel(self.layers, len(self.bufs), self.layout, rows=rows, num_warps=warps,
-                                   base_align=self.base_align, contents=self.store_contents, pdl=pdl)
+                                   base_align=self.base_align, contents=self.store_contents, pdl=pdl, fold=self.fold)
 
     def __call__(self):
         self.kernel.launch(self.table.data_ptr(), self.cells.data_ptr(), self.contents.data_ptr(), self.flags.data_ptr(),
@@ -425,7 +427,7 @@ def bench_large_room(timer, name, device, sizes, ceilings, rng) -> dict:
     if engine_path:  # the engine's whole GPU time per room (kernel, copies) against the same-run 2 GiB read
         ceiling = ceilings["contiguous"]["flush_read"]["read_TBps"]
         steady_ceiling = ceilings["contiguous"]["steady"]["read_TBps"]
-        for tag in ("", "_no_contents"):
+        for tag in ENGINE_FORMS:
             engine_path[f"engine_ratio{tag}"] = engine_path[f"engine_read_TBps{tag}"] / ceiling
             engine_path[f"engine_steady_ratio{tag}"] = engine_path[f"engine_steady_read_TBps{tag}"] / steady_ceiling
     ratios = {}
@@ -456,7 +458,9 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
         return {}
     rooms = [RoomRequest(f"e{i}", p, sizes.pages * 256) for i, p in enumerate(page_tables)]
     result = {}
-    for tag, (ms, steady_ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms]).items():
+    forms = tuple(ENGINE_FORMS)
+    for tag, (ms, steady_ms, dropped) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms],
+                                                            forms=forms).items():
         result.update({f"engine_submit_us{tag}": ms * 1e3, f"engine_read_TBps{tag}": read_bytes / (ms * 1e-3) / 1e12,
                        f"engine_steady_us{tag}": steady_ms * 1e3,
                        f"engine_steady_read_TBps{tag}": read_bytes / (steady_ms * 1e-3) / 1e12,
@@ -464,13 +468,31 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     for tag, (ms, steady_ms, _) in engine_gpu_ms_both(timer, layout, bufs, [[r] for r in rooms], fold=False).items():
         result[f"cells_engine_submit_us{tag}"] = ms * 1e3
         result[f"cells_engine_steady_us{tag}"] = steady_ms * 1e3
+    # What the engine adds to the kernel on the serving stream, split: the device fold's atomics
+    # (the kernel folding, against storing its cells) and the batch's event recorded behind each
+    # launch (which may keep the next dependent launch from starting early), back to back.
+    pdl = dependent_launches_on(device)
+    for tag, fold in (("cells", False), ("fold", True)):
+        bare = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pdl=pdl, fold=fold) for r in rooms]
+        for launch in bare:
+            launch.cells.zero_()
+        events = [torch.cuda.Event() for _ in bare]
+        evented = [lambda launch=launch, event=event: (launch(), event.record()) for launch, event in zip(bare, events)]
+        result[f"kernel_{tag}_steady_us"] = timer.ms("steady", bare) * 1e3
+        result[f"kernel_{tag}_event_steady_us"] = timer.ms("steady", evented) * 1e3
+    # Decode's copy down, which its collector makes on its own stream (the copy engine), timed alone:
+    # the folds, the flags and the contents of one room.
+    n_cells, n_seg = sizes.layers * sizes.pages, len(layout.segments)
+    down = 8 * (fold_words([sizes.pages], sizes.layers, n_seg) + ((n_cells + 7) >> 3) + n_cells * n_seg)
+    twin, host = torch.zeros(down, dtype=torch.uint8, device=device), torch.empty(down, dtype=torch.uint8, pin_memory=True)
+    result["decode_copy_down_bytes"] = down
+    result["decode_copy_down_us"] = timer.ms("flush_read", [lambda: host.copy_(twin, non_blocking=True)]) * 1e3
     pinned = [Launch(layout, bufs, [r], device, shape["rows"], shape["num_warps"], pinned=True) for r in rooms]
     pinned_ms = timer.ms("flush_read", pinned)
     result.update({"pinned_outputs_us": pinned_ms * 1e3, "pinned_outputs_read_TBps": read_bytes / (pinned_ms * 1e-3) / 1e12})
     # A room of a serving size (64 pages, 16k tokens), the same three ways.
     # What the collector adds on its own stream after each batch, where the kernel folds on the
     # device: zeroing the bytes of the twin the batch wrote (tables, folds, flags, contents).
-    n_cells, n_seg = sizes.layers * sizes.pages, len(layout.segments)
     for tag, contents in (("", True), ("_no_contents", False)):
         used = (8 * (32 + fold_words([sizes.pages], sizes.layers, n_seg)) + 8 * (-(-n_cells // 8))
                 + (8 * n_cells * n_seg if contents else 0))
@@ -488,14 +510,23 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
     return result
 
 
-def engine_gpu_ms_both(timer, layout, bufs, batches, fold: bool = True) -> dict:
-    """`engine_gpu_ms` of an engine that copies contents down (diagnosis on; key "") and
-    of one that does not (key "_no_contents"); `fold` False: its kernel stores the cells
-    for the collector to fold (the engine before the device fold)."""
-    return {"" if contents else "_no_contents":
-            engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, contents=contents, fold=fold),
-                          batches)
-            for contents in (True, False)}
+ENGINE_FORMS = {  # tag -> engine options: how each side's engine copies its outputs down
+    "": {"contents": True, "download": "submit"},  # contents copied down at the submit, on the serving stream
+    "_no_contents": {"contents": False, "download": "submit"},  # prefill's shipped form (its in-band slot)
+    "_decode": {"contents": True, "download": "collector"},  # decode's shipped form (diagnosis on)
+}
+
+
+def engine_gpu_ms_both(timer, layout, bufs, batches, fold: bool = True, forms=("", "_no_contents")) -> dict:
+    """`engine_gpu_ms` of an engine of each of `forms` (`ENGINE_FORMS`): one that copies
+    contents down at the submit (diagnosis on; key ""), one that copies no contents
+    (prefill's; "_no_contents"), decode's (its collector copies the outputs down on a
+    stream of its own once the kernel is done, so the serving stream carries the kernel
+    alone; "_decode"); `fold` False: its kernel stores the cells for the collector to fold
+    (the engine before the device fold)."""
+    return {tag: engine_gpu_ms(timer, DigestEngine(layout, list(range(len(bufs))), bufs, fold=fold, **ENGINE_FORMS[tag]),
+                               batches)
+            for tag in forms}
 
 
 def engine_gpu_ms(timer, engine, batches, reps: int = 20, steady_calls: int = 20) -> tuple[float, float, int]:
@@ -703,7 +734,7 @@ def _compile_one(job) -> str:
             # by value: an address is i64, a zero i32, so each variant needs its own)
             by_value = (address, 8, 1024, 1 << 18) if one_room else (0, 0, 0, 0)
             _digest_rooms_kernel.warmup(address, table, address, address, address, *by_value,
-                                        **layout_constants(layout, align), ROWS=rows,
+                                        **layout_constants(layout, align), ROWS=rows, ID_STRIDE=1,
                                         ONE_ROOM=one_room, CONTENTS=contents, FOLD=fold, PDL=pdl, num_warps=warps,
                                         grid=(1,),
                                         **({"launch_pdl": True} if pdl else {}))
@@ -848,6 +879,15 @@ def print_report(report) -> None:
                   f"/ the 2 GiB read (steady) {e['engine_steady_ratio']:.3f}, without contents "
                   f"{e['engine_steady_ratio_no_contents']:.3f}; storing its cells: {e['cells_engine_steady_us']:.1f} "
                   f"us, without contents {e['cells_engine_steady_us_no_contents']:.1f} us")
+            print(f"[flush_read / steady] {r['layout']} as decode's engine digests it (contents; the collector "
+                  f"copies them down on its own stream): serving stream {e['engine_submit_us_decode']:.1f} / "
+                  f"{e['engine_steady_us_decode']:.1f} us a room = {e['engine_ratio_decode']:.3f} / "
+                  f"{e['engine_steady_ratio_decode']:.3f} of the 2 GiB read; its copy down, alone "
+                  f"{e['decode_copy_down_us']:.1f} us ({e['decode_copy_down_bytes']} B, copy engine)")
+            print(f"[steady] {r['layout']} kernel at the engine's shape, back to back: storing cells "
+                  f"{e['kernel_cells_steady_us']:.1f} us, with an event behind each {e['kernel_cells_event_steady_us']:.1f}; "
+                  f"folding on the device {e['kernel_fold_steady_us']:.1f}, with an event behind each "
+                  f"{e['kernel_fold_event_steady_us']:.1f}")
             print(f"[flush_read] {r['layout']} room of 64 pages: engine {e['medium_engine_us']:.1f} us, without "
                   f"contents {e['medium_engine_us_no_contents']:.1f}; kernel alone, outputs in pinned memory "
                   f"{e['medium_pinned_outputs_us']:.1f}, in device memory {e['medium_device_outputs_us']:.1f}")

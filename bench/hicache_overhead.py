@@ -199,17 +199,17 @@ class Installed:
             checker.flush()
 
 
-def faked_cuda_engine(layout, layer_ids, buffers, queue_max):
+def faked_cuda_engine(layout, layer_ids, buffers, queue_max, **per_pool):
     """Restore verification's digest engine taking its CUDA submit path, device calls faked
     (`bench.hook_ops.fake_device_calls`): what a copy call costs the copying thread on a GPU,
-    counted on any machine."""
+    counted on any machine. `per_pool`: what `RestoreVerifier` sets per pool."""
     from bench.hook_ops import fake_device_calls
     from dsv4_idxk_probe.digest import DigestEngine
     from dsv4_idxk_probe.hicache.restore import engine_options
 
     options = dict(engine_options(), prealloc=4)  # as the product builds it (`restore._engine`)
     return fake_device_calls(DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max,
-                                          **options))
+                                          **options, **per_pool))
 
 
 def count_calls(cls, pool, calls: int) -> int:

@@ -105,6 +105,10 @@ class DigestEngine(Launcher, Collector):
     waits, sleeps before folding and delivering it (`Collector._defer`); 0: at once.
     `defer_rounds`: that many sleeps at most, the next only when the serving thread
     submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
+    `page_id_stride`: entries of a page table per page; page k's id is entry
+    k x stride over stride (negative: out of range). A HiCache copy names its pages
+    by token index, `page_size` per page; with the stride the kernel reads those
+    indices as they are, so the copying thread launches no division of its own.
 
     The launch path is `launch.Launcher`, the collector thread
     `collector.Collector`: both are parts of this class and read the
@@ -136,6 +140,7 @@ class DigestEngine(Launcher, Collector):
         fold: bool = True,
         defer_s: float = 0.0,
         defer_rounds: int = 1,
+        page_id_stride: int = 1,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -147,6 +152,8 @@ class DigestEngine(Launcher, Collector):
             raise ValueError(f"dependent_launch must be one of {DEPENDENT_LAUNCHES}, got {dependent_launch!r}")
         if download not in DOWNLOADS:
             raise ValueError(f"download must be one of {DOWNLOADS}, got {download!r}")
+        if not isinstance(page_id_stride, int) or page_id_stride < 1:
+            raise ValueError(f"page_id_stride must be an integer of at least 1, got {page_id_stride!r}")
         if len(buffers) != len(layer_ids):
             raise ValueError(f"{len(buffers)} buffers for {len(layer_ids)} layer ids")
         for i, buf in enumerate(buffers):
@@ -185,6 +192,7 @@ class DigestEngine(Launcher, Collector):
         self._mapped_table_programs = mapped_table_programs if mapped_tables else -1  # launch.py reads this
         self._download_at_submit = download == "submit"
         self._n_layers, self._n_segments = len(self.layer_ids), len(layout.segments)
+        self.page_id_stride = self._id_stride = page_id_stride
         self._staging = StagingPool(self.device, twin=self._copies, spare=spare_buffers)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
@@ -239,6 +247,7 @@ class DigestEngine(Launcher, Collector):
                 self._layer_table, len(self.layer_ids), layout, rows=self.rows, num_warps=self.num_warps,
                 base_align=base_align, contents=contents, fold=self._fold,
                 pdl=dependent_launch == "auto" and kernel_module.dependent_launches_on(self.device),
+                id_stride=page_id_stride,
             )
             self._layer_table_address = self._kernel.layer_table_address
             if self.device.type == "cuda":
@@ -357,11 +366,12 @@ class DigestEngine(Launcher, Collector):
         CUDA, both compiled variants (one room by value, several from a table), each
         launched a second time for its `DirectLaunch` to be learnt (launch.py): the
         serving thread's first rooms launch direct."""
-        batches = [[RoomRequest("warm-up", [0], 0)]]
+        page = [0] * self._id_stride  # one page's entries
+        batches = [[RoomRequest("warm-up", page, 0)]]
         if self._on_cuda:
             if self._direct[1] is None and not self._direct_refused[1]:
                 batches.append(batches[0])
-            pair = [RoomRequest("warm-up", [0], 0), RoomRequest("warm-up/1", [0], 0)]
+            pair = [RoomRequest("warm-up", page, 0), RoomRequest("warm-up/1", page, 0)]
             if self._direct[0] is None and not self._direct_refused[0]:
                 batches += [pair, pair]
         for rooms in batches:

@@ -213,6 +213,7 @@ def _digest_rooms_kernel(
     S3_TILE: tl.constexpr,
     BASE_ALIGN: tl.constexpr,  # bytes every buffer's distance from the layer table is a multiple of
     ROWS: tl.constexpr,  # pages per program: amortises the table look-ups' latency
+    ID_STRIDE: tl.constexpr,  # page-table entries per page: page k's id is entry k x ID_STRIDE over ID_STRIDE
     ONE_ROOM: tl.constexpr,  # the launch's one room comes by value: the room table is not read
     CONTENTS: tl.constexpr,  # store each cell's content digest (diagnosis reads them); else `contents` is unused
     FOLD: tl.constexpr,  # add cells into their room's fold (see `cells`) instead of storing them
@@ -258,9 +259,13 @@ def _digest_rooms_kernel(
     valid = logical < n_pages
     page = tl.minimum(logical, n_pages - 1)
     if id_bytes == 8:
-        physical = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page)
+        entry_id = tl.load(page_table.to(tl.pointer_type(tl.int64)) + page * ID_STRIDE)
     else:
-        physical = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page).to(tl.int64)
+        entry_id = tl.load(page_table.to(tl.pointer_type(tl.int32)) + page * ID_STRIDE).to(tl.int64)
+    if ID_STRIDE > 1:  # a copy's token indices: the page is the first slot's index over the page size
+        physical = tl.where(entry_id >= 0, entry_id // ID_STRIDE, -1)  # negative: never read (floored, as the pool)
+    else:
+        physical = entry_id
     readable = (physical >= 0) & (physical < layer_pages)  # else never read: not this layer's row
     rows = base + tl.where(readable, physical, 0) * ROW_WORDS  # [ROWS] pointers
     n_frozen = tl.minimum(tl.maximum((n_tokens - page * PAGE_TOKENS) // TOKENS_PER_SLOT, 0), SLOTS)
@@ -313,7 +318,7 @@ _ARG_NAMES = (
     "ROW_WORDS", "SLOTS", "TOKENS_PER_SLOT", "NUM_SEGMENTS",
     "S0_OFFSET", "S0_SLOT_WORDS", "S0_TILE", "S1_OFFSET", "S1_SLOT_WORDS", "S1_TILE",
     "S2_OFFSET", "S2_SLOT_WORDS", "S2_TILE", "S3_OFFSET", "S3_SLOT_WORDS", "S3_TILE", "BASE_ALIGN", "ROWS",
-    "ONE_ROOM", "CONTENTS", "FOLD", "PDL",
+    "ID_STRIDE", "ONE_ROOM", "CONTENTS", "FOLD", "PDL",
 )
 _NOT_ONE_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 
@@ -387,12 +392,15 @@ class DigestKernel:
     """
 
     def __init__(self, layer_table: torch.Tensor, n_layers: int, layout, *, rows: int = 1, num_warps: int = 4,
-                 base_align: int = 16, contents: bool = True, fold: bool = False, pdl: bool = False):
+                 base_align: int = 16, contents: bool = True, fold: bool = False, pdl: bool = False,
+                 id_stride: int = 1):
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows ({rows}) must be a power of two")
+        if id_stride < 1:
+            raise ValueError(f"id_stride ({id_stride}) must be at least 1")
         self.layer_table, self.n_layers = layer_table, n_layers  # the table from `layer_table()`
         self.layer_table_address = layer_table.data_ptr()
-        self.meta = {**layout_constants(layout, base_align), "ROWS": rows}
+        self.meta = {**layout_constants(layout, base_align), "ROWS": rows, "ID_STRIDE": int(id_stride)}
         self.contents = contents  # whether launches store the content digests
         self.fold = bool(fold)  # whether launches fold cells on the device (`cells` is then the folds)
         self.pdl = bool(pdl)  # programmatic dependent launches (compute capability 9 and later)

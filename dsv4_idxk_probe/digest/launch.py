@@ -248,6 +248,15 @@ def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
     return 8 * (input_words + 2 * n_cells * n_segments + -(-n_cells // 8))
 
 
+def strided_page_ids(pages, stride: int) -> np.ndarray:
+    """Page ids from a table of `stride` entries per page, as the kernel reads it
+    (`page_id_stride`): each page's first entry over the stride, floored; -1 (out of
+    range) for a negative entry. For the reference backend."""
+    entries = np.asarray(pages.cpu() if isinstance(pages, _Tensor) else pages, dtype=np.int64)
+    firsts = entries[: len(entries) // stride * stride : stride]
+    return np.where(firsts >= 0, firsts // stride, -1)
+
+
 def checked_room_cells(buffers: Sequence, pages, n_tokens: int, layout: RowLayout, layer_ids: Sequence[int],
                        cells: np.ndarray, flags: np.ndarray, contents: np.ndarray | None = None) -> None:
     """`reference.room_cells`, with page ids checked as the kernel checks them: a row whose
@@ -387,6 +396,8 @@ class Launcher:
     def _launch(self, rooms: list, callback) -> PendingDigest:
         """Launch a batch of room requests (anything with `key`, `pages`, `n_tokens`)."""
         if self.backend == "reference":
+            if self._id_stride != 1:
+                rooms = [RoomRequest(r.key, strided_page_ids(r.pages, self._id_stride), r.n_tokens) for r in rooms]
             plan = plan_cells(rooms, self._n_layers)
             cells, contents, flags = self._reference_cells(plan, rooms)
             return PendingDigest(plan, rooms, callback, cells, flags=flags, contents=contents if self.contents else None)
@@ -431,10 +442,13 @@ class Launcher:
         elif (pages.__class__ is _Tensor and pages.device == self.device and pages.dtype in _ID_BYTES
                 and pages.is_contiguous()):
             dev, input_words, n_pages = pages, 32, pages.shape[0]  # read in place (`len` of a tensor is Python)
+            if self._id_stride != 1:
+                n_pages //= self._id_stride
         else:
             dev = self._odd_device_pages(pages)
-            n_pages = len(pages)
-            input_words = 32 if dev is not None else -(-(ROOM_COLUMNS + n_pages) // 32) * 32
+            entries = len(pages)
+            n_pages = entries // self._id_stride
+            input_words = 32 if dev is not None else -(-(ROOM_COLUMNS + entries) // 32) * 32
         n_cells = n_layers * n_pages
         fold = self._fold
         cells_end = input_words + (n_pages + self._fold_room_words if fold else n_cells * n_seg)  # the cells or the fold
@@ -462,13 +476,13 @@ class Launcher:
             address, id_bytes = dev.data_ptr(), _ID_BYTES[dev.dtype]
             ticket.table = (address, id_bytes, n_pages)
         else:  # the page ids travel in the staging buffer, after the (unread) room table row
-            staging.words[ROOM_COLUMNS : ROOM_COLUMNS + n_pages] = pages.cpu() if isinstance(pages, _Tensor) else pages
+            staging.words[ROOM_COLUMNS : ROOM_COLUMNS + entries] = pages.cpu() if isinstance(pages, _Tensor) else pages
             id_bytes = 8
             in_place = n_cells <= self._mapped_table_programs * self.rows and self._staging.mapped
             address = (staging.host_address if in_place else base) + 8 * ROOM_COLUMNS  # `_launch_many`
             if copies and not in_place:
                 self.stats.copied_tables += 1
-                up = 8 * (ROOM_COLUMNS + n_pages)
+                up = 8 * (ROOM_COLUMNS + entries)
                 try:
                     to, of = staging.pairs[0, up, False]
                 except KeyError:
@@ -552,7 +566,7 @@ class Launcher:
         otherwise one pass over the rooms builds the table (`_room_table`), where a room
         with a known `table` still costs no call on the tensor."""
         n_rooms, n_layers, n_seg = len(rooms), self._n_layers, self._n_segments
-        hosts = None  # (slot, pages, n) of rooms whose page ids travel in the staging buffer
+        hosts = None  # (slot, pages, entries) of rooms whose page ids travel in the staging buffer
         host_words = 0
         try:
             table, total = _known_tables(rooms, n_layers)
@@ -588,10 +602,10 @@ class Launcher:
         words = staging.words
         cursor = table_words
         if hosts is not None:
-            for slot, pages, n in hosts:
-                words[cursor : cursor + n] = pages.cpu() if isinstance(pages, _Tensor) else pages
+            for slot, pages, entries in hosts:
+                words[cursor : cursor + entries] = pages.cpu() if isinstance(pages, _Tensor) else pages
                 table[ROOM_COLUMNS * slot] = tables + 8 * cursor
-                cursor += n
+                cursor += entries
         words[:table_words] = table
         started = None
         if self.time_kernels:
@@ -655,18 +669,19 @@ class Launcher:
                 if (pages.__class__ is _Tensor and pages.device == device and pages.dtype in _ID_BYTES
                         and pages.is_contiguous()):
                     dev = pages
-                    n = pages.shape[0]
+                    entries = pages.shape[0]
                 else:
                     dev = self._odd_device_pages(pages)
-                    n = len(pages)
+                    entries = len(pages)
+                n = entries // self._id_stride  # pages (`page_id_stride` entries each)
                 if dev is not None:
                     table += (dev.data_ptr(), _ID_BYTES[dev.dtype], n, room.n_tokens, total)
                 else:  # its address is known once the staging buffer is: filled in below
                     table += (0, 8, n, room.n_tokens, total)
                     if hosts is None:
                         hosts = []
-                    hosts.append((slot, pages, n))
-                    host_words += n
+                    hosts.append((slot, pages, entries))
+                    host_words += entries
             total += n_layers * n
             if n > max_pages:
                 max_pages = n

@@ -111,6 +111,9 @@ class PoolRestore:
     row_bytes: int
     page_size: int
     snapshot: Any = None  # restore_snapshot.SnapshotDigests: a CPU pool's copy-then-digest path
+    # the engine reads a copy's token indices as they are (its `page_id_stride` is the page
+    # size), so the copying thread launches no division for the page ids
+    strided: bool = False
     # Plain attributes the copying thread reads, made once (no property call on its path):
     backup_key: str = field(init=False)  # the digest's room key of a backup, of a load
     load_key: str = field(init=False)
@@ -172,16 +175,18 @@ class RestoreVerifier:
             return None
         layout = pool_layout(geom.name, geom.item_bytes)
         buffers = [state.views.device_layer(layer) for layer in range(geom.layers)]
-        engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max)
-        # validated with the settings (`HiCacheSettings.restore_defer_ms`); the copying thread's
-        # loads of a restore and the backups after it are one busy stretch: wait until it ends
-        engine.defer_s, engine.defer_rounds = self.defer_s, DEFER_ROUNDS
+        # the copying thread's loads of a restore and the backups after it are one busy
+        # stretch: each collector waits until it ends (up to DEFER_ROUNDS sleeps of defer_s)
+        engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max,
+                                      defer_s=self.defer_s, defer_rounds=DEFER_ROUNDS,
+                                      page_id_stride=max(1, int(geom.page_size)))
         snapshot = None
         if getattr(engine, "backend", None) == "reference":  # no GPU: digests would run on the copying thread
             from .restore_snapshot import SnapshotDigests
 
             snapshot = SnapshotDigests(engine)
-        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size, snapshot)
+        strided = snapshot is None and getattr(engine, "page_id_stride", 1) == geom.page_size
+        return PoolRestore(geom.name, layout, engine, geom.layers, geom.item_bytes, geom.page_size, snapshot, strided)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every digest submitted so far has been delivered (tests, tools; never
@@ -209,9 +214,10 @@ class RestoreVerifier:
 
     def after_backup(self, state, host_indices, device_indices) -> None:
         """Digest the device pages a page-path backup read, on its stream, and keep them per
-        host row. This thread derives the device page ids (one division on their device),
-        launches the digest and keeps the host index tensor with its version counter; the
-        host rows and the bytes counted are worked out by the collector (`restore_rows`)."""
+        host row. This thread launches the digest over the copy's device token indices (the
+        engine reads each page's first, `_submit`) and keeps the host index tensor with its
+        version counter; the host rows and the bytes counted are worked out by the collector
+        (`restore_rows`)."""
         pool = self._pools.get(state.key, _UNKNOWN)
         if pool is _UNKNOWN:
             pool = self.pool(state)
@@ -237,12 +243,11 @@ class RestoreVerifier:
             self.store.put(key, rows, result.contents[0])
             self._count("hicache_backup", "verified", "none", nbytes)
 
-        pages = device_indices[::size].floor_divide(size)  # the rows, as the pool finds them: one C call
-        if pool.snapshot is None:
-            ticket = pool.engine.submit_room(pool.backup_key, pages, n_pages * pool.page_tokens, stored,
+        if pool.strided:  # the engine reads the token indices as they are: no frame, no device call more
+            ticket = pool.engine.submit_room(pool.backup_key, device_indices, n_pages * pool.page_tokens, stored,
                                              contents_only=True)
         else:
-            ticket = self._snapshot(pool, pages, n_pages, stored)
+            ticket = self._submit_page_ids(pool, pool.backup_key, device_indices, n_pages, stored)
         if not ticket:  # the collector is behind: counted, never waited for
             self._count("hicache_backup", "unverified", "queue_full", n_pages * pool.page_bytes)
             self._drop_when_copied(pool, key, host_indices, version)
@@ -262,9 +267,8 @@ class RestoreVerifier:
             return
         size = pool.page_size
         n_pages = host_indices.numel() // size
-        version = host_indices._version
+        version, device_version = host_indices._version, device_indices._version
         key = state.key
-        pages = device_indices[::size].floor_divide(size)  # the rows, as the pool finds them: one C call
 
         def compared(result) -> None:
             rows = read_rows(host_indices, version, size)
@@ -275,8 +279,9 @@ class RestoreVerifier:
             comparison = compare_load(expected, contents, rows, None, names)
             device_pages = None
             if comparison.mismatch_rows:  # a finding names its device pages: read them now
-                device_pages = read_rows(pages, None, None)
-                comparison = compare_load(expected, contents, rows, device_pages, names)
+                device_pages = read_rows(device_indices, device_version, size)
+                if device_pages is not None:  # else rewritten since: the finding names host rows only
+                    comparison = compare_load(expected, contents, rows, device_pages, names)
             if comparison.verified_rows:
                 self._count("hicache_load", "verified", "none", comparison.verified_rows * pool.page_bytes)
             if comparison.unverified_rows:
@@ -285,13 +290,25 @@ class RestoreVerifier:
             self._report(state, comparison, dict(context, pool=pool.name, layout=pool.layout.name,
                                                  host_rows=rows, device_pages=device_pages))
 
-        if pool.snapshot is None:
-            ticket = pool.engine.submit_room(pool.load_key, pages, n_pages * pool.page_tokens, compared,
+        if pool.strided:
+            ticket = pool.engine.submit_room(pool.load_key, device_indices, n_pages * pool.page_tokens, compared,
                                              contents_only=True)
         else:
-            ticket = self._snapshot(pool, pages, n_pages, compared)
+            ticket = self._submit_page_ids(pool, pool.load_key, device_indices, n_pages, compared)
         if not ticket:  # the collector is behind: counted, never waited for
             self._count("hicache_load", "unverified", "queue_full", n_pages * pool.page_bytes)
+
+    def _submit_page_ids(self, pool: PoolRestore, key: str, device_indices, n_pages: int, callback):
+        """Digest the device pages a copy named, in its stream order, where the engine does not
+        read the token indices itself (`PoolRestore.strided`: a CPU pool's snapshot, an
+        engine of another stride): this thread derives the page ids as the pool does (first
+        index of each page over the page size: one strided view and one division on the
+        indices' device, no read-back). The ticket, or a false value when the collector is behind."""
+        size = pool.page_size
+        pages = device_indices[::size].floor_divide(size)
+        if pool.snapshot is None:
+            return pool.engine.submit_room(key, pages, n_pages * pool.page_tokens, callback, contents_only=True)
+        return self._snapshot(pool, pages, n_pages, callback)
 
     def _not_verified(self, state, path: str, host_indices) -> None:
         """An index-K pool that is not verified: its bytes counted unverified, with why."""
@@ -382,10 +399,12 @@ def engine_options() -> dict:
     return {"contents": True, "prealloc": PREALLOC, "download": "collector"}
 
 
-def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int):
+def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int, **options):
+    """A pool's restore digest engine; `options`: what `RestoreVerifier` sets per pool (the
+    deferral, the page-id stride), checked by the engine's constructor."""
     from ..digest.engine import DigestEngine  # torch (and Triton on CUDA): only when a pool is verified
 
-    return DigestEngine(layout, layer_ids, buffers, max_pending=queue_max, **engine_options())
+    return DigestEngine(layout, layer_ids, buffers, max_pending=queue_max, **engine_options(), **options)
 
 
 def _moved_bytes(state, host_indices, layers: int) -> int:

@@ -5,17 +5,18 @@ A page-path copy names its pages as index tensors of `page_size` slots per page;
 pool's row of a page group is its first index over the page size. Restore verification
 needs three things from them:
 
-* the **device page ids** the digest reads, on the indices' device, before the digest's
-  launch: `indices[::P].floor_divide(P)` (`indices.reshape(-1, P)[:, 0] // P`, as the pool
-  computes it; one strided view and one division, no read-back), made by the copying
-  thread itself (`restore.RestoreVerifier`);
+* the **device page ids** the digest reads, in stream order: the digest kernel reads
+  every P-th device index and divides it itself (`DigestEngine(page_id_stride=P)`: what
+  `indices.reshape(-1, P)[:, 0] // P` gives, as the pool computes it), so the copying
+  thread hands it the index tensor as it is; an engine without the stride gets
+  `indices[::P].floor_divide(P)`, made by the copying thread (`restore.RestoreVerifier`);
 * the **host rows** that key the kept digests: plain ints, wanted only on the
   collector, after the digest's event. So the copying thread keeps a reference to the
   index tensor and its version counter (no device op) and the collector reads it
   (`read_rows`): a CPU tensor directly, a device tensor with a copy on a stream of its
   own, waited for there;
 * the **device page numbers** a finding names: read by the collector only when a load
-  differs from its backup (the page-id tensor is the probe's own, never rewritten).
+  differs from its backup (from the device index tensor, unless it was rewritten since).
 
 A tensor written in place after the copy (its version moved) cannot say which rows the
 copy named: `read_rows` returns None and the caller counts the copy unverified.

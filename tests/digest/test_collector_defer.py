@@ -115,8 +115,8 @@ def test_restore_engines_take_the_hicache_deferral():
     settings = parse_settings({"restore_defer_ms": 7.5})
     made = []
 
-    def factory(layout, layer_ids, buffers, queue_max):
-        made.append(SimpleNamespace(backend="triton", defer_s=None, defer_rounds=None))
+    def factory(layout, layer_ids, buffers, queue_max, **options):
+        made.append(SimpleNamespace(backend="triton", **options))
         return made[-1]
 
     verifier = RestoreVerifier(4, 4, lambda *a: None, lambda *a: None, lambda *a: None, engine_factory=factory,
@@ -125,6 +125,7 @@ def test_restore_engines_take_the_hicache_deferral():
     views = SimpleNamespace(device_layer=lambda layer: None)
     assert verifier.pool(SimpleNamespace(key=1, geom=geom, views=views, invariants_failed=False)) is not None
     assert made[0].defer_s == 0.0075 and made[0].defer_rounds == collector.DEFER_ROUNDS
+    assert made[0].page_id_stride == 256  # the engine reads the copy's token indices, a page size apart
     with pytest.raises(Exception, match="restore_defer_ms"):
         parse_settings({"restore_defer_ms": 5000})
 

@@ -255,3 +255,59 @@ def test_the_kernel_is_a_dependent_launch_only_on_gpus_that_have_them_and_not_wh
         engine.close()
     with pytest.raises(ValueError, match=re.escape("dependent_launch must be one of ('auto', 'off'), got 'on'")):
         DigestEngine(LAYOUT, [0], buffers, backend="triton", dependent_launch="on")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_an_engine_with_a_page_id_stride_reads_token_indices_as_the_pool_does(backend, on_device, random_buffers):
+    """`page_id_stride=4`: a page table of token indices, 4 per page (a HiCache copy's); page
+    k is entry 4k over 4, floored, as the pool finds its row. Same digests as the page ids
+    themselves give an engine without the stride, in one-room and batched submits; a page
+    whose first index is negative is never read (out of range), like id -1."""
+    stride = 4
+    buffers = random_buffers(LAYOUT, 2, 6, seed=7)
+    if backend == "triton":
+        buffers = [b.to(DEVICE) for b in buffers]
+    plain = DigestEngine(LAYOUT, [0, 1], buffers, backend=backend)
+    strided = DigestEngine(LAYOUT, [0, 1], buffers, backend=backend, page_id_stride=stride)
+    assert strided.page_id_stride == stride
+    # pages 5, 1, 3 of whole token groups, then a group whose first index is not page-aligned
+    # (floored to page 2), then one whose first index is negative (never read)
+    tokens = [5 * stride + i for i in range(stride)] + [1 * stride + i for i in range(stride)]
+    tokens += [3 * stride + i for i in range(stride)] + [2 * stride + 1 + i for i in range(stride)] + [-3, 0, 1, 2]
+    ids = [5, 1, 3, 2, -1]
+
+    def table(values):
+        if on_device and backend == "triton":
+            return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+        return values
+
+    n_tokens = 4 * 256 + 100
+    got_plain, got_strided = [], []
+    plain.submit([RoomRequest("r", table(ids), n_tokens)], got_plain.append)
+    strided.submit([RoomRequest("r", table(tokens), n_tokens)], got_strided.append)
+    plain.submit([RoomRequest("r", table(ids), n_tokens), RoomRequest("s", table(ids[:2]), 300)], got_plain.append)
+    strided.submit([RoomRequest("r", table(tokens), n_tokens), RoomRequest("s", table(tokens[: 2 * stride]), 300)],
+                   got_strided.append)
+    strided.submit_room("t", table(tokens[: 3 * stride]), 3 * 256, got_strided.append, contents_only=True)
+    plain.submit_room("t", table(ids[:3]), 3 * 256, got_plain.append, contents_only=True)
+    plain.close()
+    strided.close()
+    assert len(got_plain) == len(got_strided) == 3
+    for a, b in zip(got_plain[:2], got_strided[:2]):
+        assert a.out_of_range == b.out_of_range and a.out_of_range[0] == 2  # 2 layers x the negative page
+        assert a.room_bytes == b.room_bytes
+        for x, y in zip(a.contents, b.contents):  # room "r" (content digests: 0 where not read), room "s"
+            assert x.shape == y.shape and (x == y).all() and x.any()
+    clean_plain, clean_strided = got_plain[1].digests[1], got_strided[1].digests[1]  # room "s": all ids in range
+    assert clean_plain.room == clean_strided.room
+    assert (clean_plain.pages == clean_strided.pages).all() and (clean_plain.layer_segment == clean_strided.layer_segment).all()
+    (contents_plain,), (contents_strided,) = got_plain[2].contents, got_strided[2].contents
+    assert contents_plain.shape == contents_strided.shape == (2, 3, len(LAYOUT.segments))
+    assert (contents_plain == contents_strided).all() and contents_plain.any()
+
+
+@pytest.mark.parametrize("stride", [0, -2, 1.5])
+def test_a_page_id_stride_below_one_is_refused(stride, random_buffers):
+    with pytest.raises(ValueError, match="page_id_stride"):
+        DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", page_id_stride=stride)

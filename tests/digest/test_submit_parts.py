@@ -68,8 +68,8 @@ def _kernel(monkeypatch, signature):
 
 # The fp8 layout's compile-time constants, in the kernel's order: row words, slots, tokens
 # per slot, segments; per segment (4) word offset, words per slot, tile; base alignment,
-# rows per program.
-_FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16, 2)
+# rows per program, page-table entries per page.
+_FP8_CONSTANTS = (2112, 64, 4, 2, 0, 32, 2048, 2048, 1, 64, 0, 1, 1, 0, 1, 1, 16, 2, 1)
 _NO_ROOM = (0, 0, 0, 0)  # the by-value room fields of a launch of several rooms
 # After the constants: ONE_ROOM, then CONTENTS (content digests stored: the default), then FOLD
 # (cells stored, not folded on the device: a bare kernel's default; the engine's twin folds).

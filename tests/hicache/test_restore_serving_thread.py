@@ -32,8 +32,9 @@ class Watched(torch.Tensor):
 class DeferringEngine:
     """Takes submits, runs their callbacks later on a thread of its own (as the collector does)."""
 
-    def __init__(self, layers: int, segments: int):
+    def __init__(self, layers: int, segments: int, page_id_stride: int = 1):
         self.layers, self.segments, self.pending, self.pages_seen = layers, segments, [], []
+        self.page_id_stride = page_id_stride  # as the real engine: token indices, this many per page
 
     def submit_room(self, key, pages, n_tokens, callback, contents_only=False):
         assert isinstance(pages, torch.Tensor), "page ids must stay a tensor on the serving thread"
@@ -50,7 +51,7 @@ class DeferringEngine:
                 if pages is None:
                     callback(None)
                     continue
-                n = len(pages.tolist())
+                n = len(pages.tolist()) // self.page_id_stride
                 contents = np.arange(self.layers * n * self.segments, dtype=np.uint64).reshape(self.layers, n, -1)
                 callback(SimpleNamespace(error=None, contents=(contents,), out_of_range=(0,)))
             self.pending = []
@@ -113,8 +114,8 @@ def _verifier_and_state(layers: int = 2):
     state = SimpleNamespace(key=1, geom=geom, views=views, invariants_failed={})
     engines, reports, counted = [], [], []
 
-    def factory(layout, layer_ids, buffers, queue_max):
-        engines.append(DeferringEngine(len(layer_ids), len(layout.segments)))
+    def factory(layout, layer_ids, buffers, queue_max, **options):
+        engines.append(DeferringEngine(len(layer_ids), len(layout.segments), options["page_id_stride"]))
         return engines[-1]
 
     verifier = RestoreVerifier(16, 8, lambda s, c, ctx: reports.append(c), lambda *a: counted.append(a),
