@@ -67,6 +67,7 @@ from dsv4_idxk_probe.digest.kernel import (DigestKernel, _digest_rooms_kernel, d
 from dsv4_idxk_probe.digest.room_table import plan_cells  # noqa: E402
 
 LAYOUTS = ("fp8", "fp4", "bf16")
+FOLD_SHAPES = ((1, 1), (2, 1), (2, 2), (4, 2), (1, 4), (2, 4))  # rows per program x warps, the folding kernel
 SWEEP = [(rows, warps) for rows in (1, 2, 4) for warps in (1, 2, 4)]  # rows per program x warps
 METHODS = ("steady", "flush_read", "flush_write")
 POLICIES = ("", "evict_first")  # the loads' eviction policy: Triton's default, or lines evicted first
@@ -480,6 +481,15 @@ def engine_submits(timer, layout, bufs, page_tables, device, sizes, shape, read_
         evented = [lambda launch=launch, event=event: (launch(), event.record()) for launch, event in zip(bare, events)]
         result[f"kernel_{tag}_steady_us"] = timer.ms("steady", bare) * 1e3
         result[f"kernel_{tag}_event_steady_us"] = timer.ms("steady", evented) * 1e3
+    # The folding kernel at other shapes (rows per program x warps): more rows per program,
+    # fewer (layer, segment) atomics per row; the engine's shape was chosen storing cells.
+    folding = {}
+    for rows, warps in FOLD_SHAPES:
+        shaped = [Launch(layout, bufs, [r], device, rows, warps, pdl=pdl, fold=True) for r in rooms]
+        for launch in shaped:
+            launch.cells.zero_()
+        folding[f"{rows}x{warps}"] = timer.ms("steady", shaped) * 1e3
+    result["kernel_fold_steady_us_by_shape"] = folding
     # Decode's copy down, which its collector makes on its own stream (the copy engine), timed alone:
     # the folds, the flags and the contents of one room.
     n_cells, n_seg = sizes.layers * sizes.pages, len(layout.segments)
@@ -887,7 +897,8 @@ def print_report(report) -> None:
             print(f"[steady] {r['layout']} kernel at the engine's shape, back to back: storing cells "
                   f"{e['kernel_cells_steady_us']:.1f} us, with an event behind each {e['kernel_cells_event_steady_us']:.1f}; "
                   f"folding on the device {e['kernel_fold_steady_us']:.1f}, with an event behind each "
-                  f"{e['kernel_fold_event_steady_us']:.1f}")
+                  f"{e['kernel_fold_event_steady_us']:.1f}; folding at rows x warps "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in e["kernel_fold_steady_us_by_shape"].items()))
             print(f"[flush_read] {r['layout']} room of 64 pages: engine {e['medium_engine_us']:.1f} us, without "
                   f"contents {e['medium_engine_us_no_contents']:.1f}; kernel alone, outputs in pinned memory "
                   f"{e['medium_pinned_outputs_us']:.1f}, in device memory {e['medium_device_outputs_us']:.1f}")

@@ -126,8 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--page-tables", choices=("device", "host"), default="device")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    decode_engine = cuda_path_engine(args.layers, args.pages, contents=args.diagnosis, download="collector")
-    prefill_engine = cuda_path_engine(args.layers, args.pages, contents=False, download="submit")
+    from bench.hook_cost import fake_engines  # each role's engine as the probe config sets it up
+
+    decode_engine, prefill_engine = fake_engines(args.layers, args.pages, args.diagnosis)
     diagnosis = None
     if args.diagnosis:
         diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), decode_engine.layout,
