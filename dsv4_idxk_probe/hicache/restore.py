@@ -215,7 +215,7 @@ class RestoreVerifier:
     def after_backup(self, state, host_indices, device_indices) -> None:
         """Digest the device pages a page-path backup read, on its stream, and keep them per
         host row. This thread launches the digest over the copy's device token indices (the
-        engine reads each page's first, `_submit`) and keeps the host index tensor with its
+        engine reads each page's first, `PoolRestore.strided`) and keeps the host index tensor with its
         version counter; the host rows and the bytes counted are worked out by the collector
         (`restore_rows`)."""
         pool = self._pools.get(state.key, _UNKNOWN)
