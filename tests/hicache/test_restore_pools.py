@@ -182,3 +182,41 @@ def test_on_the_cpu_page_copies_past_their_bound_are_counted_queue_full(hicache,
     env.probe.publish()
     assert env.value("coverage_bytes", path="hicache_backup", outcome="unverified", reason="queue_full") == 2 * row
     assert snapshot.pending_bytes == 0
+
+
+def _kernel_path_engine(layout, layer_ids, buffers, queue_max, **per_pool):
+    """The restore engine as a GPU pool gets it (the Triton kernel; here under the interpreter,
+    on the CPU pool's device layers), so the copying thread takes the GPU path: the token
+    indices handed to the kernel as they are (`page_id_stride`), no page copy."""
+    from dsv4_idxk_probe.digest import DigestEngine
+    from dsv4_idxk_probe.hicache.restore import engine_options
+
+    return DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max, **engine_options(),
+                        **per_pool)
+
+
+def test_on_the_kernel_path_the_token_indices_are_read_as_they_are_and_the_changed_row_is_found(
+        hicache, make_pool):
+    """End to end on the GPU pools' path: the kernel finds each page from every page-size-th
+    device index itself; a host row changed before its load is found at the right cells,
+    and the clean row matches."""
+    env = hicache()
+    env.probe.restore._engine_factory = _kernel_path_engine
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    restore = env.probe.restore.pool(env.probe.state_of(pool))
+    assert restore.snapshot is None and restore.strided and restore.engine.page_id_stride == restore.page_size > 1
+    host_row(pool, 2, 0)[17] ^= 0x01  # a payload byte of host row 2, layer 0
+    load(pool, device_rows=[4, 3])
+    settle(env)
+    (found,) = findings(env)
+    assert [(c["pool_layer"], c["host_row"], c["device_page"], c["segment"]) for c in found["cells"]] == [
+        (0, 2, 4, "payload")]
+    assert found["mismatch_rows"] == [2] and found["rows"] == 2
+    load(pool, device_rows=[0, 6])  # host row 2 is loaded as it now is: it differs from its backup again
+    host_row(pool, 2, 0)[17] ^= 0x01  # restored: the next load matches
+    load(pool, device_rows=[5, 1])
+    settle(env)
+    assert env.value("rooms_verified", stage=STAGE, verdict="mismatch") == 2
+    assert env.value("rooms_verified", stage=STAGE, verdict="match") == 1
