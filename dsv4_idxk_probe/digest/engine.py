@@ -106,7 +106,8 @@ class DigestEngine(Launcher, Collector):
     `defer_rounds`: that many sleeps at most, the next only when the serving thread
     submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
     `page_id_stride`: entries of a page table per page; page k's id is entry
-    k x stride over stride (negative: out of range). A HiCache copy names its pages
+    k x stride over stride (negative: out of range); a trailing group of fewer
+    entries is a page too (as `table[::stride]` counts). A HiCache copy names its pages
     by token index, `page_size` per page; with the stride the kernel reads those
     indices as they are, so the copying thread launches no division of its own.
 

@@ -251,9 +251,10 @@ def staging_bytes(input_words: int, n_cells: int, n_segments: int) -> int:
 def strided_page_ids(pages, stride: int) -> np.ndarray:
     """Page ids from a table of `stride` entries per page, as the kernel reads it
     (`page_id_stride`): each page's first entry over the stride, floored; -1 (out of
-    range) for a negative entry. For the reference backend."""
+    range) for a negative entry; a trailing group shorter than the stride is a page too,
+    as `entries[::stride]` counts it. For the reference backend."""
     entries = np.asarray(pages.cpu() if isinstance(pages, _Tensor) else pages, dtype=np.int64)
-    firsts = entries[: len(entries) // stride * stride : stride]
+    firsts = entries[::stride]
     return np.where(firsts >= 0, firsts // stride, -1)
 
 
@@ -442,12 +443,12 @@ class Launcher:
         elif (pages.__class__ is _Tensor and pages.device == self.device and pages.dtype in _ID_BYTES
                 and pages.is_contiguous()):
             dev, input_words, n_pages = pages, 32, pages.shape[0]  # read in place (`len` of a tensor is Python)
-            if self._id_stride != 1:
-                n_pages //= self._id_stride
+            if self._id_stride != 1:  # a trailing partial group is a page, as `pages[::stride]` counts it
+                n_pages = -(-n_pages // self._id_stride)
         else:
             dev = self._odd_device_pages(pages)
             entries = len(pages)
-            n_pages = entries // self._id_stride
+            n_pages = -(-entries // self._id_stride)
             input_words = 32 if dev is not None else -(-(ROOM_COLUMNS + entries) // 32) * 32
         n_cells = n_layers * n_pages
         fold = self._fold
@@ -673,7 +674,7 @@ class Launcher:
                 else:
                     dev = self._odd_device_pages(pages)
                     entries = len(pages)
-                n = entries // self._id_stride  # pages (`page_id_stride` entries each)
+                n = -(-entries // self._id_stride)  # pages (`page_id_stride` entries each, the last maybe fewer)
                 if dev is not None:
                     table += (dev.data_ptr(), _ID_BYTES[dev.dtype], n, room.n_tokens, total)
                 else:  # its address is known once the staging buffer is: filled in below
