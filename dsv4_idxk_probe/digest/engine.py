@@ -193,7 +193,7 @@ class DigestEngine(Launcher, Collector):
         self._mapped_table_programs = mapped_table_programs if mapped_tables else -1  # launch.py reads this
         self._download_at_submit = download == "submit"
         self._n_layers, self._n_segments = len(self.layer_ids), len(layout.segments)
-        self.page_id_stride = self._id_stride = page_id_stride
+        self.page_id_stride = page_id_stride  # launch.py reads it per submit
         self._staging = StagingPool(self.device, twin=self._copies, spare=spare_buffers)
         self.wait = wait
         self._events = EventPool(blocking=wait == "block")
@@ -367,7 +367,7 @@ class DigestEngine(Launcher, Collector):
         CUDA, both compiled variants (one room by value, several from a table), each
         launched a second time for its `DirectLaunch` to be learnt (launch.py): the
         serving thread's first rooms launch direct."""
-        page = [0] * self._id_stride  # one page's entries
+        page = [0] * self.page_id_stride  # one page's entries
         batches = [[RoomRequest("warm-up", page, 0)]]
         if self._on_cuda:
             if self._direct[1] is None and not self._direct_refused[1]:

@@ -389,7 +389,7 @@ class Launcher:
     It reads what the engine's constructor sets up: `layout`, `layer_ids`, `buffers`,
     `device`, `backend`, `contents`, `time_kernels`, and `_copies` (outputs "device"),
     `_download_at_submit`, `_staging` (`StagingPool`), `_events` (`EventPool`),
-    `_streams`, `_n_layers`, `_n_segments`, and for the Triton backend `_kernel`,
+    `_streams`, `_n_layers`, `_n_segments`, `page_id_stride`, and for the Triton backend `_kernel`,
     `_current_stream` and the device touch points of the lean path: `_on_cuda`,
     `_device_index`, `_current_device`, `_raw_stream`, `_record`, `_direct`,
     `_launch_hooks` (tests and benches fake these)."""
@@ -397,8 +397,8 @@ class Launcher:
     def _launch(self, rooms: list, callback) -> PendingDigest:
         """Launch a batch of room requests (anything with `key`, `pages`, `n_tokens`)."""
         if self.backend == "reference":
-            if self._id_stride != 1:
-                rooms = [RoomRequest(r.key, strided_page_ids(r.pages, self._id_stride), r.n_tokens) for r in rooms]
+            if self.page_id_stride != 1:
+                rooms = [RoomRequest(r.key, strided_page_ids(r.pages, self.page_id_stride), r.n_tokens) for r in rooms]
             plan = plan_cells(rooms, self._n_layers)
             cells, contents, flags = self._reference_cells(plan, rooms)
             return PendingDigest(plan, rooms, callback, cells, flags=flags, contents=contents if self.contents else None)
@@ -443,12 +443,12 @@ class Launcher:
         elif (pages.__class__ is _Tensor and pages.device == self.device and pages.dtype in _ID_BYTES
                 and pages.is_contiguous()):
             dev, input_words, n_pages = pages, 32, pages.shape[0]  # read in place (`len` of a tensor is Python)
-            if self._id_stride != 1:  # a trailing partial group is a page, as `pages[::stride]` counts it
-                n_pages = -(-n_pages // self._id_stride)
+            if self.page_id_stride != 1:  # a trailing partial group is a page, as `pages[::stride]` counts it
+                n_pages = -(-n_pages // self.page_id_stride)
         else:
             dev = self._odd_device_pages(pages)
             entries = len(pages)
-            n_pages = -(-entries // self._id_stride)
+            n_pages = -(-entries // self.page_id_stride)
             input_words = 32 if dev is not None else -(-(ROOM_COLUMNS + entries) // 32) * 32
         n_cells = n_layers * n_pages
         fold = self._fold
@@ -674,7 +674,7 @@ class Launcher:
                 else:
                     dev = self._odd_device_pages(pages)
                     entries = len(pages)
-                n = -(-entries // self._id_stride)  # pages (`page_id_stride` entries each, the last maybe fewer)
+                n = -(-entries // self.page_id_stride)  # pages (`page_id_stride` entries each, the last maybe fewer)
                 if dev is not None:
                     table += (dev.data_ptr(), _ID_BYTES[dev.dtype], n, room.n_tokens, total)
                 else:  # its address is known once the staging buffer is: filled in below

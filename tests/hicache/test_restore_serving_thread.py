@@ -51,7 +51,7 @@ class DeferringEngine:
                 if pages is None:
                     callback(None)
                     continue
-                n = len(pages.tolist()) // self.page_id_stride
+                n = -(-len(pages.tolist()) // self.page_id_stride)  # a short last group is a page, as there
                 contents = np.arange(self.layers * n * self.segments, dtype=np.uint64).reshape(self.layers, n, -1)
                 callback(SimpleNamespace(error=None, contents=(contents,), out_of_range=(0,)))
             self.pending = []
