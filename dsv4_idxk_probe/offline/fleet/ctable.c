@@ -621,11 +621,13 @@ static const int8_t *judgments(RoomTable *t)
 static PyObject *table_judge(RoomTable *t, PyObject *unused)
 {
     static const char *names[3] = {"complex", "clean", "prefill_only"};
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     PyObject *out = PyDict_New();
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        int j = judgment(t, k);
+        int j = judged[i];
         if (j < 0) continue;
         PyObject *key = Py_BuildValue("(NL)", room_str(t, k), k->attempt);
         PyObject *v = key ? PyUnicode_FromString(names[j]) : NULL;
@@ -649,10 +651,12 @@ static PyObject *table_counts(RoomTable *t, PyObject *unused)
 /* [(room, attempt)] of the complex keys (in the selection). */
 static PyObject *table_complex_keys(RoomTable *t, PyObject *unused)
 {
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out && i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        if (judgment(t, k) != 0) continue;
+        if (judged[i] != 0) continue;
         PyObject *key = Py_BuildValue("(NL)", room_str(t, k), k->attempt);
         if (!key || PyList_Append(out, key) < 0) { Py_XDECREF(key); Py_CLEAR(out); break; }
         Py_DECREF(key);
@@ -888,9 +892,11 @@ static PyObject *table_clean_counts(RoomTable *t, PyObject *args)
     long long rooms = 0, open = 0, live = 0, dups = 0, records = 0, first = -1, po = 0, conflicts = 0, first_d = -1;
     long long st_room[128], st_ord[128], st_n[128];
     for (int s = 0; s < 128; s++) st_room[s] = -1, st_ord[s] = -1, st_n[s] = 0;
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        int j = judgment(t, k);
+        int j = judged[i];
         if (j <= 0) continue;
         records += k->p + k->d;
         long long f = k->d && k->first_d < k->first_p ? k->first_d : k->first_p;
@@ -944,9 +950,11 @@ static PyObject *table_clean_coverage(RoomTable *t, PyObject *unused)
     PyObject *out = PyDict_New(), *empty = PyUnicode_FromString(""), *verified = PyUnicode_FromString("verified"),
              *unverified = PyUnicode_FromString("unverified");
     if (!out || !empty || !verified || !unverified) goto fail;
+    const int8_t *judged = judgments(t);
+    if (!judged) goto fail;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        int j = judgment(t, k);
+        int j = judged[i];
         if (j <= 0) continue;
         PyObject *inst = j == 1 ? k->d_inst : k->p_inst;
         if (!inst || inst == Py_None) inst = empty;
@@ -1010,11 +1018,13 @@ static PyObject *table_prefill_only(RoomTable *t, PyObject *unused)
  * ts (the report's timeline). */
 static PyObject *table_timeline(RoomTable *t, PyObject *unused)
 {
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     PyObject *out = PyList_New(0), *empty = PyUnicode_FromString("");
     if (!out || !empty) { Py_XDECREF(out); Py_XDECREF(empty); return NULL; }
     for (Py_ssize_t i = 0; i < t->n; i++) {
         const KeyState *k = &t->keys[i];
-        if (judgment(t, k) != 1 || isnan(k->d_ts)) continue;
+        if (judged[i] != 1 || isnan(k->d_ts)) continue;
         PyObject *row = Py_BuildValue("(dO)", k->d_ts, k->d_inst && k->d_inst != Py_None ? k->d_inst : empty);
         if (!row || PyList_Append(out, row) < 0) { Py_XDECREF(row); Py_DECREF(out); Py_DECREF(empty); return NULL; }
         Py_DECREF(row);
@@ -1035,11 +1045,13 @@ static int cmp_kept_ord(const void *x, const void *y)
 static PyObject *table_rooms_for_rids(RoomTable *t, PyObject *rids)
 {
     if (!PyAnySet_Check(rids)) { PyErr_SetString(PyExc_TypeError, "rids must be a set"); return NULL; }
+    const int8_t *judged = judgments(t);
+    if (!judged) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < t->n; i++) {
         KeyState *k = &t->keys[i];
-        if (judgment(t, k) != 1) continue;
+        if (judged[i] != 1) continue;
         int hit = 0;
         PyObject *prid = text_str(t, k->p_rid_at, k->p_rid_len), *drid = prid ? text_str(t, k->d_rid_at, k->d_rid_len) : NULL;
         if (!drid) { Py_XDECREF(prid); Py_DECREF(out); return NULL; }
