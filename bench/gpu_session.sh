@@ -54,6 +54,11 @@ step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$re
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
 # Serving-thread CPU per hook call (real launches, a 10 ms GPU kernel before each call).
 step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls "${HOOK_CALLS:-2000}" --out "$res/hook_cost"
+# Prefill's send as its hook makes it now (the token indices as they are) and before (divided into
+# page ids first), three interleaved rounds of 1,000 calls each.
+step hooksend 300 bash -c "for round in 1 2 3; do for table in divided tokens; do \
+    python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls 1000 --kinds send --send-table \$table \
+    --out $res/hook_send_\${table}_\$round || exit 1; done; done"
 # HiCache host-pool copies with restore verification (the default), without it, and round
 # trip: cycles/s against the bare pool; then the wrappers' CPU per call under sync-debug "error".
 step hostpool 300 python3 -m bench.overhead --device cuda --skip-rig --reps 7 --out "$res/overhead_hostpool"

@@ -18,7 +18,12 @@ with decode's diagnosis on as shipped (`--no-diagnosis`: verification alone):
   receive   DecodeMonitor.room_received (`_commit_transfer_to_req`: `decode_recv`)
   step      DecodeMonitor.batch_done with `--step-rooms` rooms stepped (every `step_interval`-th batch)
   finish    DecodeMonitor.room_finished (`release_kv_cache`: `decode_finish` of one room)
-  send      PrefillMonitor.room_sent (`send_kv_chunk(last_chunk=True)`: `prefill_send`)
+  send      PrefillMonitor.room_sent (`send_kv_chunk(last_chunk=True)`: `prefill_send`), with
+            the hook's slice of the request table: the room's token indices (int32, 256 per
+            page), which prefill's engine reads with `page_id_stride` 256 as `PrefillSide`
+            builds it (before 2026-12-05 the hook divided them into page ids first, a device
+            op this bench never timed; it timed the monitor call on page ids).
+            `--send-table divided` times that former hook: slice, division, a call on page ids
 
 `--real-launch` (the default where CUDA is present): a real engine on CUDA buffers
 (DeepSeek-V4 fp8 rows), page tables as CUDA int64 tensors, the kernel really launched.
@@ -29,7 +34,7 @@ ones (`--page-tables host`: host lists, which travel in the staging upload).
 
 Usage:  python -m bench.hook_cost [--calls 2000] [--layers 30] [--pages 17] [--step-rooms 8] [--kinds LIST]
                                   [--gap-ms 0.2] [--gap-wait sleep|gpu] [--no-diagnosis] [--real-launch | --fake-launch]
-                                  [--page-tables device|host] [--out DIR]
+                                  [--page-tables device|host] [--send-table tokens|divided] [--out DIR]
 """
 
 from __future__ import annotations
@@ -52,14 +57,15 @@ from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId
 KINDS = ("allocate", "receive", "step", "finish", "send")
 
 
-def real_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
+def real_engines(layers: int, pages: int, contents: bool, stride: int = 256) -> tuple[DigestEngine, DigestEngine]:
     """Decode's and prefill's engines on CUDA buffers, set up as `DigestEngine.from_config`
     sets them up for each role with the shipped config."""
     layout = get_layout("fp8")
     pool = 64 * pages + 1
     buffers = [torch.randint(0, 256, (pool, layout.row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
     decode = DigestEngine(layout, list(range(layers)), buffers, **_role_options("decode", contents))
-    prefill = DigestEngine(layout, list(range(layers)), buffers, **_role_options("prefill", contents))
+    prefill = DigestEngine(layout, list(range(layers)), buffers, **_role_options("prefill", contents),
+                           page_id_stride=stride)
     return decode, prefill
 
 
@@ -74,20 +80,36 @@ def _role_options(role: str, diagnosis: bool) -> dict:
     return options(parse_config({"diagnosis": {"enabled": diagnosis}}), role)
 
 
-def fake_engines(layers: int, pages: int, contents: bool) -> tuple[DigestEngine, DigestEngine]:
+def fake_engines(layers: int, pages: int, contents: bool, stride: int = 256) -> tuple[DigestEngine, DigestEngine]:
+    """As `real_engines`, device touch points faked (`bench.hook_ops`); `stride`: prefill's
+    `page_id_stride` (1 for `--send-table divided`)."""
     from bench.hook_ops import cuda_path_engine
 
     return (cuda_path_engine(layers, pages, **_role_options("decode", contents)),
-            cuda_path_engine(layers, pages, **_role_options("prefill", contents)))
+            cuda_path_engine(layers, pages, **_role_options("prefill", contents), page_id_stride=stride))
+
+
+#: Tokens per page of the pools the benches' page tables address (DeepSeek-V4's).
+PAGE_TOKENS = 256
+
+
+def page_ids(n: int, pages: int) -> list[np.ndarray]:
+    """`n` rooms' page ids, `pages` each, over a pool of 64 rooms' pages."""
+    return [np.arange(pages) + (i % 64) * pages + 1 for i in range(n)]
 
 
 def page_tables(n: int, pages: int, where: str, device: str) -> list:
     """`n` rooms' page tables of `pages` pages each, over a pool of 64 rooms' pages."""
-    tables = []
-    for i in range(n):
-        ids = np.arange(pages) + (i % 64) * pages + 1
-        tables.append(ids.tolist() if where == "host" else torch.as_tensor(ids, dtype=torch.int64, device=device))
-    return tables
+    return [ids.tolist() if where == "host" else torch.as_tensor(ids, dtype=torch.int64, device=device)
+            for ids in page_ids(n, pages)]
+
+
+def request_table(n: int, pages: int, device: str) -> torch.Tensor:
+    """What prefill's hook slices a room's table from (SGLang's `req_to_token`): `n` rows of
+    int32 token indices, `PAGE_TOKENS` per page, row i over the pages of `page_ids`."""
+    rows = [torch.as_tensor(ids, dtype=torch.int32).repeat_interleave(PAGE_TOKENS) * PAGE_TOKENS
+            + torch.arange(PAGE_TOKENS, dtype=torch.int32).repeat(pages) for ids in page_ids(n, pages)]
+    return torch.stack(rows).to(device)
 
 
 def table_reads(decode_engine: DigestEngine, prefill_engine: DigestEngine) -> dict:
@@ -116,6 +138,9 @@ def main(argv=None) -> int:
                         help="a real engine on CUDA (the default where CUDA is present)")
     launch.add_argument("--fake-launch", dest="real", action="store_false", help="device touch points faked")
     p.add_argument("--page-tables", choices=("device", "host"), default="device")
+    p.add_argument("--send-table", choices=("tokens", "divided"), default="tokens",
+                   help="send: the request table's slice as it is (the hook since 2026-12-05), or divided "
+                        "into page ids first for an engine without a stride (the hook before)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"which kinds, in this order (of {','.join(KINDS)})")
     p.add_argument("--warm-up", type=int, default=50, help="untimed calls of each kind first")
     p.add_argument("--out", type=Path)
@@ -125,7 +150,9 @@ def main(argv=None) -> int:
     if real and not cuda:
         print("--real-launch needs CUDA", file=sys.stderr)
         return 2
-    decode_engine, prefill_engine = (real_engines if real else fake_engines)(args.layers, args.pages, args.diagnosis)
+    stride = PAGE_TOKENS if args.send_table == "tokens" else 1
+    decode_engine, prefill_engine = (real_engines if real else fake_engines)(args.layers, args.pages, args.diagnosis,
+                                                                             stride)
     diagnosis = None
     if args.diagnosis:
         diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), decode_engine.layout,
@@ -136,7 +163,8 @@ def main(argv=None) -> int:
     device = "cuda" if real else "cpu"
     n_rooms = args.calls + args.warm_up
     tables = page_tables(max(64, args.step_rooms), args.pages, args.page_tables, device)
-    tokens = args.pages * 256 - 100
+    tokens = args.pages * PAGE_TOKENS - 100
+    requests = request_table(64, args.pages, device)
     inband = None  # no prefill digest: "unverified" at every stage, the collector's lightest path
     gap = args.gap_ms / 1e3
     wait = time.sleep
@@ -216,9 +244,11 @@ def main(argv=None) -> int:
 
     def send():
         room = RoomId(next(rooms))
-        pages = tables[room.room % len(tables)]
+        row = room.room % len(requests)
         extra = {"rid": f"req-{room.room}"}
-        return lambda: prefill.room_sent(room, pages, tokens, extra)
+        if stride == 1:  # the hook before 2026-12-05: page ids made on the table's device, then the call
+            return lambda: prefill.room_sent(room, requests[row, :tokens][::PAGE_TOKENS] // PAGE_TOKENS, tokens, extra)
+        return lambda: prefill.room_sent(room, requests[row, :tokens], tokens, extra)  # the hook's slice, then the call
 
     every = {"allocate": allocate, "receive": receive, "step": step, "finish": finish, "send": send}
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
@@ -239,7 +269,8 @@ def main(argv=None) -> int:
              "device touch points faked (bench/hook_ops.py)")
     print(f"serving-thread cost per hook call, {args.calls} calls each ({args.layers} layers x {args.pages} pages "
           f"per room; step: {args.step_rooms} rooms; diagnosis {'on' if args.diagnosis else 'off'}; {where}; "
-          f"page tables: {args.page_tables}; {args.gap_ms:g} ms of {args.gap_wait} before each call)")
+          f"page tables: {args.page_tables}; send table: {args.send_table}; {args.gap_ms:g} ms of {args.gap_wait} "
+          f"before each call)")
     table = Table(("hook", "<10"), ("CPU median us", ">14.1f"), ("CPU p99 us", ">11.1f"),
                   ("wall median us", ">15.1f"), ("wall p99 us", ">12.1f"))
     print(table.header())
@@ -253,7 +284,8 @@ def main(argv=None) -> int:
                   "torch": torch.__version__, "calls": args.calls, "layers": args.layers, "pages": args.pages,
                   "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait,
                   "diagnosis": args.diagnosis,
-                  "page_tables": args.page_tables, "room_tables": tables, "kinds": results}
+                  "page_tables": args.page_tables, "send_table": args.send_table, "room_tables": tables,
+                  "kinds": results}
         write_result(args.out, "hook_cost.json", report)
     return 0
 

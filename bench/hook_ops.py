@@ -24,7 +24,10 @@ in serving, but only the calling thread is counted.
 Page tables are CPU tensors the engine reads in place (`--page-tables device`,
 the default: what a device page table costs the serving thread, which SGLang
 passes), or host lists that travel in the staging upload (`--page-tables host`,
-what this bench used before 2026-12-03).
+what this bench used before 2026-12-03). Prefill's send takes the hook's table in
+either case: its slice of the request table, the room's token indices (SGLang's
+`req_to_token` is on the device), read by an engine of `page_id_stride` 256
+(`bench.hook_cost.request_table`); before 2026-12-05 it took page ids.
 
 `--diagnosis` turns decode's diagnosis on (shipped bounds, allocation
 snapshot on) and adds the allocation hook (`DecodeMonitor.room_allocated`:
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--page-tables", choices=("device", "host"), default="device")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    from bench.hook_cost import fake_engines  # each role's engine as the probe config sets it up
+    from bench.hook_cost import PAGE_TOKENS, fake_engines, request_table  # each role's engine as the probe sets it up
 
     decode_engine, prefill_engine = fake_engines(args.layers, args.pages, args.diagnosis)
     diagnosis = None
@@ -137,7 +140,8 @@ def main(argv=None) -> int:
     prefill = PrefillMonitor(prefill_engine, lambda record: None)
     ids = list(range(1, args.pages + 1))
     pages = torch.tensor(ids, dtype=torch.int64) if args.page_tables == "device" else ids
-    tokens = args.pages * 256 - 100
+    tokens = args.pages * PAGE_TOKENS - 100
+    requests = request_table(1, args.pages, "cpu")  # prefill's send: the room's token indices (hook_cost's `send`)
     counter, results = CallCounter(), {}
     room_no = iter(range(10**9))
 
@@ -178,14 +182,14 @@ def main(argv=None) -> int:
     def send():
         room = RoomId(next(room_no))
         extra = {"rid": f"req-{room.room}"}
-        return lambda: prefill.room_sent(room, pages, tokens, extra)
+        return lambda: prefill.room_sent(room, requests[0, :tokens], tokens, extra)
 
     cases = {"decode allocation (room_allocated)": allocation} if diagnosis is not None else {}
     cases.update({"decode receipt (room_received)": receipt,
                   f"decode step batch of {args.step_rooms} rooms (batch_done)": step,
                   "decode finishing batch of one room (batch_done)": finishing_batch,
                   "decode finish of one room (room_finished)": finish,
-                  "prefill send (room_sent)": send})
+                  "prefill send (slice, room_sent)": send})
     for name, make in cases.items():
         samples = []
         for _ in range(args.calls):

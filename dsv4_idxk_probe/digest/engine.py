@@ -256,9 +256,10 @@ class DigestEngine(Launcher, Collector):
 
     @classmethod
     def from_config(cls, layout: RowLayout, layer_ids: Sequence[int], buffers: Sequence[torch.Tensor], config: Any, *,
-                    role: str) -> "DigestEngine":
-        """An engine set up by the probe config (its `digest` section), for `role`'s side."""
-        return cls(layout, layer_ids, buffers, **cls.role_options(config, role))
+                    role: str, page_id_stride: int = 1) -> "DigestEngine":
+        """An engine set up by the probe config (its `digest` section), for `role`'s side;
+        `page_id_stride`: how the side's page tables come (SGLang's prefill: token indices)."""
+        return cls(layout, layer_ids, buffers, page_id_stride=page_id_stride, **cls.role_options(config, role))
 
     @staticmethod
     def role_options(config: Any, role: str) -> dict:

@@ -75,14 +75,18 @@ class PrefillAssembly:
     role = "prefill"
 
     def __init__(self, layout: Any, layer_ids: Sequence[int], buffers: Sequence[Any], config: Any, emit: Emit,
-                 metrics: Any = None, *, bind: str | None, port: int = 0, require_exchange: bool = False):
+                 metrics: Any = None, *, bind: str | None, port: int = 0, require_exchange: bool = False,
+                 page_id_stride: int = 1):
         """`bind` / `port`: the exchange's address (`exchange_bind`, `exchange_port`);
         no server when `bind` is empty or the config turns the exchange off.
         `require_exchange`: a server that cannot start raises (a test bed) instead
-        of being logged, the side then running without it."""
+        of being logged, the side then running without it. `page_id_stride`: entries
+        per page of the page tables the sends pass (`DigestEngine`)."""
         self.layout = layout
         self.layer_ids = list(layer_ids)
-        self.engine = DigestEngine.from_config(layout, self.layer_ids, buffers, config, role=self.role)
+        self.engine = DigestEngine.from_config(layout, self.layer_ids, buffers, config, role=self.role,
+                                               page_id_stride=page_id_stride)
+        self.page_id_stride = page_id_stride  # what the sends pass (the engine reads it so)
         self.signature = self.engine.signature
         ex = config.exchange
         self.monitor = PrefillMonitor(self.engine, emit, metrics, table_size=ex.table_size)

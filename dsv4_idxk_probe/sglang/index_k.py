@@ -16,7 +16,9 @@ The only code that knows the pool's attribute names
   index-K rows directly;
 * a room's pages are ``translate_kv_indices_for_transfer(req_to_token[row,
   start:end])[::page_size] // page_size``, the same computation the transfer
-  does, kept on the device (no host sync).
+  does, kept on the device (no host sync). Prefill hands the token indices
+  themselves to an engine that reads each page's first (`RoomPages.stride`):
+  no device op of ours on the serving thread.
 
 DeepSeek-V4.1 (``compression_ratios`` with ratios 1 and 2) adds one
 low-ratio indexer pool per ratio to ``pool.index_pools`` (SGLang 0.5.23:
@@ -337,13 +339,32 @@ def choose_layout(geometry: IndexKGeometry, wanted: str, layouts: Mapping[str, A
 
 @dataclass(frozen=True)
 class RoomPages:
-    pages: Any  # device tensor of page ids, logical page k -> physical page
+    """A room's pages as a table the digest engine reads: `stride` entries per page, page k
+    being entry k * stride over the stride (`DigestEngine(page_id_stride=stride)`)."""
+
+    pages: Any  # device tensor: page ids (stride 1), or the room's token indices (stride = page size)
     n_tokens: int  # transferred tokens, from the start of logical page 0
     start: int  # first transferred token (page-aligned decode prefix)
+    stride: int = 1  # entries of `pages` per page
+
+    def page_ids(self) -> Any:
+        """The table as page ids (stride 1): one strided view and one division on the
+        table's device where it holds token indices, no read-back."""
+        return self.pages if self.stride == 1 else page_ids_of(self.pages, self.stride)
+
+
+def page_ids_of(tokens: Any, page_size: int) -> Any:
+    """Page ids of a token-index table, as the pool addresses its pages: each page's first
+    token index over the page size (a tensor, a NumPy array or a list)."""
+    if isinstance(tokens, list):
+        return [int(t) // page_size for t in tokens[::page_size]]
+    return tokens[::page_size] // page_size
 
 
 def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPages | str:
-    """The pages a last-chunk send covers, or a reason string when it cannot be digested."""
+    """The pages a last-chunk send covers, or a reason string when it cannot be digested:
+    the room's token indices as SGLang's request table holds them (a view, no device op of
+    ours), page size entries per page; the prefill engine reads each page's first itself."""
     allocator = scheduler.token_to_kv_pool_allocator
     page_size = int(allocator.page_size)
     start = int(req.disagg_decode_prefix_len or 0)
@@ -354,7 +375,7 @@ def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPag
         return "nothing to transfer"
     rows = scheduler.req_to_token_pool.req_to_token[req_pool_idx(req), start:end]
     tokens = allocator.translate_kv_indices_for_transfer(rows)
-    return RoomPages(tokens[::page_size] // page_size, end - start, start)
+    return RoomPages(tokens, end - start, start, page_size)
 
 
 def decode_room_pages(kv_indices: Any, page_size: int, metadata_kwargs: Mapping[str, Any]) -> RoomPages | str:
@@ -366,4 +387,4 @@ def decode_room_pages(kv_indices: Any, page_size: int, metadata_kwargs: Mapping[
     device_pages = metadata_kwargs.get("device_kv_indices")
     if device_pages is not None:  # HiSparse: KV goes to host rows, index-K stays in device pages
         return RoomPages(device_pages, n_tokens, start)
-    return RoomPages(kv_indices[::page_size] // page_size, n_tokens, start)
+    return RoomPages(page_ids_of(kv_indices, page_size), n_tokens, start)

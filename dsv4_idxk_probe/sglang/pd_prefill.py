@@ -96,7 +96,9 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
     if getattr(req, ATTR_SENT, None) == mark:
         return  # this exact send was digested already
     setattr(req, ATTR_SENT, mark)
-    pending = side.monitor.room_sent(RoomId(room_of(req)), pages.pages, pages.n_tokens, extra={"rid": rid_of(req)})
+    # the token indices as they are where the engine reads them so (`PrefillSide`): no device op here
+    table = pages.pages if pages.stride == getattr(side, "page_id_stride", 1) else pages.page_ids()
+    pending = side.monitor.room_sent(RoomId(room_of(req)), table, pages.n_tokens, extra={"rid": rid_of(req)})
     if pending is None:
         runtime.metrics.records_dropped.labels(sink="digest_queue").inc()
         return

@@ -34,7 +34,7 @@ from ..digest.engine import DigestEngine
 from ..pd.decode import DecodeMonitor
 from ..pd.prefill import PrefillMonitor, RecentRooms
 from ..safety import safe_invoke
-from .index_k import IndexPool, room_pool_pages
+from .index_k import IndexPool, page_ids_of, room_pool_pages
 
 log = logging.getLogger("dsv4_idxk_probe")
 
@@ -164,23 +164,33 @@ def count_unread(metrics: Any, bytes_per_page: int, page_tokens: int, n_tokens: 
 
 
 class PrefillFanOut:
-    """Prefill's monitor for the hooks: the C4 monitor, and every further pool's after it."""
+    """Prefill's monitor for the hooks: the C4 monitor, and every further pool's after it.
+    `stride`: entries per page of the tables the hooks pass (the C4 engine's
+    `page_id_stride`); the further pools get page ids, made once per send."""
 
-    def __init__(self, main: PrefillMonitor, pools: Sequence[PoolSide]):
+    def __init__(self, main: PrefillMonitor, pools: Sequence[PoolSide], stride: int = 1):
         self.main = main
         self.pools = list(pools)
+        self.stride = int(stride)
+
+    def _page_ids(self, pages: Any) -> Any:
+        return pages if self.stride == 1 else page_ids_of(pages, self.stride)
 
     def room_sent(self, room: Any, pages: Any, n_tokens: int, extra: dict | None = None) -> Any:
         pending = self.main.room_sent(room, pages, n_tokens, extra)
-        for pool in self.pools:
-            safe_invoke("prefill.pool_send", pool.monitor.room_sent, room, pool.pages(pages), n_tokens, extra)
+        if self.pools:
+            ids = self._page_ids(pages)
+            for pool in self.pools:
+                safe_invoke("prefill.pool_send", pool.monitor.room_sent, room, pool.pages(ids), n_tokens, extra)
         return pending
 
     def rooms_sent(self, rooms: Sequence[tuple], extras: Sequence[dict | None] | None = None) -> Any:
         pending = self.main.rooms_sent(rooms, extras)
-        for pool in self.pools:
-            safe_invoke("prefill.pool_send", pool.monitor.rooms_sent,
-                        [(room, pool.pages(pages), n) for room, pages, n in rooms], extras)
+        if self.pools:
+            ids = [(room, self._page_ids(pages), n) for room, pages, n in rooms]
+            for pool in self.pools:
+                safe_invoke("prefill.pool_send", pool.monitor.rooms_sent,
+                            [(room, pool.pages(pages), n) for room, pages, n in ids], extras)
         return pending
 
     def __getattr__(self, name: str) -> Any:

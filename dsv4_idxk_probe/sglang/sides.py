@@ -78,8 +78,10 @@ class PrefillSide(PrefillAssembly):
         config = runtime.config
         self.pool_sides = []  # further index pools (V4.1): pool_sides.py
         try:
+            # sends pass the room's token indices (`prefill_room_pages`): the engine reads each page's first
             super().__init__(layout, geometry.layer_ids, geometry.buffers, config, runtime.emit, runtime.metrics,
-                             bind=exchange_bind(config.exchange, host), port=exchange_port(config.exchange, gpu_id, rank_port))
+                             bind=exchange_bind(config.exchange, host), port=exchange_port(config.exchange, gpu_id, rank_port),
+                             page_id_stride=int(geometry.page_size))
             self.pool_sides = build_pool_sides("prefill", pools, config, runtime.emit, runtime.metrics)
         except BaseException:
             _close_partial(self)
@@ -87,7 +89,7 @@ class PrefillSide(PrefillAssembly):
         if self.pool_sides:
             main = self.monitor
             main.recent = PoolRoutedRooms(main.recent, {p.ratio: p.monitor.recent for p in self.pool_sides})
-            self.monitor = PrefillFanOut(main, self.pool_sides)
+            self.monitor = PrefillFanOut(main, self.pool_sides, self.page_id_stride)
         self.pools = tuple(pools)
         self.runtime = runtime
         self.geometry = geometry

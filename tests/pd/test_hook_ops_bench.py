@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_a_one_room_hook_call_is_a_launch_and_little_else(hook_ops, tmp_path):
     assert hook_ops.main(["--calls", "5", "--layers", "2", "--pages", "3", "--diagnosis", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "hook_ops.json").read_text())
     most = {"decode allocation (room_allocated)": 5, "decode receipt (room_received)": 6,
-            "decode finish of one room (room_finished)": 5, "prefill send (room_sent)": 5}
+            "decode finish of one room (room_finished)": 5, "prefill send (slice, room_sent)": 5}
     for call, python_calls in most.items():
         assert report[call]["python_calls"] <= python_calls, (call, report[call])
 
@@ -83,4 +84,32 @@ def test_hook_cost_builds_its_engines_as_the_probe_config_does():
                    "defer_s": engine.defer_s, "contents": engine.contents, "download": engine.download}
             assert got == want, role
             assert engine.defer_s > 0 and engine.contents == (diagnosis and role == "decode")
+            # prefill's engine reads the token indices its hook passes, as `PrefillSide` builds it
+            assert engine.page_id_stride == (hook_cost.PAGE_TOKENS if role == "prefill" else 1), role
             engine.close()
+
+
+def test_prefill_sends_in_the_benches_pass_each_pages_token_indices():
+    """The benches' prefill table is the hook's: a row of token indices, 256 per page, whose
+    pages (each page's first index over 256) are the rooms' page ids."""
+    from bench import hook_cost
+    from dsv4_idxk_probe.sglang.index_k import page_ids_of
+
+    rows = hook_cost.request_table(3, 4, "cpu")
+    assert rows.dtype == torch.int32 and rows.shape == (3, 4 * hook_cost.PAGE_TOKENS)
+    for row, ids in zip(rows, hook_cost.page_ids(3, 4)):
+        assert page_ids_of(row, hook_cost.PAGE_TOKENS).tolist() == ids.tolist()
+        assert (row.diff() == 1).sum() >= 4 * (hook_cost.PAGE_TOKENS - 1)  # token runs within each page
+
+
+@pytest.mark.parametrize("send_table", ["tokens", "divided"])
+def test_hook_cost_times_each_send_table_on_the_faked_path(send_table, tmp_path):
+    """bench/hook_cost.py's send kind runs with either table (the hook now, the hook before)
+    and reports which, with every timed call counted."""
+    from bench import hook_cost
+
+    argv = ["--fake-launch", "--calls", "5", "--warm-up", "2", "--layers", "2", "--pages", "3", "--kinds", "send",
+            "--gap-ms", "0", "--send-table", send_table, "--out", str(tmp_path)]
+    assert hook_cost.main(argv) == 0
+    report = json.loads((tmp_path / "hook_cost.json").read_text())
+    assert report["send_table"] == send_table and report["kinds"]["send"]["calls"] == 5

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pdworld
 import pytest
 import torch
 from pd_testkit import make_runtime
 
+from dsv4_idxk_probe.config import parse_config
 from dsv4_idxk_probe.digest import DigestEngine, RoomRequest, shipped_layouts
 from dsv4_idxk_probe.sglang.index_k import (
-    IndexKError, choose_layout, decode_room_pages, dsv4_pool, index_k_geometry, prefill_room_pages,
+    IndexKError, RoomPages, choose_layout, decode_room_pages, dsv4_pool, index_k_geometry, page_ids_of,
+    prefill_room_pages,
 )
 from dsv4_idxk_probe.sglang.sides import InactiveSide, build_side
 
@@ -49,10 +53,51 @@ def test_fp4_indexer_pool_picks_the_fp4_layout(published):
 
 
 def test_room_pages_with_decode_prefix_and_partial_tail(prefill):
+    """Prefill's table is the room's token indices from the decode prefix on, page size
+    entries per page (its engine reads each page's first); as page ids, the room's pages."""
     req = pdworld.prefill_req(11)
     pages = prefill_room_pages(prefill.scheduler, req, None)
-    assert pages.pages.tolist() == ROOM_PAGES
+    assert (pages.stride, len(pages.pages)) == (pdworld.PAGE, pdworld.ROOM_TOKENS)
+    assert pages.page_ids().tolist() == ROOM_PAGES
     assert (pages.start, pages.n_tokens) == (pdworld.PREFIX_TOKENS, pdworld.ROOM_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "ndarray", "list"])
+def test_page_ids_of_a_token_table_are_each_pages_first_index_over_the_page_size(kind):
+    tokens = [5 * 4 + i for i in range(4)] + [1 * 4 + i for i in range(4)] + [9 * 4, 9 * 4 + 1]  # a short tail
+    table = {"tensor": torch.tensor(tokens, dtype=torch.int32), "ndarray": np.array(tokens), "list": tokens}[kind]
+    ids = page_ids_of(table, 4)
+    assert list(map(int, ids)) == [5, 1, 9]
+    assert RoomPages(table, 10, 0, 4).page_ids() is not table and RoomPages(table, 10, 0).page_ids() is table
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_prefill_engine_reads_the_token_indices_as_a_page_id_engine_reads_the_pages(prefill, backend):
+    """The send's table goes to the engine as SGLang's request table holds it (int32 token
+    indices, 256 per page, the last page partial), in prefill's engine form: the room digest,
+    its page vector and its bytes are those of an engine reading the page ids. Fails if the
+    kernel (here under the interpreter) or the reference read the entries without the stride."""
+    geometry = index_k_geometry(dsv4_pool(prefill.allocator), prefill.kv_args)
+    layout = choose_layout(geometry, "auto", shipped_layouts())
+    options = DigestEngine.role_options(parse_config({}), "prefill")
+    pages = prefill_room_pages(prefill.scheduler, pdworld.prefill_req(11), None)
+    assert pages.pages.dtype == torch.int32
+    strided = DigestEngine(layout, geometry.layer_ids, geometry.buffers, backend=backend,
+                           page_id_stride=pages.stride, **options)
+    plain = DigestEngine(layout, geometry.layer_ids, geometry.buffers, backend="reference")
+    got: list = []
+    delivered = threading.Event()
+    try:
+        strided.submit_room("11/0", pages.pages, pages.n_tokens, lambda batch: (got.append(batch), delivered.set()))
+        (want,) = plain.digest_now([RoomRequest("11/0", pages.page_ids(), pages.n_tokens)])
+        assert delivered.wait(60), "the collector delivered nothing"
+    finally:
+        strided.close()
+        plain.close()
+    (batch,) = got
+    (digest,) = batch.digests
+    assert digest.room == want.room and (digest.pages == want.pages).all() and len(digest.pages) == len(ROOM_PAGES)
+    assert batch.out_of_range == (0,) and batch.room_bytes[0] > 0
 
 
 def test_unaligned_prefix_is_refused_with_a_reason(prefill):
@@ -70,7 +115,7 @@ def test_decode_pages_from_the_published_destination(published):
 
 def _room_digest(side, engine):
     pages = prefill_room_pages(side.scheduler, pdworld.prefill_req(11), None)
-    return engine.digest_now([RoomRequest("11/0", pages.pages, pages.n_tokens)])[0]
+    return engine.digest_now([RoomRequest("11/0", pages.page_ids(), pages.n_tokens)])[0]
 
 
 @pytest.mark.parametrize("where, counts", [

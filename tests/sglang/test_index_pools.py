@@ -70,7 +70,7 @@ def _sides(v41, **config):
 
 def _room_flow(prefill, decode):
     n = v41world.ROOM_TOKENS
-    prefill.monitor.room_sent(RoomId(ROOM), torch.tensor(v41world.PREFILL_PAGES[1:]), n)
+    prefill.monitor.room_sent(RoomId(ROOM), v41world.sent_tokens(v41world.PREFILL_PAGES[1:], n), n)
     decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))
     decode.monitor.room_received(RoomId(ROOM), torch.tensor(v41world.DECODE_PAGES[1:]), n, None, {"rid": "r"})
 
@@ -88,7 +88,8 @@ def _coverage(registry, outcome, reason):
 def test_the_prefill_exchange_answers_each_pools_digest(v41):
     runtime, sink, _, prefill, decode = _sides(v41)
     try:
-        prefill.monitor.room_sent(RoomId(ROOM), torch.tensor(v41world.PREFILL_PAGES[1:]), v41world.ROOM_TOKENS)
+        prefill.monitor.room_sent(RoomId(ROOM), v41world.sent_tokens(v41world.PREFILL_PAGES[1:], v41world.ROOM_TOKENS),
+                                  v41world.ROOM_TOKENS)
         sink.wait_for(2, stage="prefill_send", kind="index_pool")
         sink.wait_for(1, stage="prefill_send", kind="room")
         decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))

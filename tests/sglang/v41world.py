@@ -22,6 +22,13 @@ PREFILL_PAGES = [7, 2, 5, 4]
 DECODE_PAGES = [3, 8, 1, 6]
 
 
+def sent_tokens(pages: list[int], n_tokens: int) -> torch.Tensor:
+    """Prefill's table of a send, as its hook passes it: the room's token indices (int32, as
+    SGLang's request table holds them), `PAGE` per page."""
+    locs = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, dtype=torch.int32) for p in pages])
+    return locs[:n_tokens]
+
+
 def make_pool(seed: int):
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
