@@ -1,7 +1,8 @@
 """The collector of `DigestEngine`: the background thread that finishes batches.
 
 It takes each submitted batch's ticket (`launch.PendingDigest`) from the
-engine's bounded queue, waits for the batch's event (`engine.WAITS`), copies
+engine's bounded queue, records the batch's event on the submit's stream where
+the submit left that to it (`engine.RECORDS`), waits for it (`engine.WAITS`), copies
 the outputs down where the submit left that to it (`engine.DOWNLOADS`: on a
 stream of its own, waiting on an event of its own), makes what the submit did
 not (the cell plan, the output views, the rooms' requests), reads the rooms'
@@ -212,6 +213,8 @@ class Collector:
         if ticket.error is not None:  # counted where it happened
             return self._drop(ticket, ticket.error)
         try:
+            if ticket.record_on is not None:
+                self._record_now(ticket)
             done = ticket.done
             if done is not None:
                 if self.wait == "block":
@@ -226,6 +229,16 @@ class Collector:
         except Exception as exc:
             record_error("digest.await")
             return self._drop(ticket, f"{type(exc).__name__}: {exc}")
+
+    def _record_now(self, ticket: PendingDigest) -> None:
+        """The batch's event, recorded now on the stream its submit launched on (`record`
+        "collector"): behind its kernel, and behind whatever that stream has queued since.
+        `done` is set once recorded, then `record_on` cleared (`PendingDigest.ready` reads
+        them in the other order)."""
+        done = self._events.take()
+        self._record(done, ticket.record_on)
+        ticket.done = done
+        ticket.record_on = None
 
     def _drop(self, ticket: PendingDigest, error: str) -> bool:
         """A batch that cannot be digested: counted, and its callback told why, so the

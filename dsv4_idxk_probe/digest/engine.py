@@ -4,7 +4,8 @@
 two to four device calls, whatever the batch (`launch.py`: its tables read by
 the kernel from a pinned staging buffer in place, or copied up for big launches, the Triton kernel,
 its outputs copied down unless the collector does it, `DOWNLOADS`, a CUDA
-event right behind; `OUTPUTS`), and queues its ticket, the queue bounded
+event right behind unless the collector records it, `RECORDS`; `OUTPUTS`), and
+queues its ticket, the queue bounded
 (`max_pending`); `submit_room` is the same for one room without a request
 object. A background thread (`collector.py`) waits for the event (`WAITS`),
 folds the cells into room digests and hands them to the callback. The
@@ -39,8 +40,8 @@ from .pinned import EventPool, StagingPool
 from .result import RoomDigest
 from .room_table import RoomRequest
 
-__all__ = ["BACKENDS", "DEPENDENT_LAUNCHES", "DOWNLOADS", "OUTPUTS", "WAITS", "BatchResult", "DigestEngine",
-           "EngineStats", "PendingDigest"]
+__all__ = ["BACKENDS", "DEPENDENT_LAUNCHES", "DOWNLOADS", "OUTPUTS", "RECORDS", "WAITS", "BatchResult",
+           "DigestEngine", "EngineStats", "PendingDigest"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,12 @@ DEPENDENT_LAUNCHES = ("auto", "off")
 # event has completed, on a stream of its own: one device call fewer on the serving
 # thread (decode, which reads its digests only on the collector).
 DOWNLOADS = ("submit", "collector")
+# Who records a batch's CUDA event (download "collector" only). "submit": the submit, right
+# behind its kernel (the PD engines: the collector must not wait behind the next forward the
+# serving thread enqueues). "collector": the collector, on the submit's stream, when it takes
+# the batch: a submit is its launch alone, and the event also waits for what that stream has
+# queued since (HiCache restore engines: their copy streams queue more copies, not forwards).
+RECORDS = ("submit", "collector")
 
 
 @dataclass
@@ -91,6 +98,8 @@ class DigestEngine(Launcher, Collector):
     the same bytes; "off": plain launches.
     `download` (`DOWNLOADS`): who copies the outputs down, the submit ("submit",
     the default) or the collector ("collector").
+    `record` (`RECORDS`): who records a batch's event, the submit ("submit", the
+    default) or, with `download` "collector" and `time_kernels` off, the collector.
     `mapped_tables`: the kernel reads a launch's room table (and page ids that travel
     with it) from the pinned staging buffer through its own address, where the driver
     maps it so (`pinned.device_maps_host_pointer`), for launches of at most
@@ -142,6 +151,7 @@ class DigestEngine(Launcher, Collector):
         defer_s: float = 0.0,
         defer_rounds: int = 1,
         page_id_stride: int = 1,
+        record: str = "submit",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -153,6 +163,10 @@ class DigestEngine(Launcher, Collector):
             raise ValueError(f"dependent_launch must be one of {DEPENDENT_LAUNCHES}, got {dependent_launch!r}")
         if download not in DOWNLOADS:
             raise ValueError(f"download must be one of {DOWNLOADS}, got {download!r}")
+        if record not in RECORDS:
+            raise ValueError(f"record must be one of {RECORDS}, got {record!r}")
+        if record == "collector" and (download != "collector" or time_kernels):
+            raise ValueError("record 'collector' needs download 'collector' and time_kernels off")
         if not isinstance(page_id_stride, int) or page_id_stride < 1:
             raise ValueError(f"page_id_stride must be an integer of at least 1, got {page_id_stride!r}")
         if len(buffers) != len(layer_ids):
@@ -192,6 +206,8 @@ class DigestEngine(Launcher, Collector):
         self.mapped_tables = mapped_tables
         self._mapped_table_programs = mapped_table_programs if mapped_tables else -1  # launch.py reads this
         self._download_at_submit = download == "submit"
+        self.record = record
+        self._record_at_submit = record == "submit"  # launch.py reads this per submit
         self._n_layers, self._n_segments = len(self.layer_ids), len(layout.segments)
         self.page_id_stride = page_id_stride  # launch.py reads it per submit
         self._staging = StagingPool(self.device, twin=self._copies, spare=spare_buffers)
@@ -344,6 +360,8 @@ class DigestEngine(Launcher, Collector):
     def digest_now(self, rooms: Sequence[RoomRequest]) -> list[RoomDigest]:
         """Digest and wait: for tests, tools and host memory, never for the scheduler thread."""
         ticket = self._launch(list(rooms), lambda _: None)
+        if ticket.record_on is not None:
+            self._record_now(ticket)
         if ticket.done is not None:
             ticket.done.synchronize()
         if ticket.download is not None:

@@ -107,6 +107,7 @@ class PendingDigest:
     page_counts: Sequence[int] | None = None  # per room, for the plan (a lean submit of several rooms)
     firsts: Sequence[int] | None = None  # per room: its first cell row (likewise)
     download: tuple[int, int] | None = None  # bytes [start, end) the collector still has to copy down
+    record_on: Any = None  # the submit's stream, where the collector records `done` (`record` "collector")
     # (address, bytes per id, pages) of a one-room submit's page table, read in place: a
     # later submit of the same tensor passes it back (`submit_room(table=)`, or a room
     # request's `table`) and asks the tensor nothing
@@ -127,8 +128,11 @@ class PendingDigest:
         event failed."""
         if self.error is not None:
             return False
+        unrecorded = self.record_on  # before `done`: the collector sets `done` first, then clears this
         done = self.done  # read once: the collector clears it when it recycles the event
-        return done is None or done.query()
+        if done is None:
+            return unrecorded is None  # no event to ask yet: not known to be done
+        return done.query()
 
     def wait(self) -> bool:
         """Block until `room_digests` is readable: a host sync, for enforce mode only.
@@ -138,7 +142,7 @@ class PendingDigest:
         done = self.done
         if done is not None:
             done.synchronize()  # if recycled meanwhile, this waits for a later batch: longer, still right
-        if self.download is not None:
+        if self.download is not None or self.record_on is not None:
             return self._collected()
         return self.error is None
 
@@ -530,6 +534,13 @@ class Launcher:
             else:
                 ticket.download = (start, end)
         # the batch's event (`_record_done`, inlined)
+        try:
+            stream = self._streams[raw]
+        except KeyError:
+            stream = self._stream_object(raw)
+        if not self._record_at_submit:  # the collector records it (`record` "collector")
+            ticket.record_on = stream
+            return ticket
         if started is None:
             try:
                 done = self._events._free.pop()
@@ -538,10 +549,6 @@ class Launcher:
         else:
             done = self._events.take(True)
         ticket.done = done
-        try:
-            stream = self._streams[raw]
-        except KeyError:
-            stream = self._stream_object(raw)
         try:
             self._record(done, stream)
         except Exception as exc:
@@ -709,7 +716,15 @@ class Launcher:
     def _record_done(self, ticket: PendingDigest, raw: int) -> None:
         """The batch's event, from the pool, recorded right behind the launch (why here:
         the module's docstring). A failed record is the batch's error: the serving thread
-        goes on, the collector drops the batch. (`_launch_one` has this inlined.)"""
+        goes on, the collector drops the batch. (`_launch_one` has this inlined.) With
+        `record` "collector", only the stream is noted: the collector records the event."""
+        try:
+            stream = self._streams[raw]
+        except KeyError:
+            stream = self._stream_object(raw)
+        if not self._record_at_submit:
+            ticket.record_on = stream
+            return
         if ticket.started is None:
             try:
                 done = self._events._free.pop()
@@ -718,10 +733,6 @@ class Launcher:
         else:  # timed: an event of its own, never pooled
             done = self._events.take(True)
         ticket.done = done
-        try:
-            stream = self._streams[raw]
-        except KeyError:
-            stream = self._stream_object(raw)
         try:
             self._record(done, stream)
         except Exception as exc:

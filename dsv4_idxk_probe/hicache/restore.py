@@ -393,10 +393,10 @@ class RestoreVerifier:
 
 def engine_options() -> dict:
     """How each index-K pool's digest engine is built (`_engine`; the benches build theirs
-    alike): content digests, staging reserved at start-up, and the outputs' copy down made
-    by the collector once the kernel is done, so a submit is one launch and one event on
-    the copying thread."""
-    return {"contents": True, "prealloc": PREALLOC, "download": "collector"}
+    alike): content digests, staging reserved at start-up, and the batch's event recorded
+    and the outputs copied down by the collector (on the copy's stream, behind the kernel
+    and the copies queued since), so a submit is one launch on the copying thread."""
+    return {"contents": True, "prealloc": PREALLOC, "download": "collector", "record": "collector"}
 
 
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int, **options):

@@ -39,14 +39,14 @@ class FakeEvent:
         self.log.append(("synchronize", None, threading.current_thread().name))
 
 
-def cuda_path_engine(events, wait="block", stream="caller-stream"):
+def cuda_path_engine(events, wait="block", stream="caller-stream", **options):
     """An engine on host buffers that takes its CUDA submit path: launch, device and
     stream lookup faked (as bench/hook_ops.py fakes them), events taken from `events`
-    and recorded through their own `record` (to log it)."""
+    and recorded through their own `record` (to log it). `options`: the engine's own."""
     from bench.hook_ops import fake_device_calls
 
     buffers = [torch.zeros(4, LAYOUT.row_bytes, dtype=torch.uint8)]
-    engine = fake_device_calls(DigestEngine(LAYOUT, [0], buffers, backend="triton", wait=wait), events=0)
+    engine = fake_device_calls(DigestEngine(LAYOUT, [0], buffers, backend="triton", wait=wait, **options), events=0)
     engine._events.take = lambda timing=False: next(events)
     engine._events.max_free = 0  # none kept: every batch takes the next of `events`
     engine._streams[7] = stream  # the torch stream of raw handle 7
@@ -79,6 +79,66 @@ def test_the_caller_records_the_event_behind_the_kernel_and_the_collector_only_w
     engine.close()
     by_collector = {name for name, _, thread in event.log if thread == "dsv4-idxk-digest"}
     assert by_collector == {asks}  # waits one way, records nothing
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_with_record_collector_a_submit_only_launches_and_the_collector_records_on_its_stream(batched):
+    """`record="collector"` (HiCache restore engines): the submitting thread records no event;
+    the collector, when it takes the batch, records one on the stream the submit launched on,
+    then waits for it. Until then the ticket is not ready: there is no event to ask."""
+    event, delivered, held, release = FakeEvent(), threading.Event(), threading.Event(), threading.Event()
+    engine = cuda_path_engine(iter([event]), download="collector", record="collector")
+    engine.post(lambda _: held.set() or release.wait(10))  # the collector busy: the batch not taken yet
+    assert held.wait(10)
+    if batched:
+        pending = engine.submit([RoomRequest("a", [1], 256), RoomRequest("b", [2], 256)], lambda _: delivered.set())
+    else:
+        pending = engine.submit_room("a", [1], 256, lambda _: delivered.set())
+    assert event.log == []  # the caller recorded nothing
+    assert pending.record_on == "caller-stream" and pending.done is None
+    assert not pending.ready()
+    release.set()
+    assert delivered.wait(10)
+    engine.close()
+    assert event.log[:2] == [("record", "caller-stream", "dsv4-idxk-digest"), ("synchronize", None, "dsv4-idxk-digest")]
+    assert pending.record_on is None
+
+
+def test_with_record_collector_digest_now_records_the_event_itself():
+    event = FakeEvent()
+    engine = cuda_path_engine(iter([event]), download="collector", record="collector")
+    (digest,) = engine.digest_now([RoomRequest("a", [1], 256)])
+    engine.close()
+    assert digest.key == "a"
+    assert event.log[:2] == [("record", "caller-stream", threading.current_thread().name),
+                             ("synchronize", None, threading.current_thread().name)]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"record": "later"}, "record must be one of"),
+    ({"record": "collector"}, "record 'collector' needs download 'collector'"),
+    ({"record": "collector", "download": "collector", "time_kernels": True}, "time_kernels off"),
+])
+def test_a_record_the_engine_cannot_keep_is_refused(random_buffers, options, message):
+    with pytest.raises(ValueError, match=message):
+        DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=3), backend="reference", **options)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA stream and event (the H200's gputests)")
+def test_on_a_gpu_a_collector_recorded_event_gives_the_digests_a_submit_recorded_one_does(random_buffers):
+    buffers = [b.cuda() for b in random_buffers(LAYOUT, 2, 6, seed=8)]
+    results = {}
+    for record in ("submit", "collector"):
+        engine = DigestEngine(LAYOUT, [0, 1], buffers, download="collector", record=record)
+        got, delivered = [], threading.Event()
+        pages = torch.tensor([5, 1, 3], dtype=torch.int64, device="cuda")
+        engine.submit_room("r", pages, 3 * 256, lambda batch: got.append(batch) or delivered.set())
+        assert delivered.wait(30)
+        engine.close()
+        (digest,) = got[0].digests
+        results[record] = (digest.room, got[0].contents[0].copy())
+    assert results["submit"][0] == results["collector"][0]
+    assert (results["submit"][1] == results["collector"][1]).all() and results["submit"][1].any()
 
 
 def test_an_unknown_wait_is_refused(random_buffers):

@@ -7,9 +7,10 @@ adapter's wrappers with `hicache.restore_verify` on and off (everything else the
 same), the digest engine on its CUDA submit path with its device calls faked
 (`bench.hicache_overhead.faked_cuda_engine`), index tensors as the pool's device
 would pass them. A backup and a load's last layer add at most the digest's submit
-(one frame of ours plus the engine's three) and no device call but the digest's (the
-engine reads the token indices as they are, `page_id_stride`); a load's other layers
-add nothing; no copy is made on this thread.
+(one frame of ours plus the engine's three) and no device call but the digest's launch
+(the engine reads the token indices as they are, `page_id_stride`, and its collector
+records the batch's event, `record` "collector"); a load's other layers add nothing; no
+copy is made on this thread.
 """
 
 from __future__ import annotations
@@ -121,3 +122,6 @@ def test_a_verified_copy_makes_no_division_and_no_copy_on_the_copying_thread(cou
         f"{case}: the kernel reads the token indices; the copying thread derives no page ids: {added}")
     copies = [name for name in added if name in COPYING]
     assert not copies, f"{case}: restore verification copies on the copying thread: {copies}"
+    # the faked event record is `operator.is_` (bench.hook_ops.fake_device_calls): the launch is
+    # the copying thread's one device call; the collector records the batch's event
+    assert "is_" not in added, f"{case}: the copying thread records the digest's event itself: {added}"
