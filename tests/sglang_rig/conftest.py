@@ -14,7 +14,16 @@ from dsv4_idxk_probe.testbed.sglang import launch
 from dsv4_idxk_probe.testbed.sglang.run import Phase, RigSession
 
 
-def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, probe_config: str = "step_interval: 4\n"):
+#: The pairs' probe config. The exchange's timeout is 2 s, not the shipped 200 ms: on the 2-core
+#: CI machine the stand-in model's CPU forwards can keep prefill's exchange thread from answering
+#: for longer than 200 ms, and a few timeouts in a row put the peer in backoff for seconds, every
+#: fetch meanwhile skipped (`exchange_errors_total{kind="peer_down"}`): rooms read `unverified`
+#: though prefill had published their digests (seen in a V4.1 run: 5 timeouts, 73 skips). A
+#: server that never answers still fails the tests that need it.
+RIG_PROBE_CONFIG = "step_interval: 4\nexchange:\n  timeout_ms: 2000\n"
+
+
+def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, probe_config: str = RIG_PROBE_CONFIG):
     session = RigSession(tmp_path_factory.mktemp(name), options, probe_config=probe_config)
     try:
         session.start()
@@ -23,7 +32,7 @@ def start_session(tmp_path_factory, name: str, options: launch.ServerOptions, pr
     return session
 
 
-def pair_fixture(name: str, options: launch.ServerOptions, probe_config: str = "step_interval: 4\n"):
+def pair_fixture(name: str, options: launch.ServerOptions, probe_config: str = RIG_PROBE_CONFIG):
     """A module-scoped `rig` fixture: the module's server pair, started once, stopped at its end."""
 
     @pytest.fixture(scope="module")

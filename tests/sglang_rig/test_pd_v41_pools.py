@@ -15,7 +15,7 @@ from dsv4_idxk_probe.testbed.sglang import launch, workload
 from dsv4_idxk_probe.testbed.sglang.run import RigSession
 from dsv4_idxk_probe.testbed.sglang.standin_model import ENV_POOL_FAULT
 
-from .conftest import describe
+from .conftest import RIG_PROBE_CONFIG, describe
 
 OPTIONS = launch.ServerOptions(model="v41")
 ROOMS = 12
@@ -25,7 +25,7 @@ ROOMS = 12
 def rig(tmp_path_factory):
     # decode flips one payload byte of the ratio-1 pool (layer 4) at the first slot of the
     # first room it decodes (standin_model.flip_pool_byte)
-    session = RigSession(tmp_path_factory.mktemp("sglang-v41"), OPTIONS, probe_config="step_interval: 4\n",
+    session = RigSession(tmp_path_factory.mktemp("sglang-v41"), OPTIONS, probe_config=RIG_PROBE_CONFIG,
                          env={**os.environ, ENV_POOL_FAULT: "1"})
     try:
         session.start()

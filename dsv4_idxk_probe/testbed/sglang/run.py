@@ -69,8 +69,8 @@ class RigSession:
         self.plan_path = self.run_dir / "rig-plan.json"
         self.config_path = self.run_dir / "probe.yaml"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # diagnosis on: the rig's faults have known diagnoses (docs/diagnosis.md); a test's own
-        # `diagnosis:` section, later in the file, wins
+        # diagnosis on: the rig's faults have known diagnoses (docs/diagnosis.md). `probe_config`
+        # may not name `roomlog` or `diagnosis` again: the config refuses a key given twice
         self.config_path.write_text(f"roomlog:\n  dir: {self.log_dir}\ndiagnosis:\n  enabled: true\n{probe_config}")
         self._write_plan({}, None)
         base = dict(os.environ if env is None else env)
