@@ -55,9 +55,11 @@ from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.pd import DecodeMonitor, PrefillMonitor, RoomId
 
 KINDS = ("allocate", "receive", "step", "finish", "send")
+#: Tokens per page of the pools the benches' page tables address (DeepSeek-V4's).
+PAGE_TOKENS = 256
 
 
-def real_engines(layers: int, pages: int, contents: bool, stride: int = 256) -> tuple[DigestEngine, DigestEngine]:
+def real_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS) -> tuple[DigestEngine, DigestEngine]:
     """Decode's and prefill's engines on CUDA buffers, set up as `DigestEngine.from_config`
     sets them up for each role with the shipped config."""
     layout = get_layout("fp8")
@@ -80,17 +82,13 @@ def _role_options(role: str, diagnosis: bool) -> dict:
     return options(parse_config({"diagnosis": {"enabled": diagnosis}}), role)
 
 
-def fake_engines(layers: int, pages: int, contents: bool, stride: int = 256) -> tuple[DigestEngine, DigestEngine]:
+def fake_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS) -> tuple[DigestEngine, DigestEngine]:
     """As `real_engines`, device touch points faked (`bench.hook_ops`); `stride`: prefill's
     `page_id_stride` (1 for `--send-table divided`)."""
     from bench.hook_ops import cuda_path_engine
 
     return (cuda_path_engine(layers, pages, **_role_options("decode", contents)),
             cuda_path_engine(layers, pages, **_role_options("prefill", contents), page_id_stride=stride))
-
-
-#: Tokens per page of the pools the benches' page tables address (DeepSeek-V4's).
-PAGE_TOKENS = 256
 
 
 def page_ids(n: int, pages: int) -> list[np.ndarray]:

@@ -350,12 +350,15 @@ class RoomPages:
     def page_ids(self) -> Any:
         """The table as page ids (stride 1): one strided view and one division on the
         table's device where it holds token indices, no read-back."""
-        return self.pages if self.stride == 1 else page_ids_of(self.pages, self.stride)
+        return page_ids_of(self.pages, self.stride)
 
 
 def page_ids_of(tokens: Any, page_size: int) -> Any:
     """Page ids of a token-index table, as the pool addresses its pages: each page's first
-    token index over the page size (a tensor, a NumPy array or a list)."""
+    token index over the page size (a tensor, a NumPy array or a list); a table of page size
+    1 is its own page ids, returned as it is."""
+    if page_size == 1:
+        return tokens
     if isinstance(tokens, list):
         return [int(t) // page_size for t in tokens[::page_size]]
     return tokens[::page_size] // page_size

@@ -173,13 +173,10 @@ class PrefillFanOut:
         self.pools = list(pools)
         self.stride = int(stride)
 
-    def _page_ids(self, pages: Any) -> Any:
-        return pages if self.stride == 1 else page_ids_of(pages, self.stride)
-
     def room_sent(self, room: Any, pages: Any, n_tokens: int, extra: dict | None = None) -> Any:
         pending = self.main.room_sent(room, pages, n_tokens, extra)
         if self.pools:
-            ids = self._page_ids(pages)
+            ids = page_ids_of(pages, self.stride)
             for pool in self.pools:
                 safe_invoke("prefill.pool_send", pool.monitor.room_sent, room, pool.pages(ids), n_tokens, extra)
         return pending
@@ -187,7 +184,7 @@ class PrefillFanOut:
     def rooms_sent(self, rooms: Sequence[tuple], extras: Sequence[dict | None] | None = None) -> Any:
         pending = self.main.rooms_sent(rooms, extras)
         if self.pools:
-            ids = [(room, self._page_ids(pages), n) for room, pages, n in rooms]
+            ids = [(room, page_ids_of(pages, self.stride), n) for room, pages, n in rooms]
             for pool in self.pools:
                 safe_invoke("prefill.pool_send", pool.monitor.rooms_sent,
                             [(room, pool.pages(pages), n) for room, pages, n in ids], extras)
