@@ -7,7 +7,10 @@ prefix is written through to the host pool (one page-path backup over all layers
 as `backup_from_device_all_layer` is called per written-through prefix), a share
 of them (`--restore-share`) first restores a prefix from the host pool (the
 pool's per-layer loads, every layer), and then the model step passes
-(`--step-ms`, waited as `--step-wait` says: the rig's model-time waits). Rooms/s
+(`--step-ms`, waited as `--step-wait` says: the rig's model-time waits). On CUDA the
+copies run on two streams of their own, a backup's on one and a load's on the other, as
+SGLang's `L2TransferEngine` runs them (`device_to_host_stream`, `host_to_device_stream`),
+never on the model's (`--copy-streams current` puts them there). Rooms/s
 over `--target-seconds` per run (and the serving thread's own CPU time per room
 while admitting: what the copies and the probe cost it, without waits for the GIL
 or the cores); the two variants differ only in
@@ -22,7 +25,8 @@ of 8448 B, 256 slots per page, `--layers` layers, `--pages` pages per prefix,
 index tensors on the pool's device (as SGLang's kernel io backend passes them).
 
 Usage:  python3 -m bench.hicache_serving [--device cpu|cuda] [--reps 7] [--target-seconds 2]
-                                         [--step-ms 10] [--step-wait sleep|spin|gpu] [--sync-debug] [--out DIR]
+                                         [--step-ms 10] [--step-wait sleep|spin|gpu] [--copy-streams sglang|current]
+                                         [--sync-debug] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import logging
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import yaml
@@ -119,9 +125,12 @@ class Probed:
 class Traffic:
     """Rooms on a ring of page groups: room r writes its prefix through from device group
     r to host group r; a restoring room first loads host group r-1 (the latest backup of
-    those rows) into its device group."""
+    those rows) into its device group. `streams`: (backup's, load's) CUDA streams, or
+    None to copy on the current stream. On two streams, each copy first waits for the
+    other stream's work so far: a load reads rows a backup wrote, a backup reads pages a
+    load wrote (SGLang orders them by its acknowledgements; here the ring reuses them)."""
 
-    def __init__(self, pool: ServingPool, groups: int, pages: int, device):
+    def __init__(self, pool: ServingPool, groups: int, pages: int, device, streams: tuple | None = None):
         def idx(first_page: int):
             return torch.arange(first_page * PAGE_TOKENS, (first_page + pages) * PAGE_TOKENS, dtype=torch.int64,
                                 device=device)
@@ -130,15 +139,26 @@ class Traffic:
         self.host = [idx(g * pages) for g in range(groups)]
         self.dev = [idx(g * pages) for g in range(groups)]
         self.room = 0
+        self.backup_stream, self.load_stream = streams or (None, None)
 
     def admit(self, restore: bool) -> None:
         g = self.room % self.groups
         if restore and self.room:
             prev = (self.room - 1) % self.groups
-            for layer in range(self.pool.layer_num):
-                self.pool.load_to_device_per_layer(None, self.host[prev], self.dev[g], layer, "kernel")
-        self.pool.backup_from_device_all_layer(None, self.host[g], self.dev[g], "kernel")
+            with self._on(self.load_stream, self.backup_stream):
+                for layer in range(self.pool.layer_num):
+                    self.pool.load_to_device_per_layer(None, self.host[prev], self.dev[g], layer, "kernel")
+        with self._on(self.backup_stream, self.load_stream):
+            self.pool.backup_from_device_all_layer(None, self.host[g], self.dev[g], "kernel")
         self.room += 1
+
+    @staticmethod
+    def _on(stream, after):
+        """Copy on `stream` (behind `after`'s work so far), or on the current stream."""
+        if stream is None:
+            return nullcontext()
+        stream.wait_stream(after)
+        return torch.cuda.stream(stream)
 
 
 def one_run(args, traffic: Traffic, wait, sync) -> dict:
@@ -163,11 +183,17 @@ def one_run(args, traffic: Traffic, wait, sync) -> dict:
             "admit_ms": percentiles(host_ms), "admit_cpu_us_per_room": 1e6 * cpu_s / max(1, rooms)}
 
 
-def _event_wait() -> None:
-    """Wait for the current stream's work so far, on this thread (an event, not a device sync)."""
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
+def _event_waiter(streams: tuple) -> Callable[[], None]:
+    """Wait for the work so far of the current stream and of `streams`, on this thread
+    (events, not a device sync: no sync-debug trip)."""
+
+    def wait() -> None:
+        for stream in (torch.cuda.current_stream(), *streams):
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+
+    return wait
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,6 +214,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "thread raises: on the serving thread the run fails, on a probe thread it is counted)")
     p.add_argument("--restore-defer-ms", type=float, default=None,
                    help="hicache.restore_defer_ms of the restore-on variant (default: the config's default)")
+    p.add_argument("--copy-streams", choices=("sglang", "current"), default="sglang",
+                   help="CUDA: copies on two streams of their own as SGLang's L2TransferEngine runs them (default), "
+                        "or on the current stream, the model step's")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.step_wait is None:
@@ -200,9 +229,12 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(1)
     pool = ServingPool(args.layers, args.groups * args.pages, args.groups * args.pages, device)
-    traffic = Traffic(pool, args.groups, args.pages, device)
+    streams = ()
+    if device.type == "cuda" and args.copy_streams == "sglang":
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # device-to-host, host-to-device
+    traffic = Traffic(pool, args.groups, args.pages, device, streams or None)
     wait = step_wait(args.step_wait, device)
-    sync = _event_wait if device.type == "cuda" else (lambda: None)  # no sync-debug trip: an event, not a device sync
+    sync = _event_waiter(streams) if device.type == "cuda" else (lambda: None)
     work = Path(tempfile.mkdtemp(prefix="hicache-serving-"))
     probes = {"restore-off": Probed(False, work), "restore-on": Probed(True, work, args.restore_defer_ms)}
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -249,13 +281,15 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "shape": {"layers": args.layers, "pages_per_prefix": args.pages, "item_bytes": ITEM_BYTES,
                   "page_tokens": PAGE_TOKENS, "rooms_per_step": args.rooms_per_step,
-                  "restore_share": args.restore_share, "step_ms": args.step_ms, "step_wait": args.step_wait},
+                  "restore_share": args.restore_share, "step_ms": args.step_ms, "step_wait": args.step_wait,
+                  "copy_streams": args.copy_streams if device.type == "cuda" else "cpu"},
         "runs": runs, "rooms_per_s_ratio": ratios, "restore_verdicts": compared, "probe_errors": errors,
         "valid": valid,
     }
     print(f"\nHiCache serving leg: device={report['device']} {args.layers} layers x {args.pages} pages per prefix, "
           f"{args.rooms_per_step} rooms per {args.step_ms:g} ms step ({args.step_wait}), restore share "
-          f"{args.restore_share:g}, {args.reps} pairs of {args.target_seconds:g} s")
+          f"{args.restore_share:g}, {args.reps} pairs of {args.target_seconds:g} s, copies on "
+          f"{report['shape']['copy_streams']} streams")
     table = Table(("variant", "<12"), ("rooms/s median", "14.1f"), ("admit p50 ms", "12.3f"), ("admit p99 ms", "12.3f"),
                   ("thread CPU us/room", "18.1f"))
     print(table.header())
