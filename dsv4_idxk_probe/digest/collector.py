@@ -105,6 +105,8 @@ class Collector:
     `_thread`, `_collecting`, `_warm_up_queued`, `_staging`, `_events`,
     `_frozen_bytes_per_slot` and `_copy_stream` / `_copied` (made here, on CUDA)."""
 
+    _quiet_at = -1  # the engine's submitted rooms when its serving thread last went quiet (`_defer`)
+
     def _start_collector(self) -> None:
         """Start the collector thread unless it runs (again, should it ever have died)."""
         with self._lock:
@@ -136,7 +138,11 @@ class Collector:
                     continue
                 if not ticket.counted and self._warm_up_queued > 0:
                     self._warm_up_queued -= 1
-                if self._await(ticket):
+                if self._defer_first:
+                    self._defer()  # before the batch's first device call (its event's record or wait)
+                    if self._await(ticket):
+                        self._deliver(ticket, self._finish)
+                elif self._await(ticket):
                     self._defer()
                     self._deliver(ticket, self._finish)
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
@@ -147,26 +153,38 @@ class Collector:
             self._collecting = False
 
     def _defer(self) -> None:
-        """Before a batch's fold and callbacks (the collector's Python and its device calls,
-        a few hundred us holding the GIL): when no other batch waits, sleep `defer_s`, and
-        again while the serving thread submitted meanwhile, up to `defer_rounds` times. Why:
-        a batch is done ~0.1 ms after its submit, while the serving thread is still busy
-        (the Python of its step, a HiCache load's layers), and running beside it makes it
-        wait for the GIL and pay for every contended hand-off in its own CPU time (measured
-        on an H200: +150 us per restore digest call, docs/overhead.md); once it submits
-        nothing for `defer_s` it is most likely waiting on its model step, with the GIL
-        free. Batches that queue up meanwhile go through without sleeping, so throughput is
-        not capped; a verdict comes at most `defer_rounds * defer_s` later. The PD engines
-        sleep one round: prefill publishes a room's vectors from here, and a decode receipt
-        judged before they are out is neither localised nor diagnosed."""
-        if not self.defer_s or self._tickets.items:
+        """Sleep `defer_s`, and again while the serving thread submitted meanwhile, up to
+        `defer_rounds` times, before the batch's device calls and Python (its event's wait,
+        the copy down, the fold and callbacks: a few hundred us holding the GIL). Why: a
+        batch is done ~0.1 ms after its submit, while the serving thread is still busy (the
+        Python of its step, a HiCache load's layers), and the collector's every GIL hand-off
+        beside it makes it wait and costs its own CPU (measured on an H200: +150 us per
+        restore digest call, docs/overhead.md); once it submits nothing for `defer_s` it is
+        most likely waiting on its model step, with the GIL free. A verdict comes at most
+        `defer_rounds * defer_s` later. The PD engines sleep one round: prefill publishes a
+        room's vectors from here, and a decode receipt judged before they are out is neither
+        localised nor diagnosed.
+
+        Where (`DEFER_AT`): "first_call" (the default) sleeps before the batch's first
+        device call, so during a burst of submits the collector, once woken, makes none
+        (with `record` "collector" its event then lands behind the work queued meanwhile on
+        that stream); batches submitted before the quiet period began go through without
+        sleeping. "done" (the form before 2026-12-05) sleeps once the batch's kernel is
+        done and only when no other batch waits. Neither caps the collector's throughput."""
+        if not self.defer_s:
             return
         stats = self.stats
+        if self._defer_first:
+            if stats.submitted_rooms == self._quiet_at:
+                return  # submitted before the serving thread last went quiet
+        elif self._tickets.items:
+            return
         for _ in range(self.defer_rounds):
             seen = stats.submitted_rooms
             time.sleep(self.defer_s)
             if stats.submitted_rooms == seen:
-                return  # quiet for defer_s: the serving thread has most likely gone to wait
+                break  # quiet for defer_s: the serving thread has most likely gone to wait
+        self._quiet_at = stats.submitted_rooms
 
     def _refill(self) -> None:
         """Allocate spare staging buffers for the classes submits found empty

@@ -40,7 +40,7 @@ from .pinned import EventPool, StagingPool
 from .result import RoomDigest
 from .room_table import RoomRequest
 
-__all__ = ["BACKENDS", "DEPENDENT_LAUNCHES", "DOWNLOADS", "OUTPUTS", "RECORDS", "WAITS", "BatchResult",
+__all__ = ["BACKENDS", "DEFER_AT", "DEPENDENT_LAUNCHES", "DOWNLOADS", "OUTPUTS", "RECORDS", "WAITS", "BatchResult",
            "DigestEngine", "EngineStats", "PendingDigest"]
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ DOWNLOADS = ("submit", "collector")
 # the batch: a submit is its launch alone, and the event also waits for what that stream has
 # queued since (HiCache restore engines: their copy streams queue more copies, not forwards).
 RECORDS = ("submit", "collector")
+DEFER_AT = ("first_call", "done")  # where the collector's deferral sits (`Collector._defer`)
 
 
 @dataclass
@@ -114,6 +115,8 @@ class DigestEngine(Launcher, Collector):
     waits, sleeps before folding and delivering it (`Collector._defer`); 0: at once.
     `defer_rounds`: that many sleeps at most, the next only when the serving thread
     submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
+    `defer_at` (`DEFER_AT`): the sleep comes before the batch's first device call
+    ("first_call") or once its kernel is done ("done").
     `page_id_stride`: entries of a page table per page; page k's id is entry
     k x stride over stride (negative: out of range); a trailing group of fewer
     entries is a page too (as `table[::stride]` counts). A HiCache copy names its pages
@@ -150,6 +153,7 @@ class DigestEngine(Launcher, Collector):
         fold: bool = True,
         defer_s: float = 0.0,
         defer_rounds: int = 1,
+        defer_at: str = "first_call",
         page_id_stride: int = 1,
         record: str = "submit",
     ):
@@ -224,8 +228,12 @@ class DigestEngine(Launcher, Collector):
             raise ValueError(f"defer_s must be within [0, 1] seconds, got {defer_s!r}")
         if not 1 <= defer_rounds <= DEFER_ROUNDS:
             raise ValueError(f"defer_rounds must be within [1, {DEFER_ROUNDS}], got {defer_rounds!r}")
+        if defer_at not in DEFER_AT:
+            raise ValueError(f"defer_at must be one of {DEFER_AT}, got {defer_at!r}")
         self.defer_s = defer_s
         self.defer_rounds = defer_rounds
+        self.defer_at = defer_at
+        self._defer_first = defer_at == "first_call"
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
@@ -289,6 +297,7 @@ class DigestEngine(Launcher, Collector):
         download = "collector" if decode and not getattr(config, "enforce", False) else "submit"
         return {"wait": config.digest.collector_wait, "outputs": config.digest.outputs,
                 "dependent_launch": config.digest.dependent_launch, "defer_s": config.digest.collector_defer_ms / 1000,
+                "defer_at": config.digest.collector_defer_at,
                 "contents": decode and config.diagnosis.enabled, "download": download}
 
     # %% public API

@@ -145,7 +145,8 @@ def test_the_example_config_names_every_key_a_config_accepts():
 
 @pytest.mark.parametrize("key, engine_name, refused", [("collector_wait", "WAITS", "spin"),
                                                         ("outputs", "OUTPUTS", "host"),
-                                                        ("dependent_launch", "DEPENDENT_LAUNCHES", "on")])
+                                                        ("dependent_launch", "DEPENDENT_LAUNCHES", "on"),
+                                                        ("collector_defer_at", "DEFER_AT", "later")])
 def test_the_digest_choices_a_config_accepts_are_the_engines(key, engine_name, refused):
     """Each `digest` key accepts exactly the engine's values, its first one by default."""
     from dsv4_idxk_probe.digest import engine

@@ -104,6 +104,52 @@ def test_with_record_collector_a_submit_only_launches_and_the_collector_records_
     assert pending.record_on is None
 
 
+def test_with_record_collector_the_collector_defers_before_its_first_device_call():
+    """A restore engine's collector (record "collector", a deferral) makes no device call
+    during a burst of copies: it records the batch's event only once the submitting thread
+    has been quiet for `defer_s`, so the burst pays no GIL hand-off to it. With the deferral
+    after the record (as the PD engines have it) the event is recorded at once."""
+    events = [FakeEvent() for _ in range(4)]
+    delivered = threading.Semaphore(0)
+    engine = cuda_path_engine(iter(events), download="collector", record="collector", defer_s=1.0, defer_rounds=1)
+    first = engine.submit_room("a", [1], 256, lambda _: delivered.release())
+    for key in "bc":  # the rest of the burst
+        engine.submit_room(key, [1], 256, lambda _: delivered.release())
+    threading.Event().wait(0.2)  # the collector has taken the first batch by now
+    assert events[0].log == []  # and made no device call for it
+    assert first.done is None and first.record_on == "caller-stream"
+    assert all(delivered.acquire(timeout=30) for _ in range(3))
+    engine.close()
+    assert events[0].log[0] == ("record", "caller-stream", "dsv4-idxk-digest")
+
+
+@pytest.mark.parametrize("defer_at, order", [("first_call", ["sleep", "synchronize"]),
+                                             ("done", ["synchronize", "sleep"])])
+def test_the_deferral_comes_before_the_collectors_first_device_call_or_once_the_batch_is_done(
+        monkeypatch, defer_at, order):
+    """`defer_at` (digest.collector_defer_at): with "first_call" the collector sleeps before it
+    waits on a PD batch's event (recorded at the submit), so the serving thread's burst sees
+    no GIL hand-off to it; with "done" (the form before) it waits, then sleeps."""
+    from dsv4_idxk_probe.digest import collector
+
+    event, delivered = FakeEvent(), threading.Event()
+    real_sleep = collector.time.sleep
+
+    def sleep(seconds):
+        if seconds == 0.0042:
+            event.log.append(("sleep", None, threading.current_thread().name))
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(collector.time, "sleep", sleep)
+    engine = cuda_path_engine(iter([event]), defer_s=0.0042, defer_at=defer_at)
+    engine.submit_room("a", [1], 256, lambda _: delivered.set())
+    assert delivered.wait(10)
+    engine.close()
+    by_collector = [call for call, _, thread in event.log if thread == "dsv4-idxk-digest"]
+    assert by_collector == order
+
+
 def test_with_record_collector_digest_now_records_the_event_itself():
     event = FakeEvent()
     engine = cuda_path_engine(iter([event]), download="collector", record="collector")

@@ -1,6 +1,7 @@
-"""The collector's deferral (`digest.collector_defer_ms`): a done batch waits `defer_s`
-before its fold and callbacks when no other batch waits, and batches that queue up
-meanwhile go through without sleeping, so the collector's throughput is not capped."""
+"""The collector's deferral (`digest.collector_defer_ms`, `collector_defer_at`): a batch
+waits `defer_s` before its device calls ("first_call") or, once done, before its fold and
+callbacks ("done"); batches that queue up meanwhile go through without sleeping, so the
+collector's throughput is not capped."""
 
 import threading
 
@@ -33,8 +34,10 @@ def _room(i: int) -> list[RoomRequest]:
     return [RoomRequest(f"r{i}", [0, 1], 512)]
 
 
-def test_a_lone_batch_is_deferred_once(random_buffers, deferrals):
-    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", defer_s=DEFER_S)
+@pytest.mark.parametrize("defer_at", ["first_call", "done"])
+def test_a_lone_batch_is_deferred_once(random_buffers, deferrals, defer_at):
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", defer_s=DEFER_S,
+                          defer_at=defer_at)
     done, got = threading.Event(), []
     engine.submit(_room(0), lambda result: (got.append(result), done.set()))
     assert done.wait(10)  # delivered before `close` queues its end (which would be a batch waiting)
@@ -43,10 +46,14 @@ def test_a_lone_batch_is_deferred_once(random_buffers, deferrals):
     assert deferrals == [DEFER_S]
 
 
-def test_batches_queued_behind_one_are_not_deferred(random_buffers, deferrals):
+@pytest.mark.parametrize("defer_at", ["first_call", "done"])
+def test_batches_queued_behind_one_are_not_deferred(random_buffers, deferrals, defer_at):
     """The first batch's callback holds the collector until ten more are queued: of the
-    eleven, only the first (nothing behind it when it was done) and the last sleep."""
-    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=2), backend="reference", defer_s=DEFER_S)
+    eleven, at most two sleep ("done": the first, nothing behind it when it was done, and
+    the last; "first_call": the first, and the next, the first submitted after the quiet
+    period the first slept out)."""
+    engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=2), backend="reference", defer_s=DEFER_S,
+                          defer_at=defer_at)
     release, got = threading.Event(), []
 
     def first(result):
@@ -67,6 +74,8 @@ def test_no_deferral_at_zero_and_the_config_reaches_the_engine(random_buffers, d
 
     buffers = random_buffers(LAYOUT, 1, 2, seed=3)
     assert DigestEngine.from_config(LAYOUT, [0], buffers, parse_config({}), role="decode").defer_s == 0.003
+    late = parse_config({"digest": {"collector_defer_at": "done"}})
+    assert DigestEngine.from_config(LAYOUT, [0], buffers, late, role="decode").defer_at == "done"
     config = parse_config({"digest": {"collector_defer_ms": 0}})
     engine = DigestEngine.from_config(LAYOUT, [0], buffers, config, role="decode")
     assert engine.defer_s == 0
@@ -78,13 +87,15 @@ def test_no_deferral_at_zero_and_the_config_reaches_the_engine(random_buffers, d
         DigestEngine(LAYOUT, [0], buffers, backend="reference", defer_s=5.0)
 
 
+@pytest.mark.parametrize("defer_at", ["first_call", "done"])
 @pytest.mark.parametrize("busy_sleeps, expected", [(2, 3), (99, collector.DEFER_ROUNDS)])
-def test_submits_during_the_sleep_extend_it_up_to_the_cap(random_buffers, monkeypatch, busy_sleeps, expected):
+def test_submits_during_the_sleep_extend_it_up_to_the_cap(random_buffers, monkeypatch, busy_sleeps, expected,
+                                                         defer_at):
     """While the serving thread keeps submitting (here: during the first `busy_sleeps`
     sleeps), the collector sleeps again; once a sleep passes quietly it delivers, and it
     never sleeps more than DEFER_ROUNDS times for one batch."""
     engine = DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=4), backend="reference", defer_s=DEFER_S,
-                          defer_rounds=collector.DEFER_ROUNDS)
+                          defer_rounds=collector.DEFER_ROUNDS, defer_at=defer_at)
     slept = []
     real_sleep = collector.time.sleep
 
