@@ -94,7 +94,7 @@ class DigestConfig(Struct, frozen=True, forbid_unknown_fields=True):
     collector_wait: Literal["block", "poll"] = "block"  # "block": sleep in the driver until done; "poll": query, sleeping between
     outputs: Literal["device", "pinned"] = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies)
     dependent_launch: Literal["auto", "off"] = "auto"  # "auto": programmatic dependent launches where the GPU has them; "off"
-    # the collector sleeps this long before folding a done batch when no other waits (docs/overhead.md); 0: never
+    # the collector sleeps this long while the serving thread keeps submitting (docs/overhead.md); 0: never
     collector_defer_ms: Annotated[float, Meta(ge=0, le=1000)] = 3.0
     # where: before the batch's first device call ("first_call") or once its kernel is done ("done")
     collector_defer_at: Literal["first_call", "done"] = "first_call"

@@ -140,10 +140,9 @@ class Collector:
                     self._warm_up_queued -= 1
                 if self._defer_first:
                     self._defer()  # before the batch's first device call (its event's record or wait)
-                    if self._await(ticket):
-                        self._deliver(ticket, self._finish)
-                elif self._await(ticket):
-                    self._defer()
+                if self._await(ticket):
+                    if not self._defer_first:
+                        self._defer()
                     self._deliver(ticket, self._finish)
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
                     self._refill()

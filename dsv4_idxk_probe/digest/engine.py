@@ -111,8 +111,8 @@ class DigestEngine(Launcher, Collector):
     class (`StagingPool.refill`); 0: never.
     `fold`: the kernel folds each room's cells on the device, so only the folds come down
     (with `outputs` "device"); False: it stores the cells and the collector folds them.
-    `defer_s`: how long the collector, once a batch's kernel is done and no other batch
-    waits, sleeps before folding and delivering it (`Collector._defer`); 0: at once.
+    `defer_s`: how long the collector sleeps, while the serving thread keeps submitting,
+    before it takes on a batch (`Collector._defer`, where: `defer_at`); 0: at once.
     `defer_rounds`: that many sleeps at most, the next only when the serving thread
     submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
     `defer_at` (`DEFER_AT`): the sleep comes before the batch's first device call

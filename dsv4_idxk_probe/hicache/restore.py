@@ -395,8 +395,12 @@ def engine_options() -> dict:
     """How each index-K pool's digest engine is built (`_engine`; the benches build theirs
     alike): content digests, staging reserved at start-up, and the batch's event recorded
     and the outputs copied down by the collector (on the copy's stream, behind the kernel
-    and the copies queued since), so a submit is one launch on the copying thread."""
-    return {"contents": True, "prealloc": PREALLOC, "download": "collector", "record": "collector"}
+    and the copies queued since), so a submit is one launch on the copying thread; the
+    collector's deferral before its first device call, so it records nothing during a burst
+    of copies (SGLang copies on streams of its own: the event then waits for more copies,
+    never a forward; docs/hicache.md)."""
+    return {"contents": True, "prealloc": PREALLOC, "download": "collector", "record": "collector",
+            "defer_at": "first_call"}
 
 
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int, **options):

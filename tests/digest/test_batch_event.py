@@ -105,13 +105,16 @@ def test_with_record_collector_a_submit_only_launches_and_the_collector_records_
 
 
 def test_with_record_collector_the_collector_defers_before_its_first_device_call():
-    """A restore engine's collector (record "collector", a deferral) makes no device call
-    during a burst of copies: it records the batch's event only once the submitting thread
+    """A HiCache restore engine's collector (record "collector", a deferral) makes no device
+    call during a burst of copies: it records the batch's event only once the submitting thread
     has been quiet for `defer_s`, so the burst pays no GIL hand-off to it. With the deferral
     after the record (as the PD engines have it) the event is recorded at once."""
+    from dsv4_idxk_probe.hicache.restore import engine_options
+
     events = [FakeEvent() for _ in range(4)]
     delivered = threading.Semaphore(0)
-    engine = cuda_path_engine(iter(events), download="collector", record="collector", defer_s=1.0, defer_rounds=1)
+    # built as a HiCache restore engine is (`restore._engine`), its deferral long enough to look inside
+    engine = cuda_path_engine(iter(events), **engine_options(), defer_s=1.0, defer_rounds=1)
     first = engine.submit_room("a", [1], 256, lambda _: delivered.release())
     for key in "bc":  # the rest of the burst
         engine.submit_room(key, [1], 256, lambda _: delivered.release())
