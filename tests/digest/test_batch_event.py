@@ -104,23 +104,35 @@ def test_with_record_collector_a_submit_only_launches_and_the_collector_records_
     assert pending.record_on is None
 
 
-def test_with_record_collector_the_collector_defers_before_its_first_device_call():
+def test_with_record_collector_the_collector_defers_before_its_first_device_call(monkeypatch):
     """A HiCache restore engine's collector (record "collector", a deferral) makes no device
-    call during a burst of copies: it records the batch's event only once the submitting thread
-    has been quiet for `defer_s`, so the burst pays no GIL hand-off to it. With the deferral
-    after the record (as the PD engines have it) the event is recorded at once."""
+    call during a burst of copies: woken by the first submit, it sleeps out the deferral
+    before it records the batch's event, so the burst pays no GIL hand-off to it. With the
+    deferral after the record (the form before 2026-12-05) the event is recorded first."""
+    from dsv4_idxk_probe.digest import collector
     from dsv4_idxk_probe.hicache.restore import engine_options
 
+    asleep, wake = threading.Event(), threading.Event()
+    real_sleep = collector.time.sleep
+
+    def sleep(seconds):  # the deferral's sleep lasts until the test ends it
+        if seconds != 0.0042:
+            return real_sleep(seconds)
+        asleep.set()
+        wake.wait(30)
+
+    monkeypatch.setattr(collector.time, "sleep", sleep)
     events = [FakeEvent() for _ in range(4)]
     delivered = threading.Semaphore(0)
-    # built as a HiCache restore engine is (`restore._engine`), its deferral long enough to look inside
-    engine = cuda_path_engine(iter(events), **engine_options(), defer_s=1.0, defer_rounds=1)
+    # built as a HiCache restore engine is (`restore._engine`)
+    engine = cuda_path_engine(iter(events), **engine_options(), defer_s=0.0042, defer_rounds=1)
     first = engine.submit_room("a", [1], 256, lambda _: delivered.release())
     for key in "bc":  # the rest of the burst
         engine.submit_room(key, [1], 256, lambda _: delivered.release())
-    threading.Event().wait(0.2)  # the collector has taken the first batch by now
-    assert events[0].log == []  # and made no device call for it
+    assert asleep.wait(30)  # the collector took the first batch and sleeps
+    assert events[0].log == []  # having made no device call for it
     assert first.done is None and first.record_on == "caller-stream"
+    wake.set()
     assert all(delivered.acquire(timeout=30) for _ in range(3))
     engine.close()
     assert events[0].log[0] == ("record", "caller-stream", "dsv4-idxk-digest")
