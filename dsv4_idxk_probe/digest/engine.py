@@ -321,8 +321,8 @@ class DigestEngine(Launcher, Collector):
             ticket.contents_only = True
         if not self._collecting:
             self._start_collector()
+        self.stats.submitted_rooms += len(rooms)  # before the hand-off: the collector's deferral reads it
         self._tickets.put(ticket)
-        self.stats.submitted_rooms += len(rooms)
         return ticket
 
     def submit_room(self, key: str, pages: Any, n_tokens: int, callback: Callable[[BatchResult], None], *,
@@ -350,8 +350,8 @@ class DigestEngine(Launcher, Collector):
             ticket.contents_only = True
         if not self._collecting:
             self._start_collector()
+        self.stats.submitted_rooms += 1  # before the hand-off: the collector's deferral reads it
         self._tickets.put(ticket)
-        self.stats.submitted_rooms += 1
         return ticket
 
     def post(self, call: Callable[[Any], Any], arg: Any = None) -> None:
