@@ -126,11 +126,11 @@ class Traffic:
     """Rooms on a ring of page groups: room r writes its prefix through from device group
     r to host group r; a restoring room first loads host group r-1 (the latest backup of
     those rows) into its device group. `streams`: (backup's, load's) CUDA streams, or
-    None to copy on the current stream. On two streams, each copy first waits for the
+    none to copy on the current stream. On two streams, each copy first waits for the
     other stream's work so far: a load reads rows a backup wrote, a backup reads pages a
     load wrote (SGLang orders them by its acknowledgements; here the ring reuses them)."""
 
-    def __init__(self, pool: ServingPool, groups: int, pages: int, device, streams: tuple | None = None):
+    def __init__(self, pool: ServingPool, groups: int, pages: int, device, streams: tuple = ()):
         def idx(first_page: int):
             return torch.arange(first_page * PAGE_TOKENS, (first_page + pages) * PAGE_TOKENS, dtype=torch.int64,
                                 device=device)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     streams = ()
     if device.type == "cuda" and args.copy_streams == "sglang":
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # device-to-host, host-to-device
-    traffic = Traffic(pool, args.groups, args.pages, device, streams or None)
+    traffic = Traffic(pool, args.groups, args.pages, device, streams)
     wait = step_wait(args.step_wait, device)
     sync = _event_waiter(streams) if device.type == "cuda" else (lambda: None)
     work = Path(tempfile.mkdtemp(prefix="hicache-serving-"))

@@ -138,11 +138,9 @@ class Collector:
                     continue
                 if not ticket.counted and self._warm_up_queued > 0:
                     self._warm_up_queued -= 1
-                if self._defer_first:
-                    self._defer()  # before the batch's first device call (its event's record or wait)
+                self._defer("first_call")  # before the batch's first device call (its event's record or wait)
                 if self._await(ticket):
-                    if not self._defer_first:
-                        self._defer()
+                    self._defer("done")
                     self._deliver(ticket, self._finish)
                 if self._staging.short:  # a submit found its buffers' class empty: top it up here
                     self._refill()
@@ -151,10 +149,11 @@ class Collector:
         finally:
             self._collecting = False
 
-    def _defer(self) -> None:
-        """Sleep `defer_s`, and again while the serving thread submitted meanwhile, up to
-        `defer_rounds` times, before the batch's device calls and Python (its event's wait,
-        the copy down, the fold and callbacks: a few hundred us holding the GIL). Why: a
+    def _defer(self, at: str) -> None:
+        """At the engine's `defer_at` (the loop calls this at both places): sleep `defer_s`,
+        and again while the serving thread submitted meanwhile, up to `defer_rounds` times,
+        before the batch's device calls and Python (its event's wait, the copy down, the
+        fold and callbacks: a few hundred us holding the GIL). Why: a
         batch is done ~0.1 ms after its submit, while the serving thread is still busy (the
         Python of its step, a HiCache load's layers), and the collector's every GIL hand-off
         beside it makes it wait and costs its own CPU (measured on an H200: +150 us per
@@ -170,10 +169,10 @@ class Collector:
         that stream); batches submitted before the quiet period began go through without
         sleeping. "done" (the form before 2026-12-05) sleeps once the batch's kernel is
         done and only when no other batch waits. Neither caps the collector's throughput."""
-        if not self.defer_s:
+        if at != self.defer_at or not self.defer_s:
             return
         stats = self.stats
-        if self._defer_first:
+        if at == "first_call":
             if stats.submitted_rooms == self._quiet_at:
                 return  # submitted before the serving thread last went quiet
         elif self._tickets.items:

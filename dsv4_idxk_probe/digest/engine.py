@@ -233,7 +233,6 @@ class DigestEngine(Launcher, Collector):
         self.defer_s = defer_s
         self.defer_rounds = defer_rounds
         self.defer_at = defer_at
-        self._defer_first = defer_at == "first_call"
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
