@@ -202,14 +202,13 @@ class Installed:
 def faked_cuda_engine(layout, layer_ids, buffers, queue_max, **per_pool):
     """Restore verification's digest engine taking its CUDA submit path, device calls faked
     (`bench.hook_ops.fake_device_calls`): what a copy call costs the copying thread on a GPU,
-    counted on any machine. `per_pool`: what `RestoreVerifier` sets per pool."""
+    counted on any machine. `per_pool`: what `RestoreVerifier` sets per pool (`restore.engine_options` too)."""
     from bench.hook_ops import fake_device_calls
     from dsv4_idxk_probe.digest import DigestEngine
-    from dsv4_idxk_probe.hicache.restore import engine_options
 
-    options = dict(engine_options(), prealloc=4)  # as the product builds it (`restore._engine`)
+    options = dict(per_pool, prealloc=4)  # as the product builds it (`restore._engine`), less staging
     return fake_device_calls(DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max,
-                                          **options, **per_pool))
+                                          **options))
 
 
 def count_calls(cls, pool, calls: int) -> int:

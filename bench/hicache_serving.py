@@ -26,7 +26,7 @@ index tensors on the pool's device (as SGLang's kernel io backend passes them).
 
 Usage:  python3 -m bench.hicache_serving [--device cpu|cuda] [--reps 7] [--target-seconds 2]
                                          [--step-ms 10] [--step-wait sleep|spin|gpu] [--copy-streams sglang|current]
-                                         [--sync-debug] [--out DIR]
+                                         [--restore-record collector|copy] [--sync-debug] [--out DIR]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import yaml
 from bench.harness import Table, command_line, median, paired_ratios, percentiles, write_result
 from bench.hicache_overhead import StandalonePool
 from dsv4_idxk_probe import environment_variables as ev
+from dsv4_idxk_probe.hicache.settings import parse_settings
 from dsv4_idxk_probe.safety import error_counts
 from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS, step_wait
 
@@ -66,7 +67,7 @@ class ServingPool(StandalonePool):
 class Probed:
     """The adapter's wrappers on ServingPool, with one probe config (restore verification on or off)."""
 
-    def __init__(self, restore: bool, work: Path, defer_ms: float | None = None):
+    def __init__(self, restore: bool, work: Path, defer_ms: float | None = None, record: str | None = None):
         from prometheus_client import CollectorRegistry
 
         from dsv4_idxk_probe.config import load_config
@@ -76,6 +77,8 @@ class Probed:
         section = {"restore_verify": restore}
         if defer_ms is not None:
             section["restore_defer_ms"] = defer_ms
+        if record is not None:
+            section["restore_record"] = record
         config_file.write_text(yaml.safe_dump({"hicache": section}))
         env = {ev.DSV4_IDXK_PROBE: "1", ev.DSV4_IDXK_PROBE_CONFIG: str(config_file)}
         self.registry = CollectorRegistry()
@@ -214,6 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "thread raises: on the serving thread the run fails, on a probe thread it is counted)")
     p.add_argument("--restore-defer-ms", type=float, default=None,
                    help="hicache.restore_defer_ms of the restore-on variant (default: the config's default)")
+    p.add_argument("--restore-record", choices=("collector", "copy"), default=None,
+                   help="hicache.restore_record of the restore-on variant (default: the config's default)")
     p.add_argument("--copy-streams", choices=("sglang", "current"), default="sglang",
                    help="CUDA: copies on two streams of their own as SGLang's L2TransferEngine runs them (default), "
                         "or on the current stream, the model step's")
@@ -236,7 +241,7 @@ def main(argv=None) -> int:
     wait = step_wait(args.step_wait, device)
     sync = _event_waiter(streams) if device.type == "cuda" else (lambda: None)
     work = Path(tempfile.mkdtemp(prefix="hicache-serving-"))
-    probes = {"restore-off": Probed(False, work), "restore-on": Probed(True, work, args.restore_defer_ms)}
+    probes = {"restore-off": Probed(False, work), "restore-on": Probed(True, work, args.restore_defer_ms, args.restore_record)}
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for variant in VARIANTS:  # registers the pool, builds the digest engine, warms caches: not timed
         with probes[variant] as probed:
@@ -282,7 +287,8 @@ def main(argv=None) -> int:
         "shape": {"layers": args.layers, "pages_per_prefix": args.pages, "item_bytes": ITEM_BYTES,
                   "page_tokens": PAGE_TOKENS, "rooms_per_step": args.rooms_per_step,
                   "restore_share": args.restore_share, "step_ms": args.step_ms, "step_wait": args.step_wait,
-                  "copy_streams": args.copy_streams if device.type == "cuda" else "cpu"},
+                  "copy_streams": args.copy_streams if device.type == "cuda" else "cpu",
+                  "restore_record": parse_settings(probes["restore-on"].runtime.config.hicache).restore_record},
         "runs": runs, "rooms_per_s_ratio": ratios, "restore_verdicts": compared, "probe_errors": errors,
         "valid": valid,
     }

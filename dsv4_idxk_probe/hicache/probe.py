@@ -127,7 +127,7 @@ class HiCacheProbe:
         self.restore = (
             RestoreVerifier(settings.restore_max_pages, settings.restore_queue_max, self._on_restore,
                             self._count_on_copy_path, self._on_restore_evict,
-                            defer_s=settings.restore_defer_ms / 1000)
+                            defer_s=settings.restore_defer_ms / 1000, record=settings.restore_record)
             if settings.restore_verify
             else None
         )

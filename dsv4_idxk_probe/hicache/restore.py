@@ -42,6 +42,7 @@ from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
 from .restore_rows import read_rows
 from .restore_store import HostPageDigests
+from .settings import RESTORE_RECORDS
 
 _log = logging.getLogger("dsv4_idxk_probe.hicache")
 
@@ -131,12 +132,15 @@ class RestoreVerifier:
 
     def __init__(self, max_pages: int, queue_max: int, report: Callable[[Any, LoadComparison, dict], None],
                  count: Callable[[str, str, str, int], None], on_evict: Callable[[int], None],
-                 engine_factory: Callable[..., Any] | None = None, defer_s: float = 0.0):
+                 engine_factory: Callable[..., Any] | None = None, defer_s: float = 0.0,
+                 record: str = "collector"):
         """`report(state, comparison, context)`: a load's comparison, on the collector thread.
         `count(path, outcome, reason, nbytes)`: coverage (ProbeMetrics.count_coverage).
         `defer_s`: how long each pool's collector waits for the copying thread to go quiet
-        before it reads back, stores and compares (`hicache.restore_defer_ms`)."""
+        before it reads back, stores and compares (`hicache.restore_defer_ms`).
+        `record`: where a digest's event is recorded (`hicache.restore_record`, `engine_options`)."""
         self.defer_s = defer_s
+        self.record = record
         self.store = HostPageDigests(max_pages, on_evict)
         self.queue_max = queue_max
         self._report = report
@@ -179,7 +183,7 @@ class RestoreVerifier:
         # stretch: each collector waits until it ends (up to DEFER_ROUNDS sleeps of defer_s)
         engine = self._engine_factory(layout, list(range(geom.layers)), buffers, self.queue_max,
                                       defer_s=self.defer_s, defer_rounds=DEFER_ROUNDS,
-                                      page_id_stride=max(1, int(geom.page_size)))
+                                      page_id_stride=max(1, int(geom.page_size)), **engine_options(self.record))
         snapshot = None
         if getattr(engine, "backend", None) == "reference":  # no GPU: digests would run on the copying thread
             from .restore_snapshot import SnapshotDigests
@@ -391,24 +395,29 @@ class RestoreVerifier:
         pool.engine.post(drop)
 
 
-def engine_options() -> dict:
+def engine_options(record: str = "collector") -> dict:
     """How each index-K pool's digest engine is built (`_engine`; the benches build theirs
-    alike): content digests, staging reserved at start-up, and the batch's event recorded
-    and the outputs copied down by the collector (on the copy's stream, behind the kernel
-    and the copies queued since), so a submit is one launch on the copying thread; the
-    collector's deferral before its first device call, so it records nothing during a burst
-    of copies (SGLang copies on streams of its own: the event then waits for more copies,
-    never a forward; docs/hicache.md)."""
-    return {"contents": True, "prealloc": PREALLOC, "download": "collector", "record": "collector",
-            "defer_at": "first_call"}
+    alike): content digests, staging reserved at start-up, the outputs copied down by the
+    collector, and the collector's deferral before its first device call, so it makes none
+    during a burst of copies. `record` (`hicache.restore_record`): "collector" records the
+    batch's event on the collector too (on the copy's stream, behind the kernel and the
+    copies queued since), so a submit is one launch on the copying thread; right where
+    copies run on streams of their own, as SGLang's do (the event then waits for more
+    copies, never a forward; docs/hicache.md). "copy" records it on the copying thread
+    behind the launch (one device call more): for a fork that copies on the forward's
+    stream, where the collector's event would land behind the next forward."""
+    if record not in RESTORE_RECORDS:
+        raise ValueError(f"record must be one of {RESTORE_RECORDS}, got {record!r}")
+    return {"contents": True, "prealloc": PREALLOC, "download": "collector",
+            "record": "collector" if record == "collector" else "submit", "defer_at": "first_call"}
 
 
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int, **options):
-    """A pool's restore digest engine; `options`: what `RestoreVerifier` sets per pool (the
-    deferral, the page-id stride), checked by the engine's constructor."""
+    """A pool's restore digest engine; `options`: what `RestoreVerifier` sets per pool
+    (`engine_options`, the deferral, the page-id stride), checked by the engine's constructor."""
     from ..digest.engine import DigestEngine  # torch (and Triton on CUDA): only when a pool is verified
 
-    return DigestEngine(layout, layer_ids, buffers, max_pending=queue_max, **engine_options(), **options)
+    return DigestEngine(layout, layer_ids, buffers, max_pending=queue_max, **options)
 
 
 def _moved_bytes(state, host_indices, layers: int) -> int:

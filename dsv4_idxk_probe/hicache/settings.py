@@ -15,6 +15,7 @@ Keys (all optional; defaults and types in `HiCacheSettings`; ranges in `RANGES`,
   restore_max_pages  int    host pages whose backup digests are kept; the oldest are evicted and counted, 0-100,000,000
   restore_queue_max  int    restore digests waiting for the collector per pool; more are counted unverified, 1-1,000,000
   restore_defer_ms   float  how long a restore collector waits for the copying thread to go quiet before its work, 0-1000 ms
+  restore_record     str    collector | copy: where a restore digest's event is recorded (copy: forks that copy on the forward's stream)
 
 `HiCacheSettings` is a msgspec Struct (the schema: unknown keys refused, bounds in its
 types); a bad value raises `HiCacheConfigError` naming the field (``hicache.guard`` ...,
@@ -30,6 +31,13 @@ from ..schema import convert, integer, seconds
 
 Guard = Literal["observe", "block"]
 GUARD_ACTIONS = get_args(Guard)
+#: Where a restore digest's event is recorded: "collector" (on the copy's stream when the
+#: collector takes the digest, after its deferral: no device call more on the copying
+#: thread; right where copies run on streams of their own, as in every SGLang release) or
+#: "copy" (on the copying thread, right behind the launch: for a fork that copies on the
+#: forward's stream, where an event recorded later lands behind the next forward).
+RestoreRecord = Literal["collector", "copy"]
+RESTORE_RECORDS = get_args(RestoreRecord)
 KNOWN_IO_BACKENDS = ("kernel", "direct", "kernel_ascend")
 #: Inclusive bounds of each numeric key. flush_interval_s: at least 0.05 s (20 flushes a
 #: second; a flush takes the GIL and runs the index checks), at most an hour.
@@ -71,6 +79,7 @@ class HiCacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restore_queue_max: integer(*RANGES["restore_queue_max"]) = 1024
     restore_defer_ms: Annotated[float, msgspec.Meta(ge=RANGES["restore_defer_ms"][0],
                                                     le=RANGES["restore_defer_ms"][1])] = 3.0
+    restore_record: RestoreRecord = "collector"
 
     def __post_init__(self):
         if len(set(self.io_backends)) != len(self.io_backends):  # one series set per name

@@ -138,6 +138,31 @@ def test_with_record_collector_the_collector_defers_before_its_first_device_call
     assert events[0].log[0] == ("record", "caller-stream", "dsv4-idxk-digest")
 
 
+def test_with_hicache_restore_record_copy_the_copying_thread_records_the_event_behind_the_launch():
+    """`hicache.restore_record: copy` (a fork that copies on the forward's stream): the restore
+    engine's event is recorded on the copying thread, right behind the launch, before anything
+    else it queues; the collector only waits for it, after its deferral."""
+    from dsv4_idxk_probe.hicache.restore import engine_options
+
+    event, delivered = FakeEvent(), threading.Event()
+    engine = cuda_path_engine(iter([event]), **engine_options("copy"), defer_s=0.0, defer_rounds=1)
+    copying = threading.current_thread().name
+    pending = engine.submit_room("a", [1], 256, lambda _: delivered.set(), contents_only=True)
+    assert event.log == [("record", "caller-stream", copying)]  # before the submit returned
+    assert pending.done is event and pending.record_on is None
+    assert delivered.wait(10)
+    engine.close()
+    assert [name for name, _, thread in event.log if thread == "dsv4-idxk-digest"] == ["synchronize"]
+
+
+def test_restore_record_is_checked():
+    from dsv4_idxk_probe.hicache.restore import engine_options
+
+    assert engine_options()["record"] == "collector" and engine_options("copy")["record"] == "submit"
+    with pytest.raises(ValueError, match="record must be one of"):
+        engine_options("submit")  # the engine's word, not the setting's
+
+
 @pytest.mark.parametrize("defer_at, order", [("first_call", ["sleep", "synchronize"]),
                                              ("done", ["synchronize", "sleep"])])
 def test_the_deferral_comes_before_the_collectors_first_device_call_or_once_the_batch_is_done(

@@ -137,8 +137,34 @@ def test_restore_engines_take_the_hicache_deferral():
     assert verifier.pool(SimpleNamespace(key=1, geom=geom, views=views, invariants_failed=False)) is not None
     assert made[0].defer_s == 0.0075 and made[0].defer_rounds == collector.DEFER_ROUNDS
     assert made[0].page_id_stride == 256  # the engine reads the copy's token indices, a page size apart
+    assert made[0].record == "collector" and made[0].defer_at == "first_call"
     with pytest.raises(Exception, match="restore_defer_ms"):
         parse_settings({"restore_defer_ms": 5000})
+
+
+def test_hicache_restore_record_reaches_each_pools_engine():
+    """`hicache.restore_record` from the probe config to each pool's restore engine: "copy"
+    has the copying thread record the event (the engine's "submit"); a bad value names the key."""
+    from types import SimpleNamespace
+
+    from dsv4_idxk_probe.hicache.probe import HiCacheProbe
+    from dsv4_idxk_probe.hicache.settings import parse_settings
+
+    assert parse_settings({}).restore_record == "collector"
+    probe = HiCacheProbe(SimpleNamespace(), parse_settings({"restore_record": "copy", "index_checks": False}))
+    made = []
+
+    def factory(layout, layer_ids, buffers, queue_max, **options):
+        made.append(SimpleNamespace(backend="triton", **options))
+        return made[-1]
+
+    probe.restore._engine_factory = factory
+    geom = SimpleNamespace(name="deepseek_v4_c4_indexer", layers=2, item_bytes=8448, page_size=256)
+    views = SimpleNamespace(device_layer=lambda layer: None)
+    assert probe.restore.pool(SimpleNamespace(key=1, geom=geom, views=views, invariants_failed=False)) is not None
+    assert made[0].record == "submit"
+    with pytest.raises(Exception, match="hicache.restore_record"):
+        parse_settings({"restore_record": "forward"})
 
 
 def test_the_pd_engines_sleep_one_round_while_submits_keep_coming(random_buffers, monkeypatch):

@@ -189,10 +189,9 @@ def _kernel_path_engine(layout, layer_ids, buffers, queue_max, **per_pool):
     on the CPU pool's device layers), so the copying thread takes the GPU path: the token
     indices handed to the kernel as they are (`page_id_stride`), no page copy."""
     from dsv4_idxk_probe.digest import DigestEngine
-    from dsv4_idxk_probe.hicache.restore import engine_options
 
-    return DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max, **engine_options(),
-                        **per_pool)
+    # `per_pool`: what `RestoreVerifier` sets, `restore.engine_options` included
+    return DigestEngine(layout, layer_ids, buffers, backend="triton", max_pending=queue_max, **per_pool)
 
 
 def test_on_the_kernel_path_the_token_indices_are_read_as_they_are_and_the_changed_row_is_found(

@@ -42,3 +42,5 @@ def test_the_serving_leg_takes_the_restore_deferral(tmp_path):
 
     probed = Probed(True, tmp_path, 0.0)
     assert probed.runtime.config.hicache["restore_defer_ms"] == 0.0
+    assert "restore_record" not in probed.runtime.config.hicache  # the config's default
+    assert Probed(True, tmp_path, None, "copy").runtime.config.hicache["restore_record"] == "copy"
