@@ -47,7 +47,7 @@ import yaml
 from bench.harness import Table, command_line, median, paired_ratios, percentiles, write_result
 from bench.hicache_overhead import StandalonePool
 from dsv4_idxk_probe import environment_variables as ev
-from dsv4_idxk_probe.hicache.settings import parse_settings
+from dsv4_idxk_probe.hicache.settings import RESTORE_RECORDS, parse_settings
 from dsv4_idxk_probe.safety import error_counts
 from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS, step_wait
 
@@ -217,7 +217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "thread raises: on the serving thread the run fails, on a probe thread it is counted)")
     p.add_argument("--restore-defer-ms", type=float, default=None,
                    help="hicache.restore_defer_ms of the restore-on variant (default: the config's default)")
-    p.add_argument("--restore-record", choices=("collector", "copy"), default=None,
+    p.add_argument("--restore-record", choices=RESTORE_RECORDS, default=None,
                    help="hicache.restore_record of the restore-on variant (default: the config's default)")
     p.add_argument("--copy-streams", choices=("sglang", "current"), default="sglang",
                    help="CUDA: copies on two streams of their own as SGLang's L2TransferEngine runs them (default), "

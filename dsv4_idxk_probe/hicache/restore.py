@@ -82,6 +82,9 @@ def decode_sidecar(data, layers: int, segments: int) -> np.ndarray | None:
 #: layers) each pool's engine reserves at start-up: digests in flight at once before the
 #: collector gives them back. One more is allocated on the copying thread (milliseconds).
 PREALLOC = 16
+#: `hicache.restore_record` in the engine's words (`digest.engine.RECORDS`): "copy", the
+#: copying thread's record, is the engine's "submit".
+_ENGINE_RECORD = {"collector": "collector", "copy": "submit"}
 _UNKNOWN = object()  # a pool not looked up yet (`RestoreVerifier.pool` makes its set-up)
 
 
@@ -406,10 +409,12 @@ def engine_options(record: str = "collector") -> dict:
     copies, never a forward; docs/hicache.md). "copy" records it on the copying thread
     behind the launch (one device call more): for a fork that copies on the forward's
     stream, where the collector's event would land behind the next forward."""
-    if record not in RESTORE_RECORDS:
-        raise ValueError(f"record must be one of {RESTORE_RECORDS}, got {record!r}")
-    return {"contents": True, "prealloc": PREALLOC, "download": "collector",
-            "record": "collector" if record == "collector" else "submit", "defer_at": "first_call"}
+    try:
+        engine_record = _ENGINE_RECORD[record]
+    except KeyError:
+        raise ValueError(f"record must be one of {RESTORE_RECORDS}, got {record!r}") from None
+    return {"contents": True, "prealloc": PREALLOC, "download": "collector", "record": engine_record,
+            "defer_at": "first_call"}
 
 
 def _engine(layout: RowLayout, layer_ids: list[int], buffers: list, queue_max: int, **options):

@@ -157,8 +157,10 @@ def test_with_hicache_restore_record_copy_the_copying_thread_records_the_event_b
 
 def test_restore_record_is_checked():
     from dsv4_idxk_probe.hicache.restore import engine_options
+    from dsv4_idxk_probe.hicache.settings import RESTORE_RECORDS
 
     assert engine_options()["record"] == "collector" and engine_options("copy")["record"] == "submit"
+    assert all(engine_options(place) for place in RESTORE_RECORDS)  # every value the config takes
     with pytest.raises(ValueError, match="record must be one of"):
         engine_options("submit")  # the engine's word, not the setting's
 
