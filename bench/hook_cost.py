@@ -183,29 +183,42 @@ def main(argv=None) -> int:
         wait = forward_and_wait
     rooms = iter(range(10**9))
 
+    def staging_allocations() -> int:
+        return decode_engine._staging.allocations + prefill_engine._staging.allocations
+
     def drain() -> None:
         for engine in (decode_engine, prefill_engine):
             while engine.backlog():
                 time.sleep(0.0005)
 
     def timed(kind, setups):
-        """Each setup() returns the call to time; `n_rooms` of them, the first warm-up ones untimed."""
-        cpu, wall = [], []
+        """Each setup() returns the call to time; `n_rooms` of them, the first warm-up ones untimed.
+        Beside the times: the staging buffers the timed calls allocated themselves (a size class
+        found empty: a pinned allocation on the serving thread) and the collector's backlog
+        each timed call found (batches not yet delivered), the two signs of a collector
+        that falls behind."""
+        cpu, wall, backlog = [], [], []
+        allocated = 0
         for i in range(n_rooms):
             call = setups()
             if i % 64 == 0:
                 drain()
             wait(gap)
+            before = staging_allocations()
+            queued = decode_engine.backlog() + prefill_engine.backlog()
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             call()
             w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
             if i >= args.warm_up:
                 cpu.append((c1 - c0) / 1e3)
                 wall.append((w1 - w0) / 1e3)
+                backlog.append(queued)
+                allocated += staging_allocations() - before
         drain()
         return {"cpu_us": {"median": percentile(cpu, 50), "p99": percentile(cpu, 99), "mean": float(np.mean(cpu))},
                 "wall_us": {"median": percentile(wall, 50), "p99": percentile(wall, 99), "mean": float(np.mean(wall))},
-                "calls": len(cpu)}
+                "calls": len(cpu), "staging_allocations": allocated,
+                "backlog": {"median": percentile(backlog, 50), "max": max(backlog)}}
 
     def new_room(received: bool):
         room = RoomId(next(rooms))
@@ -270,10 +283,14 @@ def main(argv=None) -> int:
           f"page tables: {args.page_tables}; send table: {args.send_table}; {args.gap_ms:g} ms of {args.gap_wait} "
           f"before each call)")
     table = Table(("hook", "<10"), ("CPU median us", ">14.1f"), ("CPU p99 us", ">11.1f"),
-                  ("wall median us", ">15.1f"), ("wall p99 us", ">12.1f"))
+                  ("wall median us", ">15.1f"), ("wall p99 us", ">12.1f"), ("allocated", ">10d"),
+                  ("backlog median", ">15.0f"), ("backlog max", ">12d"))
     print(table.header())
     for kind, r in results.items():
-        print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"]))
+        print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"],
+                        r["staging_allocations"], r["backlog"]["median"], r["backlog"]["max"]))
+    print("allocated: staging buffers the timed calls allocated on the serving thread (their size class empty); "
+          "backlog: batches the collectors had not delivered when a call began")
     tables = table_reads(decode_engine, prefill_engine)
     print(f"room tables: {tables['where']} (launches that copied their tables up: decode "
           f"{tables['copied']['decode']}, prefill {tables['copied']['prefill']})")
