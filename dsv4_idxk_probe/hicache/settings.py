@@ -30,7 +30,6 @@ import msgspec
 from ..schema import convert, integer, seconds
 
 Guard = Literal["observe", "block"]
-GUARD_ACTIONS = get_args(Guard)
 #: Where a restore digest's event is recorded: "collector" (on the copy's stream when the
 #: collector takes the digest, after its deferral: no device call more on the copying
 #: thread; right where copies run on streams of their own, as in every SGLang release) or
