@@ -106,7 +106,6 @@ class Collector:
     `_frozen_bytes_per_slot` and `_copy_stream` / `_copied` (made here, on CUDA)."""
 
     _quiet_at = -1  # the engine's submitted rooms when its serving thread last went quiet (`_defer`)
-    _undeferred = 0  # queued when the last deferral ended: these go through without one (`_defer`)
 
     def _start_collector(self) -> None:
         """Start the collector thread unless it runs (again, should it ever have died)."""
@@ -167,20 +166,19 @@ class Collector:
         Where (`DEFER_AT`): "first_call" (the default) sleeps before the batch's first
         device call, so during a burst of submits the collector, once woken, makes none
         (with `record` "collector" its event then lands behind the work queued meanwhile on
-        that stream); batches submitted before the quiet period began, and every batch
-        already queued when a deferral ends (quiet or not), go through without sleeping.
-        "done" (the form before 2026-12-05) sleeps once the batch's kernel is done and only
-        when no other batch waits. Neither caps the collector's throughput: under submits
-        that never pause, a deferral per batch would (one batch per `defer_s`), the queue
-        would grow, the staging pool run dry and the serving thread allocate buffers itself
-        (`bench.hook_cost` on a CPU: a third of its receipts, ~130 us each; pinned on a GPU)."""
+        that stream); batches submitted before the quiet period began go through without
+        sleeping. "done" (the form before 2026-12-05) sleeps once the batch's kernel is
+        done and only when no other batch waits. Under submits that never pause for
+        `defer_s`, "first_call" finishes one batch per sleep and the rest wait for the next
+        quiet period (a serving thread gets one at every model step). Letting every batch
+        queued at a sleep's end through at once was tried (2026-12-06, bench/RESULTS.md):
+        on a GPU it left the backlog and the serving thread's own buffer allocations as they
+        were, and moved the collector's work into the burst (prefill's send 44-50 us median
+        against 36)."""
         if at != self.defer_at or not self.defer_s:
             return
         stats = self.stats
         if at == "first_call":
-            if self._undeferred:
-                self._undeferred -= 1
-                return  # queued before the last deferral ended
             if stats.submitted_rooms == self._quiet_at:
                 return  # submitted before the serving thread last went quiet
         elif self._tickets.items:
@@ -191,7 +189,6 @@ class Collector:
             if stats.submitted_rooms == seen:
                 break  # quiet for defer_s: the serving thread has most likely gone to wait
         self._quiet_at = stats.submitted_rooms
-        self._undeferred = len(self._tickets.items)
 
     def _refill(self) -> None:
         """Allocate spare staging buffers for the classes submits found empty
