@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -108,6 +109,24 @@ def request_table(n: int, pages: int, device: str) -> torch.Tensor:
     rows = [torch.as_tensor(ids, dtype=torch.int32).repeat_interleave(PAGE_TOKENS) * PAGE_TOKENS
             + torch.arange(PAGE_TOKENS, dtype=torch.int32).repeat(pages) for ids in page_ids(n, pages)]
     return torch.stack(rows).to(device)
+
+
+def count_serving_allocations(engines) -> list[int]:
+    """A one-item list counting the staging buffers the engines' pools allocate on this
+    thread (a `take` that found its size class empty), not the collector's refills, which
+    the pools' own `allocations` counts too."""
+    serving, count = threading.get_ident(), [0]
+    for engine in engines:
+        pool = engine._staging
+        allocate = pool._allocate
+
+        def counted(size, allocate=allocate):
+            if threading.get_ident() == serving:
+                count[0] += 1
+            return allocate(size)
+
+        pool._allocate = counted
+    return count
 
 
 def table_reads(decode_engine: DigestEngine, prefill_engine: DigestEngine) -> dict:
@@ -182,38 +201,36 @@ def main(argv=None) -> int:
 
         wait = forward_and_wait
     rooms = iter(range(10**9))
-
-    def staging_allocations() -> int:
-        return decode_engine._staging.allocations + prefill_engine._staging.allocations
+    engines = (decode_engine, prefill_engine)
+    serving_allocations = count_serving_allocations(engines)
 
     def drain() -> None:
-        for engine in (decode_engine, prefill_engine):
+        for engine in engines:
             while engine.backlog():
                 time.sleep(0.0005)
 
     def timed(kind, setups):
         """Each setup() returns the call to time; `n_rooms` of them, the first warm-up ones untimed.
-        Beside the times: the staging buffers the timed calls allocated themselves (a size class
-        found empty: a pinned allocation on the serving thread) and the collector's backlog
-        each timed call found (batches not yet delivered), the two signs of a collector
-        that falls behind."""
+        Beside the times, the two signs of a collector that falls behind: the staging buffers
+        the timed calls allocated on this thread (a size class found empty) and the batches
+        not yet delivered right after each timed call (its own included). Both are read off
+        the timed call's approach: nothing runs between the wait and the call."""
         cpu, wall, backlog = [], [], []
         allocated = 0
         for i in range(n_rooms):
-            call = setups()
+            call = setups()  # its own submits (a receipt's snapshot, a finish's receipt) are not the call's
             if i % 64 == 0:
                 drain()
+            before = serving_allocations[0]  # the wait allocates nothing on this thread
             wait(gap)
-            before = staging_allocations()
-            queued = decode_engine.backlog() + prefill_engine.backlog()
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             call()
             w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
             if i >= args.warm_up:
                 cpu.append((c1 - c0) / 1e3)
                 wall.append((w1 - w0) / 1e3)
-                backlog.append(queued)
-                allocated += staging_allocations() - before
+                backlog.append(sum(engine.backlog() for engine in engines))
+                allocated += serving_allocations[0] - before
         drain()
         return {"cpu_us": {"median": percentile(cpu, 50), "p99": percentile(cpu, 99), "mean": float(np.mean(cpu))},
                 "wall_us": {"median": percentile(wall, 50), "p99": percentile(wall, 99), "mean": float(np.mean(wall))},
@@ -290,7 +307,7 @@ def main(argv=None) -> int:
         print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"],
                         r["staging_allocations"], r["backlog"]["median"], r["backlog"]["max"]))
     print("allocated: staging buffers the timed calls allocated on the serving thread (their size class empty); "
-          "backlog: batches the collectors had not delivered when a call began")
+          "backlog: batches the collectors had not delivered right after a call (its own included)")
     tables = table_reads(decode_engine, prefill_engine)
     print(f"room tables: {tables['where']} (launches that copied their tables up: decode "
           f"{tables['copied']['decode']}, prefill {tables['copied']['prefill']})")

@@ -118,3 +118,24 @@ def test_hook_cost_times_each_send_table_on_the_faked_path(send_table, tmp_path)
     # the signs of a collector falling behind: the serving thread's own staging allocations, the backlog
     assert isinstance(send["staging_allocations"], int) and send["staging_allocations"] >= 0
     assert 0 <= send["backlog"]["median"] <= send["backlog"]["max"] <= 5 + 2
+
+
+def test_hook_cost_counts_the_serving_threads_own_staging_allocations_only():
+    """bench/hook_cost.py's "allocated" column: a take that allocates on the timing thread
+    counts, one on another thread (the collector's refill) does not, though the pool's own
+    counter takes both."""
+    import threading
+
+    from bench import hook_cost
+
+    engines = hook_cost.fake_engines(2, 3, False)
+    count = hook_cost.count_serving_allocations(engines)
+    pool = engines[0]._staging
+    before = pool.allocations
+    pool.take(1 << 20)  # a class nothing was allocated in: allocates here
+    other = threading.Thread(target=pool.take, args=(1 << 21,))
+    other.start()
+    other.join()
+    assert pool.allocations - before == 2 and count == [1]
+    for engine in engines:
+        engine.close()
