@@ -11,6 +11,10 @@ step of 10-30 ms, which `--gap-ms 10` mimics), and every 64 calls it waits for t
 collector to drain, so no batch is ever dropped. `--gap-wait gpu` (CUDA) passes the gap
 as a scheduler thread passes its forward: a GPU kernel of that length, waited on an event
 (on the H200 host a call right after a sleep costs more than one after such a wait).
+`--burst K`: K calls one after the other per gap, as a scheduler step that receives or
+finishes K rooms makes them (with `--gap-ms 10`, the shape of serving: at 0.2 ms gaps the
+bench submits ~4,000 batches a second, more than one collector finishes, so the backlog
+grows whatever the collector does; the report's collector CPU per call says by how much).
 
 Hook kinds, as the SGLang hooks (sglang/pd_decode.py, pd_prefill.py) call the monitors,
 with decode's diagnosis on as shipped (`--no-diagnosis`: verification alone):
@@ -33,7 +37,8 @@ record), page tables as host tensors the engine reads in place, as it reads devi
 ones (`--page-tables host`: host lists, which travel in the staging upload).
 
 Usage:  python -m bench.hook_cost [--calls 2000] [--layers 30] [--pages 17] [--step-rooms 8] [--kinds LIST]
-                                  [--gap-ms 0.2] [--gap-wait sleep|gpu] [--no-diagnosis] [--real-launch | --fake-launch]
+                                  [--gap-ms 0.2] [--gap-wait sleep|gpu] [--burst 1] [--no-diagnosis]
+                                  [--real-launch | --fake-launch]
                                   [--page-tables device|host] [--send-table tokens|divided] [--out DIR]
 """
 
@@ -129,6 +134,19 @@ def count_serving_allocations(engines) -> list[int]:
     return count
 
 
+def thread_cpu_s(engines) -> float:
+    """CPU seconds the engines' collector threads have used so far (0 for one not running)."""
+    total = 0.0
+    for engine in engines:
+        thread = engine._thread
+        if thread is not None and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, ProcessLookupError):  # ended meanwhile
+                pass
+    return total
+
+
 def table_reads(decode_engine: DigestEngine, prefill_engine: DigestEngine) -> dict:
     """Where the engines' kernels read their room tables (issue 32: the step's launch reads
     them from the pinned buffer in place, no copy up), and how many launches copied them
@@ -149,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--gap-ms", type=float, default=0.2, help="time passed before each timed call")
     p.add_argument("--gap-wait", choices=("sleep", "gpu"), default="sleep",
                    help="how: a sleep, or (CUDA) a GPU kernel waited on, as a forward is")
+    p.add_argument("--burst", type=int, default=1, help="calls one after the other per gap (a step's rooms)")
     p.add_argument("--no-diagnosis", dest="diagnosis", action="store_false", help="decode's diagnosis off")
     launch = p.add_mutually_exclusive_group()
     launch.add_argument("--real-launch", dest="real", action="store_true", default=None,
@@ -166,6 +185,9 @@ def main(argv=None) -> int:
     real = cuda if args.real is None else args.real
     if real and not cuda:
         print("--real-launch needs CUDA", file=sys.stderr)
+        return 2
+    if args.burst < 1:
+        print(f"--burst must be at least 1, got {args.burst}", file=sys.stderr)
         return 2
     stride = PAGE_TOKENS if args.send_table == "tokens" else 1
     decode_engine, prefill_engine = (real_engines if real else fake_engines)(args.layers, args.pages, args.diagnosis,
@@ -214,15 +236,21 @@ def main(argv=None) -> int:
         Beside the times, the two signs of a collector that falls behind: the staging buffers
         the timed calls allocated on this thread (a size class found empty) and the batches
         not yet delivered right after each timed call (its own included). Both are read off
-        the timed call's approach: nothing runs between the wait and the call."""
+        the timed call's approach: nothing runs between the wait and the call. And the
+        collectors' CPU per timed call (their work for the setups' submits included), against
+        which the time between calls says whether they can keep up."""
         cpu, wall, backlog = [], [], []
         allocated = 0
+        collector_cpu = 0.0
         for i in range(n_rooms):
             call = setups()  # its own submits (a receipt's snapshot, a finish's receipt) are not the call's
             if i % 64 == 0:
                 drain()
+            if i == args.warm_up:
+                collector_cpu = thread_cpu_s(engines)
             before = serving_allocations[0]  # the wait allocates nothing on this thread
-            wait(gap)
+            if i % args.burst == 0:
+                wait(gap)
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             call()
             w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
@@ -232,10 +260,12 @@ def main(argv=None) -> int:
                 backlog.append(sum(engine.backlog() for engine in engines))
                 allocated += serving_allocations[0] - before
         drain()
+        collector_cpu = thread_cpu_s(engines) - collector_cpu
         return {"cpu_us": {"median": percentile(cpu, 50), "p99": percentile(cpu, 99), "mean": float(np.mean(cpu))},
                 "wall_us": {"median": percentile(wall, 50), "p99": percentile(wall, 99), "mean": float(np.mean(wall))},
                 "calls": len(cpu), "staging_allocations": allocated,
-                "backlog": {"median": percentile(backlog, 50), "max": max(backlog)}}
+                "backlog": {"median": percentile(backlog, 50), "max": max(backlog)},
+                "collector_cpu_us_per_call": collector_cpu * 1e6 / max(1, len(cpu))}
 
     def new_room(received: bool):
         room = RoomId(next(rooms))
@@ -298,23 +328,25 @@ def main(argv=None) -> int:
     print(f"serving-thread cost per hook call, {args.calls} calls each ({args.layers} layers x {args.pages} pages "
           f"per room; step: {args.step_rooms} rooms; diagnosis {'on' if args.diagnosis else 'off'}; {where}; "
           f"page tables: {args.page_tables}; send table: {args.send_table}; {args.gap_ms:g} ms of {args.gap_wait} "
-          f"before each call)")
+          f"before each {'call' if args.burst == 1 else f'{args.burst} calls'})")
     table = Table(("hook", "<10"), ("CPU median us", ">14.1f"), ("CPU p99 us", ">11.1f"),
                   ("wall median us", ">15.1f"), ("wall p99 us", ">12.1f"), ("allocated", ">10d"),
-                  ("backlog median", ">15.0f"), ("backlog max", ">12d"))
+                  ("backlog median", ">15.0f"), ("backlog max", ">12d"), ("collector us/call", ">18.1f"))
     print(table.header())
     for kind, r in results.items():
         print(table.row(kind, r["cpu_us"]["median"], r["cpu_us"]["p99"], r["wall_us"]["median"], r["wall_us"]["p99"],
-                        r["staging_allocations"], r["backlog"]["median"], r["backlog"]["max"]))
+                        r["staging_allocations"], r["backlog"]["median"], r["backlog"]["max"],
+                        r["collector_cpu_us_per_call"]))
     print("allocated: staging buffers the timed calls allocated on the serving thread (their size class empty); "
-          "backlog: batches the collectors had not delivered right after a call (its own included)")
+          "backlog: batches the collectors had not delivered right after a call (its own included); "
+          "collector us/call: the collectors' CPU per timed call (their work for its setup's submits included)")
     tables = table_reads(decode_engine, prefill_engine)
     print(f"room tables: {tables['where']} (launches that copied their tables up: decode "
           f"{tables['copied']['decode']}, prefill {tables['copied']['prefill']})")
     if args.out is not None:
         report = {"device": torch.cuda.get_device_name() if real else "cpu", "real_launch": real,
                   "torch": torch.__version__, "calls": args.calls, "layers": args.layers, "pages": args.pages,
-                  "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait,
+                  "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait, "burst": args.burst,
                   "diagnosis": args.diagnosis,
                   "page_tables": args.page_tables, "send_table": args.send_table, "room_tables": tables,
                   "kinds": results}

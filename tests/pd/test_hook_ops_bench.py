@@ -139,3 +139,33 @@ def test_hook_cost_counts_the_serving_threads_own_staging_allocations_only():
     assert pool.allocations - before == 2 and count == [1]
     for engine in engines:
         engine.close()
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_hook_cost_waits_once_per_burst_and_reports_the_collectors_cpu(burst, tmp_path, monkeypatch):
+    """bench/hook_cost.py's `--burst K` makes K calls per gap (a step's rooms), so it waits
+    once per K calls, and each kind reports its collectors' CPU per timed call, which is
+    more than nothing where each call submits a batch."""
+    from bench import hook_cost
+
+    gap_s, sleep, waits = 0.0001234, time.sleep, []
+
+    def counting_sleep(seconds):
+        if seconds == gap_s:
+            waits.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", counting_sleep)
+    argv = ["--fake-launch", "--calls", "8", "--warm-up", "4", "--layers", "2", "--pages", "3", "--kinds", "send",
+            "--gap-ms", str(gap_s * 1e3), "--burst", str(burst), "--out", str(tmp_path)]
+    assert hook_cost.main(argv) == 0
+    report = json.loads((tmp_path / "hook_cost.json").read_text())
+    assert report["burst"] == burst and len(waits) == 12 // burst
+    assert report["kinds"]["send"]["collector_cpu_us_per_call"] > 0
+
+
+def test_hook_cost_refuses_a_burst_below_one(capsys):
+    from bench import hook_cost
+
+    assert hook_cost.main(["--fake-launch", "--burst", "0"]) == 2
+    assert "--burst must be at least 1" in capsys.readouterr().err
