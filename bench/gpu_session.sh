@@ -19,10 +19,11 @@
 # with the versions of requirements/constraints.txt.
 # Environment: RIG_VARIANTS (probe configs beside "off"), SERVING_REPS (pairs of the
 # servinggpu leg, default 7), LONG_REPS (of servinglong and servingdeploy, default 5),
-# HOOK_CALLS (timed calls per hook kind in hookcost, default 2000), DIGEST_SWEEP (see digest).
+# HOOK_CALLS (timed calls per hook kind in hookcost, default 2000; HOOK_COLD_CALLS in hookcostcold,
+# default 1000), DIGEST_SWEEP (see digest).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,auditdiag,inject,costs,hookcost,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
+steps=${2:-audit,auditdiag,inject,costs,hookcost,hookcostcold,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -54,6 +55,10 @@ step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$re
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
 # Serving-thread CPU per hook call (real launches, a 10 ms GPU kernel before each call).
 step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls "${HOOK_CALLS:-2000}" --out "$res/hook_cost"
+# The same, one call per 10 ms forward (the rig's shape: a stress-leg batch carries ~0.85 calls):
+# a call right after a forward costs more than one 0.2 ms after the last (docs/overhead.md).
+step hookcostcold 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --gap-ms 10 --calls "${HOOK_COLD_CALLS:-1000}" \
+    --out "$res/hook_cost_cold"
 # Prefill's send as its hook makes it now (the token indices as they are) and before (divided into
 # page ids first), three interleaved rounds of 1,000 calls each.
 step hooksend 300 bash -c "for round in 1 2 3; do for table in divided tokens; do \
