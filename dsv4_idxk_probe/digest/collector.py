@@ -171,10 +171,9 @@ class Collector:
         done and only when no other batch waits. Under submits that never pause for
         `defer_s`, "first_call" finishes one batch per sleep and the rest wait for the next
         quiet period (a serving thread gets one at every model step). Letting every batch
-        queued at a sleep's end through at once was tried (2026-12-06, bench/RESULTS.md):
-        on a GPU it left the backlog and the serving thread's own buffer allocations as they
-        were, and moved the collector's work into the burst (prefill's send 44-50 us median
-        against 36)."""
+        queued at a sleep's end through at once was tried (2026-12-06, bench/RESULTS.md): on
+        a 2-core CPU it cut the serving thread's own buffer allocations in `bench.hook_cost`
+        by two thirds; the GPU comparison made that day was void (both columns ran it)."""
         if at != self.defer_at or not self.defer_s:
             return
         stats = self.stats
@@ -211,21 +210,38 @@ class Collector:
     def _fetch_outputs(self, ticket: PendingDigest) -> None:
         """The outputs' copy down that the submit left to this thread (`download`): the
         kernel is done (its event has completed), so a copy on this thread's own stream
-        reads what it stored; then wait for that copy alone."""
+        reads what it stored; then wait for that copy alone. Where the kernel folds and
+        the copy reaches the end of what the batch wrote (content digests on: decode's
+        default), the twin's zeroing rides behind the copy on that stream and the same
+        wait covers it, so the buffer goes straight back to its pool (`_release`): two
+        device calls fewer per batch than `_zero` (its event's record, a query), each a
+        cold driver call after the deferral's sleep (docs/overhead.md)."""
         start, end = ticket.download
-        self._copy_down_now(ticket.staging, start, end)
+        zero = 0
+        if self._fold:
+            if ticket.folds is None:
+                self._views(ticket)  # sets `used`
+            if 0 < ticket.used <= end:  # nothing the collector reads later stays on the device
+                zero = ticket.used
+        self._copy_down_now(ticket.staging, start, end, zero)
         ticket.download = None
+        ticket.zeroed = zero > 0
 
-    def _copy_down_now(self, staging, start: int, end: int) -> None:
-        """Copy bytes [start, end) of a completed batch's twin down and wait for that copy."""
+    def _copy_down_now(self, staging, start: int, end: int, zero: int = 0) -> None:
+        """Copy bytes [start, end) of a completed batch's twin down and wait for that copy;
+        with `zero`, zero the twin's first `zero` bytes behind it, within the same wait."""
         if self.device.type == "cuda":
             stream = self._copy_side()
             with torch.cuda.stream(stream):
                 staging.host[start:end].copy_(staging.device[start:end], non_blocking=True)
+                if zero:
+                    staging.device[:zero].zero_()
             self._copied.record(stream)
             self._copied.synchronize()
         else:
             staging.download(start, end)
+            if zero:
+                staging.device[:zero].zero_()
 
     def _await(self, ticket: PendingDigest) -> bool:
         """Wait until the batch's kernel is done. False when a device call failed (the
@@ -281,9 +297,10 @@ class Collector:
 
     def _release(self, ticket: PendingDigest) -> None:
         """Give a completed batch's staging buffer and event back to their pools (where the
-        kernel folds, once what the batch wrote on the device is zeroed: `_zero`)."""
+        kernel folds, once what the batch wrote on the device is zeroed: `_zero`, or already
+        behind the copy down, `_fetch_outputs`)."""
         if ticket.staging is not None:
-            if ticket.folds is not None:
+            if ticket.folds is not None and not ticket.zeroed:
                 self._zero(ticket.staging, ticket.used)
             else:
                 self._staging.give(ticket.staging)

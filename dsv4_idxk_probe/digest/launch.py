@@ -91,6 +91,7 @@ class PendingDigest:
     folds: np.ndarray | None = None  # uint64: the rooms' folds, where the kernel folded on the device (`fold_block`)
     flags_at: int = 0  # byte offset of the flags in the staging buffer (a collector fetches them when it must)
     used: int = 0  # bytes of the twin the batch wrote: zeroed before its reuse where the kernel folds
+    zeroed: bool = False  # the collector zeroed those bytes behind its copy down (`Collector._fetch_outputs`)
     done: Any = None  # CUDA event; None when the cells are already on the host
     started: Any = None  # CUDA timing event
     staging: Staging | None = None  # to give back once done

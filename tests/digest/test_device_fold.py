@@ -129,3 +129,29 @@ def test_a_buffer_goes_back_to_its_pool_only_once_its_zeroing_is_done(random_buf
     events[0].done = True
     engine._reclaim()
     assert engine._staging.min_free == [first, second] and not engine._zeroing
+
+
+@pytest.mark.parametrize("contents", [True, False])
+def test_the_collector_zeroes_behind_its_copy_down_where_that_copy_covers_what_the_batch_wrote(random_buffers,
+                                                                                               contents):
+    """With content digests on, the collector's copy down reaches the end of what a batch
+    wrote, so it zeroes the twin behind that copy and gives the buffer straight back (no
+    separate zeroing, its event and queries); without them the flags stay on the device
+    for a later fetch, and the zeroing waits for the batch's delivery (`_zero`). Either
+    way the buffer comes back zero where the batch wrote."""
+    buffers = [b.to(DEVICE) for b in random_buffers(LAYOUT, 2, 8, seed=6)]
+    engine = DigestEngine(LAYOUT, [0, 1], buffers, backend="triton", contents=contents, download="collector")
+    zeroed_later = []
+    zero = engine._zero
+    engine._zero = lambda staging, nbytes: (zeroed_later.append(nbytes), zero(staging, nbytes))
+    got = []
+    ticket = engine.submit([RoomRequest("a", [1, 2, 3], 700), RoomRequest("b", [4, 99], 400)], got.append)
+    staging = ticket.staging
+    engine.close()
+    assert got[0].error is None and got[0].out_of_range == (0, 2)
+    assert ticket.zeroed == contents and (zeroed_later == []) == contents
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # a zeroing queued on the collector's stream (`_zero`) is done
+    engine._reclaim()
+    assert any(buffer is staging for buffer in engine._staging.min_free)
+    assert ticket.used > 0 and not staging.device[: ticket.used].any()
