@@ -53,7 +53,7 @@ step audit 45 python3 -m bench.sync_audit --out "$res/sync_audit"
 step auditdiag 45 python3 -m bench.sync_audit --diagnosis --out "$res/sync_audit_diagnosis"
 step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
-# Serving-thread CPU per hook call (real launches, a 10 ms GPU kernel before each call).
+# Serving-thread CPU per hook call (real launches, a 0.2 ms GPU kernel waited on before each call).
 step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls "${HOOK_CALLS:-2000}" --out "$res/hook_cost"
 # The same, one call per 10 ms forward (the rig's shape: a stress-leg batch carries ~0.85 calls):
 # a call right after a forward costs more than one 0.2 ms after the last (docs/overhead.md).
