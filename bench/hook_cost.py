@@ -6,8 +6,8 @@ batch, as the SGLang hooks call the monitors), each call timed alone on the call
 thread in thread CPU time and in wall time, and the table gives the median and the 99th
 percentile of each. The collector thread runs as in serving (it folds, judges and
 writes records on the other core); between calls the caller sleeps `--gap-ms` (default
-0.2 ms, enough for the collector to keep up; a serving thread comes back from a model
-step of 10-30 ms, which `--gap-ms 10` mimics), and every 64 calls it waits for the
+0.2 ms, too little for the collectors to keep up: see `--burst`; a serving thread comes back
+from a model step of 10-30 ms, which `--gap-ms 10` mimics), and every 64 calls it waits for the
 collector to drain, so no batch is ever dropped. `--gap-wait gpu` (CUDA) passes the gap
 as a scheduler thread passes its forward: a GPU kernel of that length, waited on an event
 (on the H200 host a call right after a sleep costs more than one after such a wait).
