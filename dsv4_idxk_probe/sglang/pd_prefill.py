@@ -113,7 +113,10 @@ def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -
         row[plan.digest] = np.array(endpoint_only_slots(port), dtype=np.uint64)
     write = InbandWrite(pending, row, side.signature, pages.n_tokens, port)
     sender = getattr(req, "disagg_kv_sender", None)
-    if pending.ready():  # host buffers: digested at submit
+    # Host buffers are digested at submit (no event). With an event, a kernel launched a
+    # moment ago has not run yet: asking would be a driver call on the scheduler thread
+    # that answers no; the sender's send asks after NIXL's sync (`on_sender_send`).
+    if pending.done is None and pending.ready():
         write.commit()
     elif sender is not None:
         setattr(sender, ATTR_INBAND, write)

@@ -248,6 +248,30 @@ def test_blocking_copy_path_writes_inband_without_waiting(worlds, patched, monke
     assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
 
 
+def test_send_hook_asks_no_event_before_the_sender_sends(worlds, patched, monkeypatch):
+    """The digest launched at the last chunk cannot have run a line later: the hook leaves
+    its event alone (a driver call on the scheduler thread) and the sender's send asks,
+    once, after the transfer's blocking copy."""
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    made = _slow_digests(monkeypatch, runtime, prefill)
+    asked = []
+
+    def blocking_copy():
+        asked.append("copy")
+        made[0].passed = True
+
+    def ready(self=None):
+        asked.append("ready")
+        return made[0].passed
+
+    monkeypatch.setattr(_NotYetReady, "ready", ready)
+    req = send_room(prefill, on_blocking_copy=blocking_copy)
+    (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+    assert asked == ["copy", "ready"]
+    assert InbandDigest.from_slots(row[1:5]).room_digest == int(made[0].pending.room_digests[0])
+
+
 @pytest.mark.parametrize("mode", ["observe", "enforce"])
 def test_no_blocking_copy_defers_and_never_waits_on_the_scheduler_thread(worlds, monkeypatch, mode):
     """Mooncake-like path: nothing blocks before the last send. The hook runs on the
