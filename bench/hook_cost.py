@@ -65,40 +65,36 @@ KINDS = ("allocate", "receive", "step", "finish", "send")
 PAGE_TOKENS = 256
 
 
-def real_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS,
-                 digest: dict | None = None) -> tuple[DigestEngine, DigestEngine]:
+def real_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS) -> tuple[DigestEngine, DigestEngine]:
     """Decode's and prefill's engines on CUDA buffers, set up as `DigestEngine.from_config`
-    sets them up for each role with the shipped config (`digest`: its section's settings
-    changed so)."""
+    sets them up for each role with the shipped config."""
     layout = get_layout("fp8")
     pool = 64 * pages + 1
     buffers = [torch.randint(0, 256, (pool, layout.row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
-    decode = DigestEngine(layout, list(range(layers)), buffers, **_role_options("decode", contents, digest))
-    prefill = DigestEngine(layout, list(range(layers)), buffers, **_role_options("prefill", contents, digest),
+    decode = DigestEngine(layout, list(range(layers)), buffers, **_role_options("decode", contents))
+    prefill = DigestEngine(layout, list(range(layers)), buffers, **_role_options("prefill", contents),
                            page_id_stride=stride)
     return decode, prefill
 
 
-def _role_options(role: str, diagnosis: bool, digest: dict | None = None) -> dict:
-    """`DigestEngine.role_options` with the shipped config (decode's diagnosis as asked, the
-    `digest` section's settings changed as given); an engine from before that method gets
-    the contents choice alone and its own defaults."""
+def _role_options(role: str, diagnosis: bool) -> dict:
+    """`DigestEngine.role_options` with the shipped config (decode's diagnosis as asked); an
+    engine from before that method gets the contents choice alone and its own defaults."""
     from dsv4_idxk_probe.config import parse_config
 
     options = getattr(DigestEngine, "role_options", None)
     if options is None:
         return {"contents": diagnosis and role == "decode"}
-    return options(parse_config({"diagnosis": {"enabled": diagnosis}, "digest": digest or {}}), role)
+    return options(parse_config({"diagnosis": {"enabled": diagnosis}}), role)
 
 
-def fake_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS,
-                 digest: dict | None = None) -> tuple[DigestEngine, DigestEngine]:
+def fake_engines(layers: int, pages: int, contents: bool, stride: int = PAGE_TOKENS) -> tuple[DigestEngine, DigestEngine]:
     """As `real_engines`, device touch points faked (`bench.hook_ops`); `stride`: prefill's
     `page_id_stride` (1 for `--send-table divided`)."""
     from bench.hook_ops import cuda_path_engine
 
-    return (cuda_path_engine(layers, pages, **_role_options("decode", contents, digest)),
-            cuda_path_engine(layers, pages, **_role_options("prefill", contents, digest), page_id_stride=stride))
+    return (cuda_path_engine(layers, pages, **_role_options("decode", contents)),
+            cuda_path_engine(layers, pages, **_role_options("prefill", contents), page_id_stride=stride))
 
 
 def page_ids(n: int, pages: int) -> list[np.ndarray]:
@@ -173,8 +169,6 @@ def main(argv=None) -> int:
                    help="how: a sleep, or (CUDA) a GPU kernel waited on, as a forward is")
     p.add_argument("--burst", type=int, default=1, help="calls one after the other per gap (a step's rooms)")
     p.add_argument("--no-diagnosis", dest="diagnosis", action="store_false", help="decode's diagnosis off")
-    p.add_argument("--window-ms", type=float, default=None,
-                   help="the collectors' window (digest.collector_window_ms); default: the shipped one")
     launch = p.add_mutually_exclusive_group()
     launch.add_argument("--real-launch", dest="real", action="store_true", default=None,
                         help="a real engine on CUDA (the default where CUDA is present)")
@@ -196,9 +190,8 @@ def main(argv=None) -> int:
         print(f"--burst must be at least 1, got {args.burst}", file=sys.stderr)
         return 2
     stride = PAGE_TOKENS if args.send_table == "tokens" else 1
-    digest = {} if args.window_ms is None else {"collector_window_ms": args.window_ms}
     decode_engine, prefill_engine = (real_engines if real else fake_engines)(args.layers, args.pages, args.diagnosis,
-                                                                             stride, digest)
+                                                                             stride)
     diagnosis = None
     if args.diagnosis:
         diagnosis = decode_diagnosis(SimpleNamespace(diagnosis=DiagnosisConfig(enabled=True)), decode_engine.layout,
@@ -353,7 +346,7 @@ def main(argv=None) -> int:
     if args.out is not None:
         report = {"device": torch.cuda.get_device_name() if real else "cpu", "real_launch": real,
                   "torch": torch.__version__, "calls": args.calls, "layers": args.layers, "pages": args.pages,
-                  "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait, "burst": args.burst, "window_ms": decode_engine.window_s * 1e3,
+                  "step_rooms": args.step_rooms, "gap_ms": args.gap_ms, "gap_wait": args.gap_wait, "burst": args.burst,
                   "diagnosis": args.diagnosis,
                   "page_tables": args.page_tables, "send_table": args.send_table, "room_tables": tables,
                   "kinds": results}

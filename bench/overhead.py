@@ -68,15 +68,12 @@ from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS
 # serving thread, more GPU time: digest.outputs in docs/configuration.md); "observe-nodefer" with the
 # collector folding each batch as soon as its kernel is done (digest.collector_defer_ms 0);
 # "observe-deferdone" with the collector's deferral after the batch's event wait, not before it
-# (digest.collector_defer_at "done", the form before 2026-12-05); "observe-w30" and "observe-w100"
-# with the collectors taking their batches in rounds of a 30 or 100 ms window (digest.collector_window_ms).
+# (digest.collector_defer_at "done", the form before 2026-12-05).
 RIG_VARIANTS = {"off": None, "observe": {}, "observe-poll": {"digest": {"collector_wait": "poll"}},
                 "observe-diag": {"diagnosis": {"enabled": True}}, "observe-nodiag": {"diagnosis": {"enabled": False}},
                 "observe-pinned": {"digest": {"outputs": "pinned"}},
                 "observe-nodefer": {"digest": {"collector_defer_ms": 0}},
-                "observe-deferdone": {"digest": {"collector_defer_at": "done"}},
-                "observe-w30": {"digest": {"collector_window_ms": 30}},
-                "observe-w100": {"digest": {"collector_window_ms": 100}}}
+                "observe-deferdone": {"digest": {"collector_defer_at": "done"}}}
 HP_VARIANTS = ("bare", "observe-norestore", "observe", "observe+roundtrip")  # observe: restore verification on (the default)
 HP_PAGE_TOKENS = 256  # SGLang's slot_page_size for the DSV4 index-K host pool
 HP_ITEM_BYTES = 8448  # fp8 index-K row: 64 x 128 B payload + 64 x 4 B scale

@@ -98,9 +98,6 @@ class DigestConfig(Struct, frozen=True, forbid_unknown_fields=True):
     collector_defer_ms: Annotated[float, Meta(ge=0, le=1000)] = 3.0
     # where: before the batch's first device call ("first_call") or once its kernel is done ("done")
     collector_defer_at: Literal["first_call", "done"] = "first_call"
-    # once its queue is empty the collector sleeps out this window from its last wake, then takes
-    # every batch queued meanwhile; no submit rings it (docs/overhead.md); 0: woken by each submit
-    collector_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 0.0
 
 
 class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):

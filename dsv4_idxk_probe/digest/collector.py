@@ -106,7 +106,6 @@ class Collector:
     `_frozen_bytes_per_slot` and `_copy_stream` / `_copied` (made here, on CUDA)."""
 
     _quiet_at = -1  # the engine's submitted rooms when its serving thread last went quiet (`_defer`)
-    _round_at = float("-inf")  # when the collector last woke to an empty queue's first batch (`_wait_window`)
 
     def _start_collector(self) -> None:
         """Start the collector thread unless it runs (again, should it ever have died)."""
@@ -126,14 +125,8 @@ class Collector:
                     torch.cuda.set_stream(self._copy_side())
                 except Exception:
                     record_error("digest.collector_stream")
-            window, items = self.window_s, self._tickets.items
             while True:
-                idle = not items
-                if window and idle:
-                    self._wait_window()
                 ticket = self._tickets.get()
-                if idle:
-                    self._round_at = time.monotonic()
                 if ticket is None:
                     return
                 if ticket.__class__ is Note:
@@ -155,19 +148,6 @@ class Collector:
                     yield_to_serving()  # between batches too, when several are waiting
         finally:
             self._collecting = False
-
-    def _wait_window(self) -> None:
-        """The queue is empty: sleep out the rest of `window_s` from the start of this round
-        before the next (`window_s`, engine.py). Why: on the GPU hosts a thread that wakes
-        runs its first few hundred microseconds several times slower than back to back
-        (docs/overhead.md), and a collector woken by every submit pays that for each batch,
-        beside the serving thread, which also pays for ringing it (a lock release, a
-        system call) and then for the GIL it hands over. Asleep here, not on the bell,
-        the collector is rung by no submit; it wakes once a window and takes every batch
-        queued meanwhile, one after the other, warm. A verdict comes up to a window later."""
-        left = self._round_at + self.window_s - time.monotonic()
-        if left > 0:
-            time.sleep(left)
 
     def _defer(self, at: str) -> None:
         """At the engine's `defer_at` (the loop calls this at both places): sleep `defer_s`,

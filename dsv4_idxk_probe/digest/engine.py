@@ -117,10 +117,6 @@ class DigestEngine(Launcher, Collector):
     submitted during the last (1 for the PD sides; HiCache restore engines ask for more).
     `defer_at` (`DEFER_AT`): the sleep comes before the batch's first device call
     ("first_call") or once its kernel is done ("done").
-    `window_s`: once its queue is empty, the collector sleeps until this long after it
-    last woke to a batch, then takes every batch queued meanwhile in one round, never
-    rung by a submit (`Collector._wait_window`); 0: it sleeps until rung, and each
-    submit to an empty queue rings it.
     `page_id_stride`: entries of a page table per page; page k's id is entry
     k x stride over stride (negative: out of range); a trailing group of fewer
     entries is a page too (as `table[::stride]` counts). A HiCache copy names its pages
@@ -158,7 +154,6 @@ class DigestEngine(Launcher, Collector):
         defer_s: float = 0.0,
         defer_rounds: int = 1,
         defer_at: str = "first_call",
-        window_s: float = 0.0,
         page_id_stride: int = 1,
         record: str = "submit",
     ):
@@ -233,14 +228,11 @@ class DigestEngine(Launcher, Collector):
             raise ValueError(f"defer_s must be within [0, 1] seconds, got {defer_s!r}")
         if not 1 <= defer_rounds <= DEFER_ROUNDS:
             raise ValueError(f"defer_rounds must be within [1, {DEFER_ROUNDS}], got {defer_rounds!r}")
-        if not 0.0 <= window_s <= 1.0:
-            raise ValueError(f"window_s must be within [0, 1] seconds, got {window_s!r}")
         if defer_at not in DEFER_AT:
             raise ValueError(f"defer_at must be one of {DEFER_AT}, got {defer_at!r}")
         self.defer_s = defer_s
         self.defer_rounds = defer_rounds
         self.defer_at = defer_at
-        self.window_s = window_s
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self.time_kernels = time_kernels and self.device.type == "cuda"
@@ -304,7 +296,7 @@ class DigestEngine(Launcher, Collector):
         download = "collector" if decode and not getattr(config, "enforce", False) else "submit"
         return {"wait": config.digest.collector_wait, "outputs": config.digest.outputs,
                 "dependent_launch": config.digest.dependent_launch, "defer_s": config.digest.collector_defer_ms / 1000,
-                "defer_at": config.digest.collector_defer_at, "window_s": config.digest.collector_window_ms / 1000,
+                "defer_at": config.digest.collector_defer_at,
                 "contents": decode and config.diagnosis.enabled, "download": download}
 
     # %% public API

@@ -82,7 +82,7 @@ def test_hook_cost_builds_its_engines_as_the_probe_config_does():
             want = DigestEngine.role_options(config, role)
             got = {"wait": engine.wait, "outputs": engine.outputs, "dependent_launch": engine.dependent_launch,
                    "defer_s": engine.defer_s, "defer_at": engine.defer_at, "contents": engine.contents,
-                   "download": engine.download, "window_s": engine.window_s}
+                   "download": engine.download}
             assert got == want, role
             assert engine.defer_s > 0 and engine.contents == (diagnosis and role == "decode")
             # prefill's engine reads the token indices its hook passes, as `PrefillSide` builds it
