@@ -23,7 +23,7 @@
 # default 1000), DIGEST_SWEEP (see digest).
 set -u
 out=${1:?usage: bench/gpu_session.sh OUTDIR [STEPS]}
-steps=${2:-audit,auditdiag,inject,costs,hookcost,hookcostcold,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
+steps=${2:-audit,auditdiag,inject,costs,coldcalls,hookcost,hookcostcold,hostpool,hicachesync,hicacheserving,profile,serving,servingspin,servinggpu,servinglong,servingdeploy,serving8,overhead,rig}
 mkdir -p "$out"
 res=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -53,6 +53,8 @@ step audit 45 python3 -m bench.sync_audit --out "$res/sync_audit"
 step auditdiag 45 python3 -m bench.sync_audit --diagnosis --out "$res/sync_audit_diagnosis"
 step inject 25 python3 -m bench.sync_audit --inject-sync pd --rooms 8 --out "$res/sync_audit_injected"
 step costs 60 python3 -m bench.launch_costs --nixl --out "$res/launch_costs"
+# What each device call costs right after a 10 ms forward, and after 0.2 ms: the floor under a hook call.
+step coldcalls 60 bash -c "python3 -m bench.cold_calls --calls 300 --out '$res/cold_calls_10ms' && python3 -m bench.cold_calls --calls 300 --gap-ms 0.2 --out '$res/cold_calls_02ms'"
 # Serving-thread CPU per hook call (real launches, a 0.2 ms GPU kernel waited on before each call).
 step hookcost 240 python3 -m bench.hook_cost --real-launch --gap-wait gpu --calls "${HOOK_CALLS:-2000}" --out "$res/hook_cost"
 # The same, one call per 10 ms forward (the rig's shape: a stress-leg batch carries ~0.85 calls):
