@@ -33,6 +33,9 @@ FetchVectors = Callable[[str], "RoomDigest | None"]
 # again at its next digests, this many times in all: one slow answer must not cost a room its
 # localisation for life, nor a dead peer a fetch per digest.
 MAX_FETCHES_PER_ROOM = 3
+# A room received again while tracked (its key moved a second time, as a rebootstrap after a
+# retraction that no hook saw moves it): the first transfer's record, counted as retracted.
+RECEIVED_AGAIN = "retracted: received again"
 
 DigestObserver = Callable[[list[tuple[RoomId, str, "int | None"]]], Any]
 _digest_observers: list[DigestObserver] = []  # add_digest_observer; none in production
@@ -186,10 +189,11 @@ class DecodeMonitor:
         key = state.key
         rooms = self._rooms
         with self._lock:
-            if key in rooms:
-                del rooms[key]  # the same room again goes to the end: the newest, evicted last
+            earlier = rooms.pop(key, None)  # the same room again goes to the end: the newest, evicted last
             rooms[key] = state
             full = self.max_rooms is not None and len(rooms) > self.max_rooms
+        if earlier is not None:  # moved again (a rebootstrap after a retraction no hook saw)
+            self._retire(earlier, RECEIVED_AGAIN, "decode_step")
         if full:
             self._evict()
         # the room's digest: one launch (the same lines in `room_finished`)
@@ -220,6 +224,10 @@ class DecodeMonitor:
 
     def _on_evicted(self, evicted: list[_Room]) -> None:
         for old in evicted:
+            if old.finished:  # its finish digest, submitted before this, gave its last verdict
+                if self.diagnosis is not None:
+                    safe_invoke("decode.diagnosis_retired", self.diagnosis.retired, old.key)
+                continue
             if self.diagnosis is not None:
                 safe_invoke("decode.diagnosis_forget", self.diagnosis.abandoned, old.key)
             self._publish(old.room, "decode_step", None, "skipped", "evicted: tracking table full", None, None, old)
@@ -301,14 +309,20 @@ class DecodeMonitor:
         here; the record, the journal and the diagnosis follow on the collector.
         `n_tokens`: the room's length where it was never tracked (its coverage bytes).
         """
-        t_ns = _monotonic_ns()
         with self._lock:
             state = self._rooms.pop(room.key, None)
-        if state is not None:
-            state.retired = reason
-            state.unsafe = {pending for pending in list(state.tickets) if not pending.ready()}
-        extras = {**(state.extra if state is not None else {}), **(extra or {})}
-        self.engine.post(self._on_skipped, (room, stage, reason, state, extras or None, t_ns, n_tokens))
+        if state is None:
+            self.engine.post(self._on_skipped, (room, stage, reason, None, extra or None, _monotonic_ns(), n_tokens))
+        else:
+            self._retire(state, reason, stage, extra)
+
+    def _retire(self, state: _Room, reason: str, stage: str, extra: dict | None = None) -> None:
+        """A tracked room no longer in the table is recorded `skipped` (`room_skipped`)."""
+        t_ns = _monotonic_ns()
+        state.retired = reason
+        state.unsafe = {pending for pending in list(state.tickets) if not pending.ready()}
+        extras = {**state.extra, **(extra or {})}
+        self.engine.post(self._on_skipped, (state.room, stage, reason, state, extras or None, t_ns, None))
 
     def _on_skipped(self, args: tuple) -> None:
         room, stage, reason, state, extras, t_ns, n_tokens = args

@@ -301,14 +301,22 @@ def on_decode_batch(runtime: Any, batch: Any) -> None:
 
 
 def on_release(runtime: Any, req: Any) -> None:
-    """Before a finished room's pages go back to the allocator: its `decode_finish` digest.
+    """Before a received room's pages go back to the allocator, wherever SGLang frees them.
 
-    Enqueued here, before the free, no later allocation of those pages (a new
-    room's transfer, a HiCache load) can be ordered ahead of it; the batch
-    hook then finds the room already finished and skips it.
+    Finished (its output done, or aborted: SGLang sets the abort's finish reason
+    first): its `decode_finish` digest, enqueued here, before the free, so no later
+    allocation of those pages (a new room's transfer, a HiCache load) can be
+    ordered ahead of it; the batch hook then finds the room already finished and
+    skips it. Not finished: its pages are taken from a running room, which only a
+    retraction does (`retract_decode`, and `retract_all` when generation pauses):
+    the room is retired as `retracted` (`on_retract`, which then finds it gone).
     """
-    if getattr(req, ATTR_ROOM, None) is not None and req.finished():
+    if getattr(req, ATTR_ROOM, None) is None:
+        return
+    if req.finished():
         finish_room(runtime, req)
+    else:
+        on_retract(runtime, (req,))
 
 
 def finish_room(runtime: Any, req: Any) -> None:
@@ -522,8 +530,9 @@ def make_retract_wrapper(runtime):
 
 
 def make_release_wrapper(runtime):
-    """``release_kv_cache(req, tree_cache, ...)`` as batch_result_processor calls it, before:
-    `decode_finish` of a finished room while its pages are still its own."""
+    """``release_kv_cache(req, tree_cache, ...)`` as each module that frees a decode room
+    calls it (the batch result processor, the scheduler's abort, the transfer queue's
+    checksum drop, a retraction's release), before: `on_release`."""
 
     def _pick(req, *_a, **_k):
         return req

@@ -200,6 +200,48 @@ def test_a_room_verified_at_receipt_then_retracted_stays_verified(pair):
     assert _coverage(registry) == {("verified", "none"): PAGE_BYTES}
 
 
+def test_a_room_received_again_while_tracked_keeps_its_first_transfer_counted(pair):
+    """A tracked room's key received a second time (a rebootstrap after a retraction no
+    hook saw): the first transfer gets its closing record and its bytes, the second its own."""
+    from dsv4_idxk_probe.pd.decode import RECEIVED_AGAIN
+
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(7)
+    _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
+    decode.room_received(room, [4, 5], 512, _send(prefill, pre_sink, room, [0, 1], 512))
+    dec_sink.wait_for(1)
+    _copy_room(pre_bufs, [2, 3, 6], dec_bufs, [7, 8, 9])
+    decode.room_received(room, [7, 8, 9], 700, _send(prefill, pre_sink, room, [2, 3, 6], 700))
+    decode.room_finished(room)
+    _settled(decode)
+    records = [(r["stage"], r["verdict"], r.get("reason", "")) for r in dec_sink.records]
+    assert ("decode_step", "skipped", RECEIVED_AGAIN) in records
+    assert [r[:2] for r in records].count(("decode_recv", "match")) == 2
+    second = registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", {**BASE, "stage": "decode_finish"})
+    assert _coverage(registry) == {("verified", "none"): 2 * PAGE_BYTES + second}  # both transfers, once each
+    assert decode.tracked() == 0
+
+
+def test_a_room_evicted_while_its_finish_digest_runs_has_one_last_verdict(pair):
+    """The table's oldest room is often one that just finished, its finish digest still
+    queued: evicting it must not add a `skipped` record after that verdict."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    decode.max_rooms = 1
+    first, second = RoomId(1), RoomId(2)
+    _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
+    decode.room_received(first, [4, 5], 512, _send(prefill, pre_sink, first, [0, 1], 512))
+    inband = _send(prefill, pre_sink, second, [2, 3], 512)
+    _settled(decode)
+    gate = threading.Event()
+    decode.engine.post(lambda _: gate.wait(10))  # the collector behind a slow batch
+    decode.room_finished(first)
+    decode.room_received(second, [7, 8], 512, inband)  # over the bound: the finishing room is evicted
+    gate.set()
+    _settled(decode)
+    verdicts = [(r["stage"], r["verdict"]) for r in dec_sink.records if r["room"] == "1"]
+    assert verdicts == [("decode_recv", "match"), ("decode_finish", "match")]
+
+
 def test_rooms_never_verified_are_counted_skipped_with_their_reason_and_bytes(pair):
     _, decode, _, _, _, dec_sink, registry = pair
     host_receive = "received into the HiCache host pool (host-receive); not verified"

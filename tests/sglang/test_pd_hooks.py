@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 import time
 from types import SimpleNamespace
 from unittest import mock
@@ -28,6 +29,7 @@ import sglang.srt.disaggregation.mooncake.conn  # noqa: F401  (the senders the p
 import sglang.srt.disaggregation.nixl.conn  # noqa: F401
 import sglang.srt.disaggregation.prefill as prefill_module
 import sglang.srt.managers.schedule_batch  # noqa: F401
+import sglang.srt.managers.scheduler  # noqa: F401  (its abort frees decode rooms: a release target)
 import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
 from dsv4_idxk_probe.exchange.client import WAITED_STRIKES
 from dsv4_idxk_probe.pd import InbandDigest
@@ -515,6 +517,56 @@ def test_retracted_room_is_skipped_and_forgotten(worlds, patched):
     record = sink.wait_for(1, verdict="skipped")[0]
     assert (record["stage"], record["reason"]) == ("decode_step", "retracted")
     assert runtime.sides["decode"].monitor.tracked() == 0
+
+
+@pytest.mark.parametrize("module", ["sglang.srt.managers.scheduler", "sglang.srt.disaggregation.decode"])
+def test_room_aborted_outside_a_batch_gets_its_finish_and_is_forgotten(worlds, patched, module):
+    """SGLang frees a received room outside the batch result processor when a client aborts
+    it while it waits in decode's queue (the scheduler's abort) or when its KV checksum
+    drops it (the transfer queue): both set the abort's finish reason, then call their own
+    module's `release_kv_cache`. The room gets its finish digest there, before the free,
+    and leaves the tracking table (before, it stayed until the table evicted it)."""
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    sink.wait_for(1, stage="decode_recv")
+    dreq.req.finished_reason = "FINISH_ABORT"
+    try:  # through the module's own binding, as SGLang calls it; the stand-in request is not
+        importlib.import_module(module).release_kv_cache(dreq.req, None, checkpoint=True)
+    except Exception:  # one SGLang's release can free: what it raises after the hook is its own
+        pass
+    finish = sink.wait_for(1, stage="decode_finish")
+    assert [r["verdict"] for r in finish] == ["match"]
+    assert runtime.sides["decode"].monitor.tracked() == 0
+
+
+def test_room_released_unfinished_is_retired_as_retracted_once(worlds, patched):
+    """`retract_all` (generation paused with mode "retract") frees running rooms through
+    schedule_batch's `release_req`, which no `retract_decode` hook sees: the release hook
+    retires an unfinished room as retracted; `retract_decode`'s own hook then finds it gone."""
+    runtime, sink, _ = patched
+    dreq = _decode_flow(worlds, patched)
+    sink.wait_for(1, stage="decode_recv")
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    monitor = runtime.sides["decode"].monitor
+    try:
+        schedule_batch.release_kv_cache(dreq.req, None, checkpoint=False)
+    except Exception:  # the stand-in request, as above
+        pass
+    _collected(monitor)
+    assert monitor.tracked() == 0  # retired by the release, before any retract hook
+    retract = pd_decode.make_retract_wrapper(runtime)
+    retract(lambda: ([dreq.req], 0.5, []), None, (), {})
+    _collected(monitor)
+    skipped = [(r["stage"], r["reason"]) for r in sink.records if r.get("verdict") == "skipped"]
+    assert skipped == [("decode_step", "retracted")]
+
+
+def _collected(monitor) -> None:
+    """Wait until the monitor's collector has done everything posted so far."""
+    done = threading.Event()
+    monitor.engine.post(lambda _: done.set())
+    assert done.wait(30)
 
 
 def test_room_finished_at_once_gets_its_finish_digest(worlds, patched):
