@@ -287,10 +287,19 @@ class Collector:
         return False
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
-        """Hand the batch's result to its callback; a failing callback (or fold) is
-        counted and logged, never allowed to end the collector."""
+        """Hand the batch's result to its callback. A result that cannot be made (the fold,
+        a copy down of its flags) drops the batch as `_drop` does: counted, its callback told
+        why (its staging buffer is not reused: the failure may be the device's). A failing
+        callback is counted and logged. Neither ends the collector."""
         try:
-            ticket.callback(result(ticket))
+            batch = result(ticket)
+        except Exception as exc:
+            record_error("digest.finish")
+            self.stats.dropped_batches += 1
+            ticket.error = f"{type(exc).__name__}: {exc}"
+            batch = BatchResult([], 0, 0, error=ticket.error, ticket=ticket)
+        try:
+            ticket.callback(batch)
         except Exception:
             self.stats.callback_errors += 1
             log.exception("digest callback failed")

@@ -480,7 +480,10 @@ class Launcher:
             ticket.table = table
         elif dev is not None:
             address, id_bytes = dev.data_ptr(), _ID_BYTES[dev.dtype]
-            ticket.table = (address, id_bytes, n_pages)
+            if dev is pages:  # the caller's own tensor, which it keeps: later submits may read it so
+                ticket.table = (address, id_bytes, n_pages)
+            else:  # a converted copy: alive until the kernel is done, never offered for reuse
+                ticket.keepalive = (dev,)
         else:  # the page ids travel in the staging buffer, after the (unread) room table row
             staging.words[ROOM_COLUMNS : ROOM_COLUMNS + entries] = pages.cpu() if isinstance(pages, _Tensor) else pages
             id_bytes = 8
@@ -577,10 +580,11 @@ class Launcher:
         n_rooms, n_layers, n_seg = len(rooms), self._n_layers, self._n_segments
         hosts = None  # (slot, pages, entries) of rooms whose page ids travel in the staging buffer
         host_words = 0
+        converted = None  # page tables made contiguous for the kernel: kept alive until it is done
         try:
             table, total = _known_tables(rooms, n_layers)
         except (AttributeError, TypeError):  # a room without a known page table (or a request without `table`)
-            table, hosts, host_words, total, max_pages = self._room_table(rooms)
+            table, hosts, host_words, total, max_pages, converted = self._room_table(rooms)
             page_counts = table[2::5]
         else:
             page_counts = table[2::5]
@@ -632,6 +636,8 @@ class Launcher:
         ticket = _new(PendingDigest)
         ticket.owner, ticket.callback, ticket.staging, ticket.rooms = self, callback, staging, rooms
         ticket.at, ticket.n_cells, ticket.page_counts, ticket.firsts = input_words, total, page_counts, firsts
+        if converted:
+            ticket.keepalive = converted
         if started is not None:
             ticket.started = started
         if not self._on_cuda:
@@ -659,14 +665,15 @@ class Launcher:
         self._record_done(ticket, raw)
         return ticket
 
-    def _room_table(self, rooms: list) -> tuple[list, list | None, int, int, int]:
+    def _room_table(self, rooms: list) -> tuple[list, list | None, int, int, int, list | None]:
         """A batch's room table, one room at a time: (the table, flat; the rooms whose page
         ids travel in the staging buffer, as (slot, pages, n); their words; cell rows in
-        all; the most pages of a room). A host room's address is filled in once the
-        staging buffer is known."""
+        all; the most pages of a room; the page tables converted for the kernel, which the
+        batch must keep alive until its kernel is done). A host room's address is filled
+        in once the staging buffer is known."""
         n_layers, device = self._n_layers, self.device
         table: list = []  # ROOM_COLUMNS ints per room, flat
-        hosts = None
+        hosts = converted = None
         total = host_words = max_pages = 0
         for slot, room in enumerate(rooms):
             known = getattr(room, "table", None)  # as an earlier submit found it: nothing to ask the tensor
@@ -682,6 +689,10 @@ class Launcher:
                 else:
                     dev = self._odd_device_pages(pages)
                     entries = len(pages)
+                    if dev is not None and dev is not pages:
+                        if converted is None:
+                            converted = []
+                        converted.append(dev)
                 n = -(-entries // self.page_id_stride)  # pages (`page_id_stride` entries each, the last maybe fewer)
                 if dev is not None:
                     table += (dev.data_ptr(), _ID_BYTES[dev.dtype], n, room.n_tokens, total)
@@ -694,7 +705,7 @@ class Launcher:
             total += n_layers * n
             if n > max_pages:
                 max_pages = n
-        return table, hosts, host_words, total, max_pages
+        return table, hosts, host_words, total, max_pages, converted
 
     def _copy_down(self, ticket: PendingDigest, staging: Staging, input_words: int, cells_end: int,
                    contents_end: int, contents_only: bool) -> None:

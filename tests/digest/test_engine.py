@@ -61,6 +61,19 @@ def test_raising_callback_is_counted_and_collection_continues(engine):
     assert engine.stats.callback_errors == 1
 
 
+def test_a_batch_whose_result_cannot_be_made_is_dropped_and_its_callback_told(engine, monkeypatch):
+    """The collector's own part can fail too (the fold, the flags' copy down on a device
+    error): the batch is counted dropped and its callback gets the error, as for a failed
+    event; a caller waiting for its rooms (decode's room tickets) is never left waiting."""
+    monkeypatch.setattr(engine, "_finish", lambda ticket: 1 / 0)
+    got, done = [], threading.Event()
+    pending = engine.submit([RoomRequest("a", [0], 256)], lambda batch: (got.append(batch), done.set()))
+    assert done.wait(10)
+    assert got[0].error.startswith("ZeroDivisionError") and got[0].digests == []
+    assert (engine.stats.dropped_batches, engine.stats.callback_errors) == (1, 0)
+    assert pending.error is not None and not pending.ready()
+
+
 def test_snapshot_is_taken_at_submit(random_buffers):
     """Bytes changed after submit do not leak into the result (host path digests at submit)."""
     buffers = random_buffers(LAYOUT, 1, 2, seed=3)
@@ -113,6 +126,35 @@ def test_page_tables_from_host_and_device_mix_in_one_batch(random_buffers):
         assert (digest.key, digest.room, list(digest.pages)) == (room.key, want.room, list(want.pages))
         assert room_bytes == 3 * 132 * sum(min(64, max(0, (room.n_tokens - 256 * k) // 4)) for k in range(len(pages)))
     assert [int(v) for v in pending.room_digests] == [d.room for d in got[0].digests]
+    engine.close()
+
+
+def test_page_tables_the_engine_converts_stay_alive_until_their_kernel_ran(random_buffers):
+    """Device page tables that are not contiguous int32/int64 (int16 here, a strided view)
+    are converted for the kernel. The copies must live until the kernel has read them: in a
+    batch, one room's copy freed before the launch is reused by the next room's (they all
+    read the last room's pages); a one-room submit's copy must not be offered for reuse
+    (`PendingDigest.table`), since the caller keeps only its own tensor."""
+    from dsv4_idxk_probe.digest.reference import digest_room
+
+    buffers = [b.to(DEVICE) for b in random_buffers(LAYOUT, 2, 16, seed=9)]
+    engine = DigestEngine(LAYOUT, [0, 1], buffers, backend="triton", contents=False)
+    ids = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3], [2, 3, 8, 4, 6, 2, 6, 4]]
+    strided = torch.tensor([[i, 0] for i in ids[1]], dtype=torch.int64, device=DEVICE)[:, 0]
+    rooms = [RoomRequest("int16", torch.tensor(ids[0], dtype=torch.int16, device=DEVICE), 8 * 256),
+             RoomRequest("strided", strided, 8 * 256),
+             RoomRequest("int16-b", torch.tensor(ids[2], dtype=torch.int16, device=DEVICE), 8 * 256)]
+    got, done = [], threading.Event()
+    engine.submit(rooms, lambda batch: (got.append(batch), done.set()))
+    assert done.wait(30)
+    host = [b.cpu() for b in buffers]
+    want = [digest_room(host, pages, 8 * 256, LAYOUT, [0, 1], key=room.key).room for room, pages in zip(rooms, ids)]
+    assert [d.room for d in got[0].digests] == want
+    one = engine.submit_room("one", rooms[0].pages, 8 * 256, lambda batch: None)
+    assert one.table is None  # a converted copy's address: never handed out
+    kept = engine.submit_room("kept", torch.tensor(ids[0], dtype=torch.int64, device=DEVICE), 8 * 256,
+                              lambda batch: None)
+    assert kept.table is not None  # the caller's own tensor, read in place, may be read again
     engine.close()
 
 
