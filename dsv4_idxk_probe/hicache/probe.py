@@ -179,7 +179,7 @@ class HiCacheProbe:
             if state is not None:
                 self._retired.append(state)
         if self.restore is not None:
-            self.restore.store.forget_pool(key)  # its rows' digests go with it (its engine stays idle)
+            self.restore.forget_pool(key)  # its rows' digests and its engine go with it
 
     def _create_series(self, state: PoolState) -> None:
         m, geom, pool = self.metrics, state.geom, state.geom.name

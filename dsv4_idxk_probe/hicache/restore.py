@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..digest.collector import DEFER_ROUNDS
+from ..safety import record_error
 from ..digest.layout import RowLayout, Segment, shipped_layouts
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
@@ -207,6 +208,21 @@ class RestoreVerifier:
             done.append(reached)
         return all(ev.wait(timeout_s) for ev in done)
 
+    def forget_pool(self, key: int) -> None:
+        """A pool that is gone (garbage-collected): its kept digests, its set-up and its engine
+        go with it, so a pool made later at the same address (`id`) gets its own, never this
+        one's, which reads the old pool's device buffers. Its collector is told to stop, not
+        waited for (the caller may be any thread)."""
+        self.store.forget_pool(key)
+        with self._lock:
+            pool = self._pools.pop(key, None)
+            self._why_not.pop(key, None)
+        if pool is not None:
+            try:
+                pool.engine.close(0)
+            except Exception:
+                record_error("hicache.restore_close")
+
     def close(self) -> None:
         with self._lock:
             pools, self._pools = list(self._pools.values()), {}
@@ -250,11 +266,17 @@ class RestoreVerifier:
             self.store.put(key, rows, result.contents[0])
             self._count("hicache_backup", "verified", "none", nbytes)
 
-        if pool.strided:  # the engine reads the token indices as they are: no frame, no device call more
-            ticket = pool.engine.submit_room(pool.backup_key, device_indices, n_pages * pool.page_tokens, stored,
-                                             contents_only=True)
-        else:
-            ticket = self._submit_page_ids(pool, pool.backup_key, device_indices, n_pages, stored)
+        try:
+            if pool.strided:  # the engine reads the token indices as they are: no frame, no device call more
+                ticket = pool.engine.submit_room(pool.backup_key, device_indices, n_pages * pool.page_tokens, stored,
+                                                 contents_only=True)
+            else:
+                ticket = self._submit_page_ids(pool, pool.backup_key, device_indices, n_pages, stored)
+        except Exception:  # the rows hold new bytes now: their old digests must go, as for a full queue
+            record_error("hicache.restore_backup")
+            self._count("hicache_backup", "unverified", "probe_error", n_pages * pool.page_bytes)
+            self._drop_when_copied(pool, key, host_indices, version)
+            return
         if not ticket:  # the collector is behind: counted, never waited for
             self._count("hicache_backup", "unverified", "queue_full", n_pages * pool.page_bytes)
             self._drop_when_copied(pool, key, host_indices, version)
@@ -382,8 +404,13 @@ class RestoreVerifier:
         if getattr(host, "is_cuda", False):
             import torch
 
-            copied = torch.cuda.Event()
-            copied.record()
+            try:
+                copied = torch.cuda.Event()
+                copied.record()
+            except Exception:  # which rows cannot be read in order now: forget them all
+                record_error("hicache.restore_drop")
+                self.store.forget_all(key)
+                return
         size = pool.page_size
 
         def drop(_arg) -> None:

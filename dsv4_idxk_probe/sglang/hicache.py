@@ -107,6 +107,10 @@ def _state(probe: HiCacheProbe, pool: Any):
         except Exception as exc:
             probe.unusable[id(pool)] = f"{type(exc).__name__}: {exc}"
             probe.log.warning("dsv4-idxk-probe hicache: pool %s not probed: %s", type(pool).__name__, probe.unusable[id(pool)])
+            try:  # a pool made later at the same address is tried afresh
+                weakref.finalize(pool, probe.unusable.pop, id(pool), None)
+            except TypeError:
+                pass  # not weak-referenceable: remembered for the process lifetime
             raise
     return state
 

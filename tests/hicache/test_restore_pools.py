@@ -3,6 +3,8 @@ pages a load wrote are compared with what their backup read, with round-trip mod
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -115,6 +117,55 @@ def test_evicted_digests_are_counted_and_their_loads_unverified(hicache, make_po
     assert env.value("records_dropped", sink="hicache_restore") == 1
     assert env.value("rooms_verified", stage=STAGE, verdict="unverified") == 1
     assert findings(env) == []
+
+
+def test_a_backup_whose_digest_cannot_be_taken_forgets_what_its_rows_held(hicache, make_pool, monkeypatch):
+    """Host rows backed up again hold new bytes; if that backup's digest cannot be taken (its
+    submit raises), the rows' digests of their former bytes must go with them, or a clean
+    load of the new bytes reads as a restore mismatch. The backup is counted unverified."""
+    env = hicache()
+    env.allow_probe_errors = True
+    pool = make_pool("fp8_indexer")
+    backup(pool)  # host rows 2, 5 <- device pages 1, 6: digests kept
+    settle(env)
+    restore = env.probe.restore._pools[env.probe.state_of(pool).key]
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no staging buffer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(restore.snapshot, "submit", fails)
+        pool.backup_from_device_all_layer(None, page_indices(HOST_ROWS), page_indices([3, 7]), "kernel")
+    load(pool, device_rows=[0, 4])  # a good restore of what the host rows hold now
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_backup", outcome="unverified", reason="probe_error") == 2 * row
+
+
+def test_a_pool_collected_takes_its_restore_engine_with_it(hicache, make_pool):
+    """A host pool garbage-collected leaves no restore set-up behind: one kept under its
+    address (`id`) would be handed to a pool made later at the same address, and digest the
+    old pool's device buffers there (a corrupt restore read as `match`)."""
+    import gc
+    import weakref
+
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    key = env.probe.state_of(pool).key
+    engine = env.probe.restore._pools[key].engine
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is None
+    assert key not in env.probe.restore._pools
+    engine._tickets.put(None)  # closed already: a second stop is harmless
+    deadline = time.monotonic() + 10
+    while engine._thread is not None and engine._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._thread is None or not engine._thread.is_alive()
 
 
 def test_restore_verification_off_digests_nothing(hicache, make_pool):
