@@ -37,8 +37,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..digest.collector import DEFER_ROUNDS
-from ..safety import record_error
 from ..digest.layout import RowLayout, Segment, shipped_layouts
+from ..safety import record_error
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
 from .restore_rows import read_rows
