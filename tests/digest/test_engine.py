@@ -65,6 +65,9 @@ def test_a_batch_whose_result_cannot_be_made_is_dropped_and_its_callback_told(en
     """The collector's own part can fail too (the fold, the flags' copy down on a device
     error): the batch is counted dropped and its callback gets the error, as for a failed
     event; a caller waiting for its rooms (decode's room tickets) is never left waiting."""
+    settled = threading.Event()
+    engine.submit([RoomRequest("first", [0], 256)], lambda batch: settled.set())  # behind the warm-up batch
+    assert settled.wait(30)
     monkeypatch.setattr(engine, "_finish", lambda ticket: 1 / 0)
     got, done = [], threading.Event()
     pending = engine.submit([RoomRequest("a", [0], 256)], lambda batch: (got.append(batch), done.set()))
