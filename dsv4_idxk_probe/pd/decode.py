@@ -137,6 +137,9 @@ class DecodeMonitor:
         self.snapshot_on_allocation = snapshot_on_allocation and diagnosis is not None
         self._rooms: dict[str, _Room] = {}
         self._lock = threading.Lock()
+        # a room's coverage is folded on the collector and, when the digest queue is full, on
+        # the serving thread: each fold reads then writes, so the two take turns
+        self._coverage_lock = threading.Lock()
         # the engine's queue, read for its length: a snapshot waits behind half of it at most
         self._queue = engine._tickets.items if hasattr(engine, "_tickets") else ()
 
@@ -352,8 +355,9 @@ class DecodeMonitor:
         in them are forgotten on the collector, their pages journalled as freed."""
         if self.metrics is not None:
             self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
-        for state, _, _ in jobs:
-            _coverage_of(state).fold("skipped", "queue_full")
+        with self._coverage_lock:
+            for state, _, _ in jobs:
+                _coverage_of(state).fold("skipped", "queue_full")
         finished = [state for state, stage, _ in jobs if stage == "decode_finish"]
         if finished:
             self.engine.post(self._on_lost, (finished, t_ns))
@@ -577,8 +581,9 @@ class DecodeMonitor:
                                 self._stage_signatures() if verdict == "not_comparable" else ())
         if outcome == "unverified" and state.extra and state.extra.get("unverified_reason"):
             why = str(state.extra["unverified_reason"])  # the hook knew why (sglang/pd_decode: metadata_on_device)
-        coverage = _coverage_of(state)
-        coverage.fold(outcome, why, room_bytes)
+        with self._coverage_lock:
+            coverage = _coverage_of(state)
+            coverage.fold(outcome, why, room_bytes)
         if self._rooms.get(state.key) is not state:
             coverage.count(self.metrics, estimated_bytes(self.engine, state.n_tokens))
 

@@ -6,6 +6,7 @@ its reason."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -240,6 +241,37 @@ def test_a_room_evicted_while_its_finish_digest_runs_has_one_last_verdict(pair):
     _settled(decode)
     verdicts = [(r["stage"], r["verdict"]) for r in dec_sink.records if r["room"] == "1"]
     assert verdicts == [("decode_recv", "match"), ("decode_finish", "match")]
+
+
+def test_a_fold_on_the_serving_thread_and_one_on_the_collector_take_turns(pair, monkeypatch):
+    """A full digest queue folds `skipped` into a room on the serving thread while the collector
+    may fold that room's verdict: each fold reads, then writes. Forced to switch threads in
+    between, the two must not lose the verified outcome to `queue_full`."""
+    from dsv4_idxk_probe.pd import coverage as coverage_module
+
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(9)
+    _copy_room(pre_bufs, [0], dec_bufs, [4])
+    decode.room_received(room, [4], 256, _send(prefill, pre_sink, room, [0], 256))
+    dec_sink.wait_for(1)
+    _settled(decode)
+    state = decode._get(room)
+    state.coverage = None  # as before its first verdict
+    rank = coverage_module.RANK
+
+    def slow_fold(self, outcome, reason, nbytes=None):  # the fold's read and write, a switch between
+        take = self.outcome is None or rank[outcome] > rank[self.outcome]
+        time.sleep(0.1 if outcome == "skipped" else 0.01)  # the serving thread's write comes last
+        if take:
+            self.outcome, self.reason = outcome, reason
+
+    monkeypatch.setattr(coverage_module.RoomCoverage, "fold", slow_fold)
+    serving = threading.Thread(target=decode._dropped, args=([(state, "decode_step", 1)], 0))
+    serving.start()
+    time.sleep(0.01)
+    decode._cover(state, "match", "", None, PAGE_BYTES)
+    serving.join()
+    assert state.coverage.outcome == "verified"
 
 
 def test_rooms_never_verified_are_counted_skipped_with_their_reason_and_bytes(pair):
