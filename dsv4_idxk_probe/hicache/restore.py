@@ -251,6 +251,7 @@ class RestoreVerifier:
         n_pages = host_indices.numel() // size
         version = host_indices._version
         key = state.key
+        generation = self.store.generations.get(key, 0)  # `HostPageDigests.generation`, without a frame
 
         def stored(result) -> None:
             nbytes = n_pages * pool.page_bytes
@@ -263,8 +264,10 @@ class RestoreVerifier:
                 self._count("hicache_backup", "unverified", "probe_error", nbytes)
                 self.store.drop(key, rows)  # never compare a load with a digest not taken
                 return
-            self.store.put(key, rows, result.contents[0])
-            self._count("hicache_backup", "verified", "none", nbytes)
+            if self.store.put(key, rows, result.contents[0], generation):
+                self._count("hicache_backup", "verified", "none", nbytes)
+            else:  # the pool's digests were forgotten meanwhile (a collector far behind): so is this
+                self._count("hicache_backup", "unverified", "queue_full", nbytes)
 
         try:
             if pool.strided:  # the engine reads the token indices as they are: no frame, no device call more
@@ -352,6 +355,8 @@ class RestoreVerifier:
         rows, key = [int(r) for r in host_rows], state.key
         if pool is None:
             self.store.drop(key, rows)
+        elif self._far_behind(pool):  # notes stay bounded: all of the pool's digests go, fenced
+            self.store.forget_all(key, fence=True)
         else:
             pool.engine.post(lambda _arg: self.store.drop(key, rows))
 
@@ -360,7 +365,7 @@ class RestoreVerifier:
         backend's own set, under the sidecar key), in the collector's order, behind the backup
         that kept them. A row with no kept digest gets no sidecar (its L3 restore: digest_lost)."""
         pool = self.pool(state)
-        if pool is None:
+        if pool is None or self._far_behind(pool):  # none written: the page's restore counts digest_lost
             return
         key, row = state.key, int(host_row)
 
@@ -382,13 +387,18 @@ class RestoreVerifier:
         digests = None if pool is None or sidecar is None else decode_sidecar(
             sidecar, pool.layers, len(pool.layout.segments))
         nbytes = state.geom.layers * state.geom.item_bytes
-        if digests is None:
+        if digests is None or self._far_behind(pool):
             self.forget_rows(state, [row])
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
         pool.engine.post(lambda _arg: self.store.put(key, [row], digests[:, None, :]))
         self._count("l3", "verified", "none", nbytes)
         return True
+
+    def _far_behind(self, pool: PoolRestore) -> bool:
+        """Whether the pool's collector has `2 x queue_max` batches and notes waiting: past
+        that, nothing more is posted to it (its notes would grow without bound)."""
+        return pool.engine.backlog() >= 2 * self.queue_max
 
     def _snapshot(self, pool: PoolRestore, pages, n_pages: int, callback) -> bool:
         """A CPU pool: the pages copied now, digested on the collector; False when it is behind."""
@@ -399,7 +409,12 @@ class RestoreVerifier:
         """Forget these host rows' kept digests (their backup was not digested). The rows
         are read by the collector; where the index tensor is on a device, once the stream
         has passed this point (an event recorded here, waited for there): this thread never
-        waits. The rare path: a full queue."""
+        waits. The rare path: a full queue. Past `2 x queue_max` batches and notes waiting (a
+        collector far behind, or stopped), the pool's digests are all forgotten here instead,
+        fenced so that none submitted before is stored: the notes stay bounded."""
+        if self._far_behind(pool):
+            self.store.forget_all(key, fence=True)
+            return
         copied = None
         if getattr(host, "is_cuda", False):
             import torch
@@ -409,7 +424,7 @@ class RestoreVerifier:
                 copied.record()
             except Exception:  # which rows cannot be read in order now: forget them all
                 record_error("hicache.restore_drop")
-                self.store.forget_all(key)
+                self.store.forget_all(key, fence=True)
                 return
         size = pool.page_size
 

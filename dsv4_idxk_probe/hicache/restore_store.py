@@ -46,14 +46,30 @@ class HostPageDigests:
         self._lost: OrderedDict[tuple[int, int], None] = OrderedDict()  # evicted or dropped, not stored again
         self._lock = threading.Lock()
         self.evicted = 0
+        # per pool, how many times its digests were forgotten out of the collector's order
+        # (`forget_all(fence=True)`): a digest submitted before that may describe a row's
+        # former bytes, and is not stored (`put(generation=)`). Public: a backup's submit
+        # reads it with one C call (`dict.get`), no frame on the copying thread.
+        self.generations: dict[int, int] = {}
 
-    def put(self, pool: int, rows: Iterable[int], contents: np.ndarray) -> None:
-        """Keep `contents[:, j, :]` for host row `rows[j]`; `contents` is uint64 [layers, pages, segments]."""
+    def generation(self, pool: int) -> int:
+        """The pool's count of fenced `forget_all`s: a backup notes it when it is submitted."""
+        return self.generations.get(pool, 0)
+
+    def put(self, pool: int, rows: Iterable[int], contents: np.ndarray, generation: int | None = None) -> bool:
+        """Keep `contents[:, j, :]` for host row `rows[j]`; `contents` is uint64 [layers, pages, segments].
+        With `generation` (the pool's when the digest was submitted): nothing is kept, the rows
+        are remembered as lost and False returned if the pool's digests were forgotten since."""
         rows = [int(r) for r in rows]
         if contents.ndim != 3 or contents.shape[1] != len(rows):
             raise ValueError(f"contents {contents.shape} do not hold {len(rows)} pages as [layers, pages, segments]")
         evicted = 0
         with self._lock:
+            if generation is not None and generation != self.generations.get(pool, 0):
+                for row in rows:
+                    self._table.pop((pool, row), None)
+                    self._remember_lost((pool, row))
+                return False
             for j, row in enumerate(rows):
                 key = (pool, row)
                 self._table.pop(key, None)
@@ -70,6 +86,7 @@ class HostPageDigests:
             self.evicted += evicted
         if evicted and self._on_evict is not None:
             self._on_evict(evicted)
+        return True
 
     def get(self, pool: int, rows: Iterable[int]) -> list[np.ndarray | None]:
         """The kept digests of each row ([layers, segments]), None where none is kept."""
@@ -92,10 +109,14 @@ class HostPageDigests:
                 self._remember_lost(key)
         return dropped
 
-    def forget_all(self, pool: int) -> int:
+    def forget_all(self, pool: int, fence: bool = False) -> int:
         """Forget every kept digest of a pool, remembered as lost (a backup whose rows could
-        not be read: any of them may be stale now); returns how many were kept."""
+        not be read: any of them may be stale now); returns how many were kept. `fence`: called
+        out of the collector's order (the copying thread), so digests submitted before this
+        and stored after it are refused too (`put(generation=)`)."""
         with self._lock:
+            if fence:
+                self.generations[pool] = self.generations.get(pool, 0) + 1
             keys = [k for k in self._table if k[0] == pool]
             for key in keys:
                 del self._table[key]
@@ -105,6 +126,7 @@ class HostPageDigests:
     def forget_pool(self, pool: int) -> None:
         """A pool that is gone: its rows' digests go with it (not counted as evictions)."""
         with self._lock:
+            self.generations[pool] = self.generations.get(pool, 0) + 1
             for table in (self._table, self._lost):
                 for key in [k for k in table if k[0] == pool]:
                     del table[key]

@@ -235,6 +235,30 @@ def test_on_the_cpu_page_copies_past_their_bound_are_counted_queue_full(hicache,
     assert snapshot.pending_bytes == 0
 
 
+def test_a_collector_far_behind_is_posted_nothing_more_and_keeps_no_stale_digest(hicache, make_pool):
+    """Backups refused for a full queue each post their rows' drop to the collector; with the
+    collector stuck, those notes would grow without bound. Past twice the queue's bound the
+    pool's digests are forgotten on the copying thread instead, fenced: a backup admitted
+    before the fence and stored after it keeps nothing (its rows were copied over since)."""
+    env = hicache(restore_queue_max=2)
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    engine = env.probe.restore.pool(env.probe.state_of(pool)).engine
+    release = _hold_collector(env, pool)
+    for _ in range(50):
+        backup(pool)
+    assert engine.backlog() <= 2 * 2 + 1
+    release.set()
+    settle(env)
+    key = env.probe.state_of(pool).key
+    assert env.probe.restore.store.get(key, HOST_ROWS) == [None, None]
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    assert env.value("rooms_verified", stage=STAGE, verdict="unverified") == 1  # digest_lost, counted
+
+
 def _kernel_path_engine(layout, layer_ids, buffers, queue_max, **per_pool):
     """The restore engine as a GPU pool gets it (the Triton kernel; here under the interpreter,
     on the CPU pool's device layers), so the copying thread takes the GPU path: the token
