@@ -295,9 +295,8 @@ class Collector:
             batch = result(ticket)
         except Exception as exc:
             record_error("digest.finish")
-            self.stats.dropped_batches += 1
-            ticket.error = f"{type(exc).__name__}: {exc}"
-            batch = BatchResult([], 0, 0, error=ticket.error, ticket=ticket)
+            self._drop(ticket, f"{type(exc).__name__}: {exc}")
+            return
         try:
             ticket.callback(batch)
         except Exception:
