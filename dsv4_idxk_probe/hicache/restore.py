@@ -251,7 +251,7 @@ class RestoreVerifier:
         n_pages = host_indices.numel() // size
         version = host_indices._version
         key = state.key
-        generation = self.store.generations.get(key, 0)  # `HostPageDigests.generation`, without a frame
+        generation = self.store.generations.get(key, 0)  # its pool's fenced forgets so far
 
         def stored(result) -> None:
             nbytes = n_pages * pool.page_bytes

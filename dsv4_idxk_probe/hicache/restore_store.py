@@ -48,13 +48,10 @@ class HostPageDigests:
         self.evicted = 0
         # per pool, how many times its digests were forgotten out of the collector's order
         # (`forget_all(fence=True)`): a digest submitted before that may describe a row's
-        # former bytes, and is not stored (`put(generation=)`). Public: a backup's submit
-        # reads it with one C call (`dict.get`), no frame on the copying thread.
+        # former bytes, and is not stored (`put(generation=)`). A backup notes its pool's
+        # count when it is submitted (`generations.get(pool, 0)`: one C call, no frame on
+        # the copying thread).
         self.generations: dict[int, int] = {}
-
-    def generation(self, pool: int) -> int:
-        """The pool's count of fenced `forget_all`s: a backup notes it when it is submitted."""
-        return self.generations.get(pool, 0)
 
     def put(self, pool: int, rows: Iterable[int], contents: np.ndarray, generation: int | None = None) -> bool:
         """Keep `contents[:, j, :]` for host row `rows[j]`; `contents` is uint64 [layers, pages, segments].

@@ -66,13 +66,13 @@ def test_a_fenced_forget_refuses_digests_submitted_before_it_and_only_those():
     rows no longer hold, and is refused (its rows lost); one submitted after is kept. A
     forget in the collector's own order needs no fence and raises none."""
     store = HostPageDigests(10)
-    before = store.generation(1)
+    before = store.generations.get(1, 0)
     store.forget_all(1)  # the collector's order: no fence
-    assert store.generation(1) == before
+    assert store.generations.get(1, 0) == before
     store.forget_all(1, fence=True)
     assert store.put(1, [5], contents(1, 1, 1), before) is False
     assert store.get(1, [5]) == [None] and store.lost(1, 5)
-    assert store.put(1, [5], contents(1, 1, 2), store.generation(1)) is True
+    assert store.put(1, [5], contents(1, 1, 2), store.generations.get(1, 0)) is True
     assert store.get(1, [5])[0] is not None
     assert store.put(2, [5], contents(1, 1, 3), before) is True  # other pools: their own count
 
