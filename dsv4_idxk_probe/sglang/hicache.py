@@ -32,6 +32,7 @@ from ..hicache.probe import GuardRefused, HiCacheProbe, probe_for
 from ..hicache.restore import SIDECAR_SUFFIX, is_index_k_pool, sidecar_bytes
 from ..hicache.roundtrip import RowViews, page_rows
 from ..safety import safe_invoke
+from . import l3_files
 
 #: The row that ``transfer_cache_dsv4_mla`` hard-codes (SGLang 0.5.23,
 #: sgl_kernel/deepseek_v4/kvcacheio.cuh): 64-slot pages, 576 B value and 8 B
@@ -284,13 +285,32 @@ def _l3_state(probe, host_pool):
     return state
 
 
-def _l3_wrote(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
+def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
+    """Before ``_write_page``: the index-K page's file and its version, or None for other pools."""
+    if _l3_state(probe, host_pool) is None:
+        return None
+    path = l3_files.page_path(backend, pool_name, key)
+    return path, l3_files.file_version(path)
+
+
+def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
+    """After ``_write_page``: a page the backend stored anew takes its old sidecar away now and
+    gets its own, in the collector's order, while it is still the page on disk. A page that
+    was there already (``set`` skips it) keeps whatever sidecar its own write left."""
     state = _l3_state(probe, host_pool)
-    if state is None:
+    path, before = page_before
+    version = l3_files.file_version(path)
+    if state is None or not l3_files.stored_anew(before, version):
         return
     sidecar = _sidecar_key(backend, pool_name, key)
+    l3_files.remove_stored(backend, sidecar)
     row = int(page_offset) // int(host_pool.slot_page_size)
-    probe.restore.write_sidecar(state, row, lambda data: backend.set(sidecar, torch.from_numpy(data)))
+
+    def write(data) -> None:
+        l3_files.write_while_current(backend, sidecar, path, version,
+                                     lambda: backend.set(sidecar, torch.from_numpy(data)))
+
+    probe.restore.write_sidecar(state, row, write)
 
 
 def _l3_read(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
@@ -310,13 +330,16 @@ def _l3_read(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) 
 
 def make_l3_write_wrapper(runtime):
     """``HiCacheFile._write_page(pool_name, key, host_pool, page_offset)``: a host page was
-    stored; its kept digests are stored beside it under a sidecar key."""
+    stored; its kept digests are stored beside it under a sidecar key (`_l3_wrote`)."""
     probe = probe_for(runtime)
 
     def wrapper(wrapped, instance, args, kwargs):
+        if not probe.active or probe.restore is None:
+            return wrapped(*args, **kwargs)
+        before = safe_invoke("hicache.l3_write", _l3_page_before, probe, instance, *args, **kwargs)
         result = wrapped(*args, **kwargs)
-        if result and probe.active and probe.restore is not None:
-            safe_invoke("hicache.l3_write", _l3_wrote, probe, instance, *args, **kwargs)
+        if result and before is not None:
+            safe_invoke("hicache.l3_write", _l3_wrote, probe, before, instance, *args, **kwargs)
         return result
 
     return wrapper

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from dsv4_idxk_probe.hicache.restore import SIDECAR_SUFFIX
+from dsv4_idxk_probe.sglang import l3_files
 
 from .conftest import LAYERS, accepted
 from .test_restore_pools import backup, findings, load, settle
@@ -17,18 +19,31 @@ POOL = "deepseek_v4_c4_indexer"
 SCALE_AT = 64 * 128  # the scale segment of an fp8 row starts after 64 x 128 B of payload
 
 
-@pytest.fixture
-def storage(tmp_path, monkeypatch):
+def file_backend(tmp_path, monkeypatch, **extra):
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
     config = HiCacheStorageConfig(**accepted(  # the fields of the release under test
         HiCacheStorageConfig, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False, model_name="rig",
-        extra_config={"file_storage_path": str(tmp_path / "l3")}))
+        extra_config={"file_storage_path": str(tmp_path / "l3"), **extra}))
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "l3"))  # releases read one or other
     backend = HiCacheFile(config, file_path=str(tmp_path / "l3"))
     if os.path.abspath(backend.file_path) != os.path.abspath(tmp_path / "l3"):
         pytest.fail(f"HiCacheFile stores elsewhere than the test's folder: {backend.file_path}")
+    return backend
+
+
+@pytest.fixture
+def storage(tmp_path, monkeypatch):
+    return file_backend(tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=["no metadata cache", "metadata cache"])
+def storages(request, tmp_path, monkeypatch):
+    """The file backend as shipped, and with its metadata cache (``exists`` answers from it)."""
+    backend = file_backend(tmp_path, monkeypatch, enable_metadata_cache=request.param == "metadata cache",
+                           metadata_ttl=60)
+    assert (getattr(backend, "metadata_cache", None) is not None) == (request.param == "metadata cache")
     return backend
 
 
@@ -109,3 +124,121 @@ def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool,
     assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
     assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
     assert env.value("rooms_verified", stage="hicache_load", verdict="unverified") == 1
+
+
+def sidecar_file(backend, key: str) -> str:
+    return l3_files.stored_path(backend, f"{backend._log_key(POOL, key)}{SIDECAR_SUFFIX}")
+
+
+def evict(backend, path: str) -> None:
+    """What the backend's evictor does to one file: unlink it, and tell the metadata cache."""
+    os.remove(path)
+    if getattr(backend, "metadata_cache", None) is not None:
+        backend.metadata_cache.remove(os.path.basename(path)[: -len(".bin")])
+
+
+def compute_anew(pool):
+    """Device page 6 (host row 5's source) holds other bytes for the same tokens, as a
+    kernel whose results depend on the batch gives; its backup keeps their digests."""
+    for layer in range(LAYERS):
+        pool.device_buffers[layer].view(torch.uint8)[6] ^= 0x5A
+    backup(pool)
+
+
+def test_a_page_stored_again_after_its_file_was_evicted_is_compared_with_its_own_digests(
+        hicache, make_pool, storages):
+    """The evictor took page-5's file but not its sidecar; the same key's page, stored again
+    with other bytes, must not be compared with the old sidecar's digests (found 2026-12-06:
+    ``set`` skipped the new sidecar, and a clean restore read as a mismatch)."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    assert storages._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
+    settle(env)
+    assert os.path.exists(sidecar_file(storages, "page-5")), "no sidecar was stored"
+    evict(storages, page_file(storages, "page-5"))
+    compute_anew(pool)
+    settle(env)
+    store_evict_restore(pool, storages, lambda: settle(env))
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
+    assert env.value("coverage_bytes", path="l3", outcome="verified", reason="none") == LAYERS * pool.item_bytes
+
+
+def test_a_page_the_backend_kept_gets_no_sidecar_of_other_bytes(hicache, make_pool, storage):
+    """Page-5 is on disk and its sidecar was evicted; a later backup of other bytes under the
+    same key is not stored (``set`` skips a key that exists), so its digests must not be
+    written beside the old page: the page's restore is counted unverified, not a mismatch."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    assert storage._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
+    settle(env)
+    evict(storage, sidecar_file(storage, "page-5"))
+    compute_anew(pool)
+    settle(env)
+
+    def kept_as_it_was():
+        settle(env)
+        assert not os.path.exists(sidecar_file(storage, "page-5")), "a sidecar of other bytes was written"
+
+    store_evict_restore(pool, storage, kept_as_it_was)
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
+    assert env.value("rooms_verified", stage="hicache_load", verdict="unverified") == 1
+
+
+def stored_page(backend, key: str, fill: int):
+    value = torch.full((4096,), fill, dtype=torch.uint8)
+    assert backend.set(backend._log_key(POOL, key), value)
+    path = page_file(backend, key)
+    return path, l3_files.file_version(path)
+
+
+def test_a_sidecar_is_written_only_while_its_page_is_the_one_on_disk(storages):
+    sidecar = f"{storages._log_key(POOL, 'page-5')}{SIDECAR_SUFFIX}"
+
+    def write_sidecar():
+        assert storages.set(sidecar, torch.zeros(64, dtype=torch.uint8))
+
+    path, version = stored_page(storages, "page-5", 1)
+    assert l3_files.write_while_current(storages, sidecar, path, version, write_sidecar)
+    assert storages.exists(sidecar)
+
+    l3_files.remove_stored(storages, sidecar)
+    assert not storages.exists(sidecar) and not os.path.exists(sidecar_file(storages, "page-5"))
+    evict(storages, path)
+    stored_page(storages, "page-5", 2)  # stored again before the old page's sidecar was written
+    assert not l3_files.write_while_current(storages, sidecar, path, version, write_sidecar)
+    assert not os.path.exists(sidecar_file(storages, "page-5"))
+
+    path, version = stored_page(storages, "page-6", 3)
+    sidecar6 = f"{storages._log_key(POOL, 'page-6')}{SIDECAR_SUFFIX}"
+
+    def stored_again_while_writing():  # the page's new version lands as its old one's sidecar is written
+        evict(storages, path)
+        stored_page(storages, "page-6", 4)
+        assert storages.set(sidecar6, torch.zeros(64, dtype=torch.uint8))
+
+    assert not l3_files.write_while_current(storages, sidecar6, path, version, stored_again_while_writing)
+    assert not storages.exists(sidecar6), "the old page's sidecar stayed beside the new page"
+
+
+def test_a_page_stored_anew_is_told_from_one_the_backend_skipped(storage):
+    path = page_file(storage, "page-7")
+    before = l3_files.file_version(path)
+    assert before is None
+    _, first = stored_page(storage, "page-7", 1)
+    assert l3_files.stored_anew(before, first)
+    _, skipped = stored_page(storage, "page-7", 2)  # the key exists: set skips it
+    assert not l3_files.stored_anew(first, skipped)
+    evict(storage, path)
+    _, again = stored_page(storage, "page-7", 3)
+    assert l3_files.stored_anew(first, again)

@@ -1,0 +1,77 @@
+"""HiCacheFile's files: where a stored page lives, which version of it is there, and
+how a sidecar that outlived its page is taken away.
+
+Why: ``HiCacheFile.set`` skips a key that exists, and its evictor removes a page's
+file and its sidecar's independently. A sidecar that outlives its page would stay
+when the same key is stored again, and the new page's restore would be compared
+with the old page's digests: a false mismatch wherever the two pages' bytes differ.
+So a page the backend stores anew takes its old sidecar away at once (its restore
+is `digest_lost` until the new sidecar is written), and a sidecar is written only
+while the page it describes is still the one on disk.
+
+SGLang knowledge (every release 0.5.18-0.5.23): a page of ``pool_name`` under
+``key`` is the file ``<file_path>/<_get_suffixed_key(_log_key(pool_name, key))>.bin``;
+``set`` writes a temporary file and ``os.replace``-s it over the page, so a page
+stored anew is a new file (a new inode); ``exists`` may answer from
+``metadata_cache``, which must forget a file the probe removes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+#: A stored file's version: (inode, size, modification time in ns); None: no file.
+FileVersion = tuple[int, int, int]
+
+
+def stored_path(backend, storage_key: str) -> str:
+    """The file that holds `storage_key` (a key before the backend's config suffix)."""
+    return os.path.join(backend.file_path, f"{backend._get_suffixed_key(storage_key)}.bin")
+
+
+def page_path(backend, pool_name, key) -> str:
+    """The file that holds the page of `pool_name` stored under `key`."""
+    return stored_path(backend, backend._log_key(pool_name, key))
+
+
+def file_version(path: str) -> FileVersion | None:
+    """The file's version, or None when there is none (one stat)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def stored_anew(before: FileVersion | None, after: FileVersion | None) -> bool:
+    """Whether a ``_write_page`` call stored its page: a file is there and it is another
+    than before the call (``set`` skipped a page that existed: the same file)."""
+    return after is not None and after != before
+
+
+def remove_stored(backend, storage_key: str) -> None:
+    """Take a stored file away: the file first, then the metadata cache's entry (the other
+    order lets a concurrent ``exists`` put the entry back while the file is still there,
+    and a later ``set`` of the key would be skipped). The evictor tolerates a missing file."""
+    try:
+        os.remove(stored_path(backend, storage_key))
+    except FileNotFoundError:
+        pass
+    cache = getattr(backend, "metadata_cache", None)
+    if cache is not None:
+        cache.remove(backend._get_suffixed_key(storage_key))
+
+
+def write_while_current(backend, sidecar_key: str, page: str, version: FileVersion,
+                        write: Callable[[], object]) -> bool:
+    """Write a page's sidecar only while `page` is still at `version`: checked before the
+    write, and after it (a page stored anew in between took its own sidecar's place away,
+    perhaps before this write landed, so this one goes too). True when written and current."""
+    if file_version(page) != version:
+        return False
+    write()
+    if file_version(page) != version:
+        remove_stored(backend, sidecar_key)
+        return False
+    return True
