@@ -25,6 +25,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 #: The most sleeps of `defer_s` an engine may ask for (`defer_rounds`) before a done batch is
 #: delivered while submits keep coming (`Collector._defer`).
 DEFER_ROUNDS = 4
+
+#: Dropped batches whose device memory a collector keeps referenced (`Collector._hold`).
+DROPPED_HELD = 16
 
 
 @dataclass
@@ -280,11 +284,25 @@ class Collector:
 
     def _drop(self, ticket: PendingDigest, error: str) -> bool:
         """A batch that cannot be digested: counted, and its callback told why, so the
-        caller stops waiting for its rooms."""
+        caller stops waiting for its rooms. Its staging buffer and the tables its kernel
+        reads stay referenced (`_hold`): the GPU may still be at them."""
         self.stats.dropped_batches += 1
+        self._hold(ticket)
         ticket.error = error  # a caller waiting for its digests stops waiting
         self._deliver(ticket, lambda _: BatchResult([], 0, 0, error=error, ticket=ticket))
         return False
+
+    def _hold(self, ticket: PendingDigest) -> None:
+        """Keep a dropped batch's device memory from its pools and from the allocator: the
+        kernel of a batch whose event failed may still write its staging buffer and read its
+        tables, and memory freed under it would be SGLang's next tensor. The newest
+        `DROPPED_HELD` drops are held (a failing device drops batch after batch; by the
+        time a drop leaves the window, the kernels before it have long ended or never will)."""
+        held = self.__dict__.get("_held_drops")
+        if held is None:
+            held = self._held_drops = deque(maxlen=DROPPED_HELD)
+        held.append((ticket.staging, ticket.table, ticket.keepalive))
+        ticket.staging, ticket.keepalive = None, ()
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
         """Hand the batch's result to its callback. A result that cannot be made (the fold,

@@ -1,8 +1,10 @@
 """DigestEngine: asynchronous delivery, bounded queue, fail-open callbacks."""
 
+import gc
 import re
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -357,3 +359,33 @@ def test_an_engine_with_a_page_id_stride_reads_token_indices_as_the_pool_does(ba
 def test_a_page_id_stride_below_one_is_refused(stride, random_buffers):
     with pytest.raises(ValueError, match="page_id_stride"):
         DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", page_id_stride=stride)
+
+
+def test_a_dropped_batchs_staging_buffer_is_held_from_its_pool_and_the_allocator(engine, monkeypatch):
+    """A dropped batch's kernel may still write its staging buffer (its event failed): the
+    buffer is neither given back to the pool nor freed when the batch's last other
+    reference goes (freed, the allocator would hand it to SGLang's next tensor)."""
+    settled = threading.Event()
+    engine.submit([RoomRequest("first", [0], 256)], lambda batch: settled.set())  # behind the warm-up batch
+    assert settled.wait(30)
+    monkeypatch.setattr(engine, "_finish", lambda ticket: 1 / 0)
+    stagings, drop = [], engine._drop
+
+    def watched(ticket, error):
+        stagings.append(weakref.ref(ticket.staging) if ticket.staging is not None else None)
+        return drop(ticket, error)
+
+    monkeypatch.setattr(engine, "_drop", watched)
+    for room in range(3):
+        done = threading.Event()
+        engine.submit([RoomRequest(f"r{room}", [room % 2], 256)], lambda batch: done.set())
+        assert done.wait(10)
+    assert engine.stats.dropped_batches == 3
+    if stagings[0] is None:
+        assert engine.backend == "reference", "a device batch with no staging buffer"
+        return
+    gc.collect()
+    held = [ref() for ref in stagings]
+    assert all(s is not None for s in held), "a dropped batch's staging buffer was freed"
+    free = [b for buffers in engine._staging._free.values() for b in buffers]
+    assert not any(s is b for s in held for b in free), "a dropped batch's staging buffer went back to its pool"
