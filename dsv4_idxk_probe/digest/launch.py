@@ -48,6 +48,7 @@ is the same; the collector still delivers the results.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -302,6 +303,11 @@ class HooksSet(LookupError):
     learns nothing; it may learn later, once no hook is set."""
 
 
+#: Held while `DirectLaunch.learn` has a compiled kernel's launcher wrapped (engines on
+#: several threads share the compiled kernel: PD's on the serving thread, HiCache's on the copying one).
+_LEARNING = threading.Lock()
+
+
 class DirectLaunch:
     """The compiled kernel's C launch function and the arguments it always gets, packed once.
 
@@ -334,39 +340,40 @@ class DirectLaunch:
         `n_varying` change per launch, the rest never do) and learn how to call the C
         function directly. Returns None, having launched, when the call was not understood;
         raises, having launched nothing, when `run` cannot be used this way."""
-        run = compiled.run
-        inner = getattr(run, "launch", None)
-        if (not callable(inner) or getattr(run, "global_scratch_size", None) != 0
-                or getattr(run, "profile_scratch_size", 0) != 0 or getattr(run, "gsan_enabled", False)):
-            raise LookupError("this Triton's launcher is not one a direct launch understands")
-        enter, leave = getattr(hooks, "launch_enter_hook", None), getattr(hooks, "launch_exit_hook", None)
-        calls = []
-        for hook in (enter, leave):
-            chain = getattr(hook, "calls", None)
-            if hook is None:
-                calls.append(())
-            elif isinstance(chain, list) and not chain:
-                calls.append(chain)  # an empty chain of hooks: read again at every launch
-            else:
-                raise HooksSet("a Triton launch hook is set: launches keep Triton's path")
-        seen = []
+        with _LEARNING:  # one learner at a time: another would take this one's recorder for the C function
+            run = compiled.run
+            inner = getattr(run, "launch", None)
+            if (not callable(inner) or getattr(run, "global_scratch_size", None) != 0
+                    or getattr(run, "profile_scratch_size", 0) != 0 or getattr(run, "gsan_enabled", False)):
+                raise LookupError("this Triton's launcher is not one a direct launch understands")
+            enter, leave = getattr(hooks, "launch_enter_hook", None), getattr(hooks, "launch_exit_hook", None)
+            calls = []
+            for hook in (enter, leave):
+                chain = getattr(hook, "calls", None)
+                if hook is None:
+                    calls.append(())
+                elif isinstance(chain, list) and not chain:
+                    calls.append(chain)  # an empty chain of hooks: read again at every launch
+                else:
+                    raise HooksSet("a Triton launch hook is set: launches keep Triton's path")
+            seen = []
 
-        def recorder(*call):
-            seen.append(call)
-            return inner(*call)
+            def recorder(*call):
+                seen.append(call)
+                return inner(*call)
 
-        own = "launch" in vars(run)
-        try:
-            run.launch = recorder
-        except Exception as exc:
-            raise LookupError("this Triton's launcher cannot be wrapped") from exc
-        try:
-            run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
-        finally:
-            if own:
-                run.launch = inner
-            else:
-                del run.launch
+            own = "launch" in vars(run)
+            try:
+                run.launch = recorder
+            except Exception as exc:
+                raise LookupError("this Triton's launcher cannot be wrapped") from exc
+            try:
+                run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+            finally:
+                if own:
+                    run.launch = inner
+                else:
+                    del run.launch
         if len(seen) != 1:
             return None
         call, n = seen[0], len(args)

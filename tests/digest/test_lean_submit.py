@@ -178,3 +178,47 @@ def test_a_later_submit_of_the_same_page_table_asks_the_tensor_nothing(random_bu
     engine.close()
     assert len(seen) == 3 and seen[2][5:9] == (0, 0, 0, 0)  # several rooms: read from the room table
     assert engine.stats.callback_errors == 0 and engine.stats.completed_rooms == 4  # the collector asked nothing either
+
+
+class _BlockingLauncher(_Launcher):
+    """Its C function holds its first call until `go` is set: a learn caught mid-launch."""
+
+    def __init__(self):
+        super().__init__(True)
+        self.inside, self.go = threading.Event(), threading.Event()
+        real = self.launch
+
+        def launch(*call):
+            if not self.inside.is_set():
+                self.inside.set()
+                assert self.go.wait(10)
+            return real(*call)
+
+        self.launch = launch
+
+
+def test_two_engines_learning_the_same_kernel_at_once_each_learn_its_c_function():
+    """Engines on two threads (PD's and a HiCache restore engine) learn the one compiled
+    kernel: the second must not take the first's recorder, in place while it launches,
+    for the C function (its every launch would be recorded, without bound)."""
+    compiled = _compiled(True)
+    compiled.run = _BlockingLauncher()
+    c_function = compiled.run.launch
+    learnt = {}
+
+    def learn(name):
+        learnt[name] = DirectLaunch.learn(compiled, (1, 30, 1), 0, ARGS, 9, _Hooks())
+
+    first = threading.Thread(target=learn, args=("first",))
+    first.start()
+    assert compiled.run.inside.wait(10)
+    second = threading.Thread(target=learn, args=("second",))
+    second.start()
+    second.join(0.5)  # learning beside the first (it may not: then it waits for it)
+    compiled.run.go.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    assert learnt["first"] is not None and learnt["second"] is not None
+    assert learnt["first"].fn is c_function and learnt["second"].fn is c_function
+    assert compiled.run.launch is c_function, "the launcher was left wrapped"
