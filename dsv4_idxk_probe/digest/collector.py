@@ -302,7 +302,6 @@ class Collector:
         if held is None:
             held = self._held_drops = deque(maxlen=DROPPED_HELD)
         held.append((ticket.staging, ticket.table, ticket.keepalive))
-        ticket.staging, ticket.keepalive = None, ()
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
         """Hand the batch's result to its callback. A result that cannot be made (the fold,
