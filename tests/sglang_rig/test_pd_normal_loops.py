@@ -7,6 +7,7 @@ decode's radix cache cannot run with DeepSeek-V4 here (test_sglang_refusals.py).
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 from dsv4_idxk_probe.testbed.sglang import launch, workload
@@ -101,6 +102,67 @@ def test_a_room_aborted_mid_decode_is_digested_at_its_release_and_judged(rig):
     assert seen.get("decode_recv", {}).get("verdict") == "match", f"decode never received the room: {seen}"
     assert "decode_step" in seen, "the client hung up before decode stepped the room: raise abort_after_s"
     assert seen["decode_finish"]["verdict"] == "match", seen["decode_finish"]
+
+
+def test_a_room_aborted_while_it_waits_in_decodes_queue_is_judged_at_its_release(rig):
+    """Nine long rooms on a decode server that runs eight at a time (`max_running_requests`):
+    once decode received all nine and stepped eight, the ninth waits in its queue, and its
+    client hangs up. SGLang's scheduler frees it from there (`abort_request`, its own
+    module's `release_kv_cache`), not through the batch's result processor; the probe's
+    `pd.decode_release_scheduler` hook takes its `decode_finish` digest and judges it
+    (before 2026-12-06 nothing did: the room stayed tracked until the table evicted it).
+    Then the eight running rooms' clients hang up too."""
+    assert OPTIONS.max_running_requests == 8
+    planned = workload.plan("queuedabort", workload.WorkloadOptions(
+        rooms=9, seed=13, min_prompt=600, max_prompt=700, min_new_tokens=6000, max_new_tokens=6000,
+        shared_prefix_share=0.0))
+    hang_ups = {r.rid: threading.Event() for r in planned}
+    requests = [Request(r.number, r.rid, r.input_ids, r.max_new_tokens, hang_up=hang_ups[r.rid]) for r in planned]
+    seen: dict[str, dict[str, dict]] = {}
+    queued: list[str] = []
+
+    def look() -> None:
+        seen.clear()
+        for r in decode_records(rig):
+            if r.get("rid") in hang_ups:
+                seen.setdefault(r["rid"], {})[r["stage"]] = r
+
+    def wait_for(done, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            look()
+            if done():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def stepped() -> set[str]:
+        return {rid for rid, stages in seen.items() if "decode_step" in stages}
+
+    def watch() -> None:
+        try:
+            if wait_for(lambda: len(seen) == 9 and len(stepped()) == 8, 300):
+                queued.extend(set(seen) - stepped())
+                hang_ups[queued[0]].set()
+                wait_for(lambda: "decode_finish" in seen.get(queued[0], {}), 60)
+        finally:
+            for event in hang_ups.values():
+                event.set()
+
+    watcher = threading.Thread(target=watch, name="queued-abort-watch", daemon=True)
+    watcher.start()
+    phase = rig.phase("queuedabort", requests, concurrency=9)
+    watcher.join(400)
+    assert all(o.status != 200 for o in phase.outcomes), "a room finished before its client hung up"
+    assert queued, f"decode never held nine rooms with eight of them stepped: {sorted(seen.items())}"
+    (waiting,) = queued
+    wait_for(lambda: all("decode_finish" in stages for stages in seen.values()), 60)
+    stages = seen[waiting]
+    assert stages.get("decode_recv", {}).get("verdict") == "match", stages
+    assert "decode_step" not in stages, f"the room thought queued was stepped: {stages}"
+    assert stages.get("decode_finish", {}).get("verdict") == "match", f"the queued room was not judged: {stages}"
+    others = {rid: s.get("decode_finish", {}).get("verdict") for rid, s in seen.items() if rid != waiting}
+    assert set(others.values()) == {"match"}, others
 
 
 NEVER_REACHED = """faults:

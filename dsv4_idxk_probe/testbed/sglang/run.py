@@ -136,7 +136,7 @@ class RigSession:
         outcomes = send(self.cluster.url, requests, concurrency)
         phase = Phase(name, requests, outcomes, {})
         for o in outcomes:
-            if o.request.abort_after_s is None and o.status != 200 and o.request.rid not in failing:
+            if not o.request.aborted and o.status != 200 and o.request.rid not in failing:
                 phase.failed_requests.append(f"{o.request.rid}: HTTP {o.status} {o.error}")
             elif check_outputs and o.status == 200 and o.output_ids != expected_output(o.request):
                 phase.wrong_outputs.append(o.request.rid)

@@ -9,10 +9,13 @@ cached prefix) and decode (``cache_protected_len``) see hits.
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +32,13 @@ class Request:
     input_ids: tuple[int, ...]
     max_new_tokens: int
     abort_after_s: float | None = None  # the client hangs up after this long (an abort)
+    # or when this `threading.Event` is set: an abort at a moment the test picks
+    hang_up: threading.Event | None = field(default=None, compare=False)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the client means to hang up before the answer (its status is not judged)."""
+        return self.abort_after_s is not None or self.hang_up is not None
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,13 @@ def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: floa
         }
         outcome = Outcome(req)
         started = time.monotonic()
+        if req.hang_up is not None:
+            _post_until_hung_up(url, body, req.hang_up, timeout_s, outcome)
+            outcome.seconds = time.monotonic() - started
+            if on_done is not None:
+                with lock:
+                    on_done(outcome)
+            return outcome
         http = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                       headers={"Content-Type": "application/json"})
         try:
@@ -113,6 +130,37 @@ def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: floa
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(one, requests))
+
+
+def _post_until_hung_up(url: str, body: dict, hang_up: threading.Event, timeout_s: float, outcome: Outcome) -> None:
+    """POST `body` to ``url/generate`` and wait for the answer; once `hang_up` is set, close
+    the connection (the router and the servers see the client go: an abort)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    answered = threading.Event()
+
+    def close_when_told() -> None:
+        while not hang_up.wait(0.2):
+            if answered.is_set():
+                return
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass  # answered, or never connected
+
+    closer = threading.Thread(target=close_when_told, name="rig-hang-up", daemon=True)
+    try:
+        conn.request("POST", "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        closer.start()
+        resp = conn.getresponse()
+        outcome.status = resp.status
+        doc = json.loads(resp.read())
+        outcome.output_ids = list(doc.get("output_ids") or [])
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        answered.set()
+        conn.close()
 
 
 def prefill_fault_rooms(fault_spec_path) -> tuple[int, ...]:
