@@ -63,6 +63,26 @@ def store_evict_restore(pool, backend, between=None):
     assert backend._read_page(POOL, "page-5", pool, offset)
 
 
+def assert_load_verified(env, pool):
+    """The restored row's load is compared with the digests its page carried: all match."""
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
+    assert env.value("coverage_bytes", path="l3", outcome="verified", reason="none") == LAYERS * pool.item_bytes
+
+
+def assert_load_unverified(env, pool):
+    """The restored row came without digests: its load is counted unverified, never a finding."""
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
+    assert env.value("rooms_verified", stage="hicache_load", verdict="unverified") == 1
+
+
 def test_a_storage_tier_page_changed_in_storage_is_found_at_hicache_load(hicache, make_pool, storage):
     env = hicache()
     pool = make_pool("fp8_indexer")
@@ -97,11 +117,7 @@ def test_a_clean_storage_tier_round_trip_matches(hicache, make_pool, storage):
     backup(pool)
     settle(env)
     store_evict_restore(pool, storage, lambda: settle(env))
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
-    assert env.value("coverage_bytes", path="l3", outcome="verified", reason="none") == LAYERS * pool.item_bytes
+    assert_load_verified(env, pool)
 
 
 def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool, storage):
@@ -117,13 +133,7 @@ def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool,
             storage._get_suffixed_key(f"{storage._log_key(POOL, 'page-5')}{SIDECAR_SUFFIX}")) + ".bin")
 
     store_evict_restore(pool, storage, lose_sidecar)
-    load(pool)
-    settle(env)
-    assert findings(env) == []  # the restored row holds zeros no more, but nothing says what it should hold
-    row = LAYERS * pool.item_bytes
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
-    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
-    assert env.value("rooms_verified", stage="hicache_load", verdict="unverified") == 1
+    assert_load_unverified(env, pool)  # the restored row holds zeros no more, but nothing says what it should hold
 
 
 def sidecar_file(backend, key: str) -> str:
@@ -145,39 +155,36 @@ def compute_anew(pool):
     backup(pool)
 
 
+def stored_with_sidecar(hicache, make_pool, backend):
+    """Host row 5 backed up and stored in L3 as page-5, its sidecar beside it."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    assert backend._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
+    settle(env)
+    assert os.path.exists(sidecar_file(backend, "page-5")), "no sidecar was stored"
+    return env, pool
+
+
 def test_a_page_stored_again_after_its_file_was_evicted_is_compared_with_its_own_digests(
         hicache, make_pool, storages):
     """The evictor took page-5's file but not its sidecar; the same key's page, stored again
     with other bytes, must not be compared with the old sidecar's digests (found 2026-12-06:
     ``set`` skipped the new sidecar, and a clean restore read as a mismatch)."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
-    assert storages._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
-    settle(env)
-    assert os.path.exists(sidecar_file(storages, "page-5")), "no sidecar was stored"
+    env, pool = stored_with_sidecar(hicache, make_pool, storages)
     evict(storages, page_file(storages, "page-5"))
     compute_anew(pool)
     settle(env)
     store_evict_restore(pool, storages, lambda: settle(env))
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
-    assert env.value("coverage_bytes", path="l3", outcome="verified", reason="none") == LAYERS * pool.item_bytes
+    assert_load_verified(env, pool)
 
 
 def test_a_page_the_backend_kept_gets_no_sidecar_of_other_bytes(hicache, make_pool, storage):
     """Page-5 is on disk and its sidecar was evicted; a later backup of other bytes under the
     same key is not stored (``set`` skips a key that exists), so its digests must not be
     written beside the old page: the page's restore is counted unverified, not a mismatch."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
-    assert storage._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
-    settle(env)
+    env, pool = stored_with_sidecar(hicache, make_pool, storage)
     evict(storage, sidecar_file(storage, "page-5"))
     compute_anew(pool)
     settle(env)
@@ -187,12 +194,7 @@ def test_a_page_the_backend_kept_gets_no_sidecar_of_other_bytes(hicache, make_po
         assert not os.path.exists(sidecar_file(storage, "page-5")), "a sidecar of other bytes was written"
 
     store_evict_restore(pool, storage, kept_as_it_was)
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    row = LAYERS * pool.item_bytes
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
-    assert env.value("rooms_verified", stage="hicache_load", verdict="unverified") == 1
+    assert_load_unverified(env, pool)
 
 
 def stored_page(backend, key: str, fill: int):
