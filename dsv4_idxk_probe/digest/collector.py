@@ -293,15 +293,16 @@ class Collector:
         return False
 
     def _hold(self, ticket: PendingDigest) -> None:
-        """Keep a dropped batch's device memory from its pools and from the allocator: the
-        kernel of a batch whose event failed may still write its staging buffer and read its
-        tables, and memory freed under it would be SGLang's next tensor. The newest
+        """Keep a dropped batch's memory from its pools and from the allocator: the kernel of
+        a batch whose event failed may still write its staging buffer and read its page tables
+        (the caller's, and those the submit converted), and memory freed under it would be
+        SGLang's next tensor. The newest
         `DROPPED_HELD` drops are held (a failing device drops batch after batch; by the
         time a drop leaves the window, the kernels before it have long ended or never will)."""
         held = self.__dict__.get("_held_drops")
         if held is None:
             held = self._held_drops = deque(maxlen=DROPPED_HELD)
-        held.append((ticket.staging, ticket.table, ticket.keepalive))
+        held.append((ticket.staging, ticket.keepalive, ticket.one, ticket.rooms))  # the rooms: the caller's page tables
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
         """Hand the batch's result to its callback. A result that cannot be made (the fold,

@@ -52,8 +52,9 @@ def stored_anew(before: FileVersion | None, after: FileVersion | None) -> bool:
 
 def remove_stored(backend, storage_key: str) -> None:
     """Take a stored file away: the file first, then the metadata cache's entry (the other
-    order lets a concurrent ``exists`` put the entry back while the file is still there,
-    and a later ``set`` of the key would be skipped). The evictor tolerates a missing file."""
+    order widens the window in which a concurrent ``exists`` puts the entry back while the
+    file is still there, and a later ``set`` of the key is skipped: docs/hicache.md's known
+    limits). The evictor tolerates a missing file."""
     try:
         os.remove(stored_path(backend, storage_key))
     except FileNotFoundError:

@@ -361,10 +361,10 @@ def test_a_page_id_stride_below_one_is_refused(stride, random_buffers):
         DigestEngine(LAYOUT, [0], random_buffers(LAYOUT, 1, 2, seed=1), backend="reference", page_id_stride=stride)
 
 
-def test_a_dropped_batchs_staging_buffer_is_held_from_its_pool_and_the_allocator(engine, monkeypatch):
+def test_a_dropped_batchs_staging_buffer_is_held_from_the_allocator(engine, monkeypatch):
     """A dropped batch's kernel may still write its staging buffer (its event failed): the
-    buffer is neither given back to the pool nor freed when the batch's last other
-    reference goes (freed, the allocator would hand it to SGLang's next tensor)."""
+    buffer is not freed when the batch's last other reference goes (freed, the allocator
+    would hand it to SGLang's next tensor)."""
     settled = threading.Event()
     engine.submit([RoomRequest("first", [0], 256)], lambda batch: settled.set())  # behind the warm-up batch
     assert settled.wait(30)
@@ -385,7 +385,4 @@ def test_a_dropped_batchs_staging_buffer_is_held_from_its_pool_and_the_allocator
         assert engine.backend == "reference", "a device batch with no staging buffer"
         return
     gc.collect()
-    held = [ref() for ref in stagings]
-    assert all(s is not None for s in held), "a dropped batch's staging buffer was freed"
-    free = [b for buffers in engine._staging._free.values() for b in buffers]
-    assert not any(s is b for s in held for b in free), "a dropped batch's staging buffer went back to its pool"
+    assert all(ref() is not None for ref in stagings), "a dropped batch's staging buffer was freed"

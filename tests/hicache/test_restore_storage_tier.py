@@ -207,7 +207,10 @@ def stored_page(backend, key: str, fill: int):
 def test_a_sidecar_is_written_only_while_its_page_is_the_one_on_disk(storages):
     sidecar = f"{storages._log_key(POOL, 'page-5')}{SIDECAR_SUFFIX}"
 
+    writes = []
+
     def write_sidecar():
+        writes.append(sidecar)
         assert storages.set(sidecar, torch.zeros(64, dtype=torch.uint8))
 
     path, version = stored_page(storages, "page-5", 1)
@@ -220,6 +223,7 @@ def test_a_sidecar_is_written_only_while_its_page_is_the_one_on_disk(storages):
     stored_page(storages, "page-5", 2)  # stored again before the old page's sidecar was written
     assert not l3_files.write_while_current(storages, sidecar, path, version, write_sidecar)
     assert not os.path.exists(sidecar_file(storages, "page-5"))
+    assert len(writes) == 1, "a sidecar was written for a page no longer on disk"
 
     path, version = stored_page(storages, "page-6", 3)
     sidecar6 = f"{storages._log_key(POOL, 'page-6')}{SIDECAR_SUFFIX}"
