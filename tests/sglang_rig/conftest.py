@@ -49,6 +49,7 @@ def describe(phase: Phase) -> str:
     lines = [f"phase {phase.name}: {len(phase.requests)} requests, {phase.seconds:.1f}s"]
     lines += [f"request failed: {p}" for p in phase.failed_requests[:10]]
     lines += [f"wrong output: {rid}" for rid in phase.wrong_outputs[:10]]
+    lines += [f"lost by SGLang's router before decode, sent again: {rid}" for rid in phase.router_lost]
     lines += [f"unrecorded fault: {u}" for u in phase.unrecorded_faults[:10]]
     if v is not None:
         lines += [f"fault {c.label} room {c.record.get('rig_room')}: {c.note or c.seen}" for c in v.checks if not c.ok]

@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..faults.verify import Verification, verify
 from . import launch, truth
 from .env import ENV_OUT, ENV_PLAN
+from .router_loss import lost_before_decode
 from .workload import Outcome, Request, send
 
 
@@ -49,6 +50,8 @@ class Phase:
     # vanish: the servers record each one applied, or not applied with the reason)
     unrecorded_faults: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # rids SGLang's router lost before decode saw them, each sent again as "<rid>-resent" (router_loss)
+    router_lost: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -134,7 +137,10 @@ class RigSession:
         self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
                          scribble_freed=scribble_freed, fail_transfer=sorted(failing))
         outcomes = send(self.cluster.url, requests, concurrency)
-        phase = Phase(name, requests, outcomes, {})
+        requests, outcomes, router_lost = self._resend_router_lost(requests, outcomes, concurrency, faults,
+                                                                   scribble_freed=scribble_freed,
+                                                                   fail_transfer=sorted(failing))
+        phase = Phase(name, requests, outcomes, {}, router_lost=router_lost)
         for o in outcomes:
             if not o.request.aborted and o.status != 200 and o.request.rid not in failing:
                 phase.failed_requests.append(f"{o.request.rid}: HTTP {o.status} {o.error}")
@@ -154,6 +160,25 @@ class RigSession:
         phase.verification = verify(self.log_dir, phase.faults, oracle, planned, only_rooms=set(phase.rooms.values()))
         phase.seconds = time.monotonic() - t0
         return phase
+
+    def _resend_router_lost(self, requests: list[Request], outcomes: list[Outcome], concurrency: int,
+                            faults: str | None, **flags: Any) -> tuple[list[Request], list[Outcome], list[str]]:
+        """Send once more, under a new rid, each request SGLang's router lost before decode saw it
+        (`router_loss`); the phase judges the resent one in its place and names the lost rid."""
+        logs = self.cluster.logs
+        if "prefill" not in logs or "decode" not in logs:
+            return requests, outcomes, []
+        lost = [o for o in outcomes if lost_before_decode(o, logs["prefill"], logs["decode"])]
+        if not lost:
+            return requests, outcomes, []
+        again = {o.request.rid: replace(o.request, rid=f"{o.request.rid}-resent") for o in lost}
+        requests = [again.get(r.rid, r) for r in requests]
+        self.rooms.update({r.rid: r.number for r in again.values()})
+        self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
+                         **flags)
+        answered = {o.request.rid: o for o in send(self.cluster.url, list(again.values()), concurrency)}
+        outcomes = [answered.get(again[o.request.rid].rid) if o.request.rid in again else o for o in outcomes]
+        return requests, outcomes, sorted(again)
 
     def _settle(self, rids: set[str], stall_s: float, owed: dict | None = None) -> None:
         """Wait until decode digested every completed room at `decode_finish`, the logs caught
