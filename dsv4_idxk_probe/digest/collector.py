@@ -25,7 +25,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -106,7 +105,7 @@ class Collector:
     It reads what the engine's constructor sets up: `layout`, `layer_ids`,
     `signature`, `wait`, `poll_interval_s`, `max_poll_interval_s`, `stats`
     (`EngineStats`), and `_tickets` (the queue of submitted batches), `_lock`,
-    `_thread`, `_collecting`, `_warm_up_queued`, `_staging`, `_events`,
+    `_thread`, `_collecting`, `_warm_up_queued`, `_staging`, `_events`, `_held_drops`,
     `_frozen_bytes_per_slot` and `_copy_stream` / `_copied` (made here, on CUDA)."""
 
     _quiet_at = -1  # the engine's submitted rooms when its serving thread last went quiet (`_defer`)
@@ -299,10 +298,7 @@ class Collector:
         SGLang's next tensor. The newest
         `DROPPED_HELD` drops are held (a failing device drops batch after batch; by the
         time a drop leaves the window, the kernels before it have long ended or never will)."""
-        held = self.__dict__.get("_held_drops")
-        if held is None:
-            held = self._held_drops = deque(maxlen=DROPPED_HELD)
-        held.append((ticket.staging, ticket.keepalive, ticket.one, ticket.rooms))  # the rooms: the caller's page tables
+        self._held_drops.append((ticket.staging, ticket.keepalive, ticket.one, ticket.rooms))  # the rooms: the caller's page tables
 
     def _deliver(self, ticket: PendingDigest, result: Callable[[PendingDigest], BatchResult]) -> None:
         """Hand the batch's result to its callback. A result that cannot be made (the fold,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..background import HandOff
-from .collector import DEFER_ROUNDS, BatchResult, Collector, Note
+from .collector import DEFER_ROUNDS, DROPPED_HELD, BatchResult, Collector, Note
 from .launch import FOLD_SLICES, Launcher, PendingDigest, kernel_shape, staging_bytes
 from .layout import RowLayout, layout_signature
 from .pinned import EventPool, StagingPool
@@ -246,6 +246,7 @@ class DigestEngine(Launcher, Collector):
         self._thread: threading.Thread | None = None
         self._collecting = False  # the collector thread runs: one attribute read per submit
         self._warm_up_queued = 0  # start-up batches waiting in the queue: they take no caller's place
+        self._held_drops: deque = deque(maxlen=DROPPED_HELD)  # dropped batches' memory (`Collector._hold`)
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # raw stream handle -> its torch stream
         self._copy_stream = self._copied = None  # the collector's own stream and event (collector.py)
