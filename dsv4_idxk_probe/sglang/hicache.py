@@ -286,21 +286,22 @@ def _l3_state(probe, host_pool):
 
 
 def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
-    """Before ``_write_page``: the index-K page's file and its version, or None for other pools."""
-    if _l3_state(probe, host_pool) is None:
+    """Before ``_write_page``: the index-K pool's state, the page's file and its version; None
+    for other pools."""
+    state = _l3_state(probe, host_pool)
+    if state is None:
         return None
     path = l3_files.page_path(backend, pool_name, key)
-    return path, l3_files.file_version(path)
+    return state, path, l3_files.file_version(path)
 
 
 def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
     """After ``_write_page``: a page the backend stored anew takes its old sidecar away now and
     gets its own, in the collector's order, while it is still the page on disk. A page that
     was there already (``set`` skips it) keeps whatever sidecar its own write left."""
-    state = _l3_state(probe, host_pool)
-    path, before = page_before
+    state, path, before = page_before
     version = l3_files.file_version(path)
-    if state is None or not l3_files.stored_anew(before, version):
+    if not l3_files.stored_anew(before, version):
         return
     sidecar = _sidecar_key(backend, pool_name, key)
     l3_files.remove_stored(backend, sidecar)
