@@ -68,7 +68,8 @@ def test_a_phase_sends_a_request_the_router_lost_once_more_under_a_new_rid(tmp_p
     monkeypatch.setattr(run, "send", send)
     requests = [Request(n, f"abort-{n}", (1, 2, 3), 8) for n in (1, 3)]
     again, outcomes, lost = session._resend_router_lost(
-        requests, [Outcome(requests[0], status=200), outcome()], 4, None, scribble_freed=False, fail_transfer=[])
+        requests, [Outcome(requests[0], status=200), outcome()], 4,
+        {"faults": None, "scribble_freed": False, "fail_transfer": []})
     assert session.sent == [["abort-3-resent"]]
     assert lost == ["abort-3"] and [r.rid for r in again] == ["abort-1", "abort-3-resent"]
     assert [(o.request.rid, o.status) for o in outcomes] == [("abort-1", 200), ("abort-3-resent", 200)]

@@ -134,12 +134,11 @@ class RigSession:
         t0 = time.monotonic()
         self.rooms.update({r.rid: r.number for r in requests})
         failing = {r.rid for r in requests if r.number in set(fail_transfer)}
-        self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
-                         scribble_freed=scribble_freed, fail_transfer=sorted(failing))
+        plan = {"faults": str(Path(faults).resolve()) if faults else None, "scribble_freed": scribble_freed,
+                "fail_transfer": sorted(failing)}
+        self._write_plan({r.rid: r.number for r in requests}, **plan)
         outcomes = send(self.cluster.url, requests, concurrency)
-        requests, outcomes, router_lost = self._resend_router_lost(requests, outcomes, concurrency, faults,
-                                                                   scribble_freed=scribble_freed,
-                                                                   fail_transfer=sorted(failing))
+        requests, outcomes, router_lost = self._resend_router_lost(requests, outcomes, concurrency, plan)
         phase = Phase(name, requests, outcomes, {}, router_lost=router_lost)
         for o in outcomes:
             if not o.request.aborted and o.status != 200 and o.request.rid not in failing:
@@ -162,9 +161,10 @@ class RigSession:
         return phase
 
     def _resend_router_lost(self, requests: list[Request], outcomes: list[Outcome], concurrency: int,
-                            faults: str | None, **flags: Any) -> tuple[list[Request], list[Outcome], list[str]]:
+                            plan: dict[str, Any]) -> tuple[list[Request], list[Outcome], list[str]]:
         """Send once more, under a new rid, each request SGLang's router lost before decode saw it
-        (`router_loss`); the phase judges the resent one in its place and names the lost rid."""
+        (`router_loss`); the phase judges the resent one in its place and names the lost rid.
+        `plan`: the phase's `_write_plan` arguments besides its rooms."""
         logs = self.cluster.logs
         if "prefill" not in logs or "decode" not in logs:
             return requests, outcomes, []
@@ -174,8 +174,7 @@ class RigSession:
         again = {o.request.rid: replace(o.request, rid=f"{o.request.rid}-resent") for o in lost}
         requests = [again.get(r.rid, r) for r in requests]
         self.rooms.update({r.rid: r.number for r in again.values()})
-        self._write_plan({r.rid: r.number for r in requests}, str(Path(faults).resolve()) if faults else None,
-                         **flags)
+        self._write_plan({r.rid: r.number for r in requests}, **plan)
         answered = {o.request.rid: o for o in send(self.cluster.url, list(again.values()), concurrency)}
         outcomes = [answered.get(again[o.request.rid].rid) if o.request.rid in again else o for o in outcomes]
         return requests, outcomes, sorted(again)

@@ -103,25 +103,8 @@ def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: floa
         }
         outcome = Outcome(req)
         started = time.monotonic()
-        if req.hang_up is not None:
-            _post_until_hung_up(url, body, req.hang_up, timeout_s, outcome)
-            outcome.seconds = time.monotonic() - started
-            if on_done is not None:
-                with lock:
-                    on_done(outcome)
-            return outcome
-        http = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                      headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(http, timeout=req.abort_after_s or timeout_s) as resp:
-                outcome.status = resp.status
-                doc = json.loads(resp.read())
-                outcome.output_ids = list(doc.get("output_ids") or [])
-        except urllib.error.HTTPError as exc:
-            outcome.status = exc.code
-            outcome.error = exc.read()[:300].decode("utf-8", "replace")
-        except (OSError, ValueError) as exc:
-            outcome.error = f"{type(exc).__name__}: {exc}"
+        post = _post if req.hang_up is None else _post_until_hung_up
+        post(url, body, req, timeout_s, outcome)
         outcome.seconds = time.monotonic() - started
         if on_done is not None:
             with lock:
@@ -132,15 +115,34 @@ def send(url: str, requests: list[Request], concurrency: int, *, timeout_s: floa
         return list(pool.map(one, requests))
 
 
-def _post_until_hung_up(url: str, body: dict, hang_up: threading.Event, timeout_s: float, outcome: Outcome) -> None:
-    """POST `body` to ``url/generate`` and wait for the answer; once `hang_up` is set, close
+def _answered(outcome: Outcome, status: int, payload: bytes) -> None:
+    outcome.status = status
+    outcome.output_ids = list(json.loads(payload).get("output_ids") or [])
+
+
+def _post(url: str, body: dict, req: Request, timeout_s: float, outcome: Outcome) -> None:
+    """POST `body` to ``url/generate``; the client hangs up after `req.abort_after_s`, if set."""
+    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=req.abort_after_s or timeout_s) as resp:
+            _answered(outcome, resp.status, resp.read())
+    except urllib.error.HTTPError as exc:
+        outcome.status = exc.code
+        outcome.error = exc.read()[:300].decode("utf-8", "replace")
+    except (OSError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+
+
+def _post_until_hung_up(url: str, body: dict, req: Request, timeout_s: float, outcome: Outcome) -> None:
+    """POST `body` to ``url/generate`` and wait for the answer; once `req.hang_up` is set, close
     the connection (the router and the servers see the client go: an abort)."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     answered = threading.Event()
 
     def close_when_told() -> None:
-        while not hang_up.wait(0.2):
+        while not req.hang_up.wait(0.2):
             if answered.is_set():
                 return
         try:
@@ -153,9 +155,7 @@ def _post_until_hung_up(url: str, body: dict, hang_up: threading.Event, timeout_
         conn.request("POST", "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
         closer.start()
         resp = conn.getresponse()
-        outcome.status = resp.status
-        doc = json.loads(resp.read())
-        outcome.output_ids = list(doc.get("output_ids") or [])
+        _answered(outcome, resp.status, resp.read())
     except (OSError, ValueError, http.client.HTTPException) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
     finally:
