@@ -72,6 +72,14 @@ class PoolState:
         self.load_checks: tuple | None = None
         # the model's (global) layer id of each of the pool's layers, once known (`layer_ids`)
         self.layer_ids: tuple[int, ...] | None = None
+        self._host_arrays: list | None = None
+
+    def host_arrays(self) -> list:
+        """Each layer's host rows as NumPy arrays [rows, item_bytes] (views, made once): a host
+        row read on the CPU (an L3 write's check) without torch's cost per call."""
+        if self._host_arrays is None:
+            self._host_arrays = [self.views.host_layer(layer).numpy() for layer in range(self.geom.layers)]
+        return self._host_arrays
 
 
 class Call:

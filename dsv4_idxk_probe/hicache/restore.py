@@ -52,31 +52,40 @@ STAGE = HICACHE_STAGES[0]  # "hicache_load"
 #: A stored page's digests travel beside it under the page's storage key plus this suffix
 #: (a sidecar key in the storage backend's own key space; docs/hicache.md, "The storage tier").
 SIDECAR_SUFFIX = ".dsv4-idxk-digest"
-#: First word of a sidecar: "dsv4idxk" as a little-endian uint64, then layers, segments, digests.
-SIDECAR_MAGIC = int.from_bytes(b"dsv4idxk", "little")
+#: First word of a sidecar: "dsv4idx2" as a little-endian uint64 (the second format: the first,
+#: "dsv4idxk", carried no page version and reads as no sidecar), then layers, segments, the
+#: stored page's version (three words), digests.
+SIDECAR_MAGIC = int.from_bytes(b"dsv4idx2", "little")
+_SIDECAR_HEADER = 6  # words before the digests
+#: Which stored page a sidecar describes, as the storage backend tells one file from another
+#: (HiCacheFile: inode, size, modification time in ns): an opaque triple of integers here.
+PageVersion = tuple[int, int, int]
 
 
 def sidecar_bytes(layers: int, segments: int) -> int:
-    return 8 * (3 + int(layers) * int(segments))
+    return 8 * (_SIDECAR_HEADER + int(layers) * int(segments))
 
 
-def encode_sidecar(digests: np.ndarray) -> np.ndarray:
-    """A host row's kept digests (uint64 [layers, segments]) as the bytes of its sidecar."""
+def encode_sidecar(digests: np.ndarray, page_version: PageVersion) -> np.ndarray:
+    """A host row's kept digests (uint64 [layers, segments]) and the version of the stored page
+    they describe, as the bytes of its sidecar."""
     layers, segments = digests.shape
-    words = np.concatenate([np.array([SIDECAR_MAGIC, layers, segments], dtype=np.uint64),
-                            np.asarray(digests, dtype=np.uint64).reshape(-1)])
+    header = [SIDECAR_MAGIC, layers, segments, *(int(v) for v in page_version)]
+    words = np.concatenate([np.array(header, dtype=np.uint64), np.asarray(digests, dtype=np.uint64).reshape(-1)])
     return words.view(np.uint8)
 
 
-def decode_sidecar(data, layers: int, segments: int) -> np.ndarray | None:
-    """The digests a sidecar carries, None when it is not one of this pool's shape."""
+def decode_sidecar(data, layers: int, segments: int) -> tuple[np.ndarray, PageVersion] | None:
+    """The digests a sidecar carries and the page version they describe, None when it is not
+    a sidecar of this pool's shape (or of an earlier format)."""
     data = np.asarray(data, dtype=np.uint8).reshape(-1)
     if data.size != sidecar_bytes(layers, segments):
         return None
     words = data.view(np.uint64)
     if int(words[0]) != SIDECAR_MAGIC or (int(words[1]), int(words[2])) != (layers, segments):
         return None
-    return words[3:].reshape(layers, segments).copy()
+    version = (int(words[3]), int(words[4]), int(words[5]))
+    return words[_SIDECAR_HEADER:].reshape(layers, segments).copy(), version
 
 
 #: Staging buffers (pinned host + device, 128 KiB each for a copy of up to ~130 pages x 30
@@ -360,10 +369,12 @@ class RestoreVerifier:
         else:
             pool.engine.post(lambda _arg: self.store.drop(key, rows))
 
-    def write_sidecar(self, state, host_row: int, write: Callable[[np.ndarray], Any]) -> None:
-        """The storage tier stored host row `host_row`: hand its kept digests to `write` (the
-        backend's own set, under the sidecar key), in the collector's order, behind the backup
-        that kept them. A row with no kept digest gets no sidecar (its L3 restore: digest_lost)."""
+    def write_sidecar(self, state, host_row: int, page_version: PageVersion,
+                      write: Callable[[np.ndarray], Any]) -> None:
+        """The storage tier stored host row `host_row` as the page at `page_version`: hand its
+        kept digests, tied to that version, to `write` (the backend's own set, under the
+        sidecar key), in the collector's order, behind the backup that kept them. A row with
+        no kept digest gets no sidecar (its L3 restore: digest_lost)."""
         pool = self.pool(state)
         if pool is None or self._far_behind(pool):  # none written: the page's restore counts digest_lost
             return
@@ -372,25 +383,29 @@ class RestoreVerifier:
         def store(_arg) -> None:
             (digests,) = self.store.get(key, [row])
             if digests is not None:
-                write(encode_sidecar(digests))
+                write(encode_sidecar(digests, page_version))
 
         pool.engine.post(store)
 
-    def storage_read(self, state, host_row: int, sidecar) -> bool:
-        """The storage tier filled host row `host_row`; `sidecar`: the bytes stored beside the
-        page, or None. With a sidecar of this pool's shape the row's digests are the ones its
-        backup took, and its load is verified; without, they are lost. True when carried."""
+    def storage_read(self, state, host_row: int, sidecar, page_version: PageVersion | None) -> bool:
+        """The storage tier filled host row `host_row` from the stored page at `page_version`;
+        `sidecar`: the bytes stored beside the page, or None. A sidecar of this pool's shape
+        that describes that very page gives the row the digests its backup took, and its load
+        is verified; otherwise they are lost (a sidecar of another version describes a page
+        stored before this one: comparing with it would report bytes nobody corrupted). True
+        when carried."""
         if not is_index_k_pool(state.geom.name):
             return False
         pool = self.pool(state)
         key, row = state.key, int(host_row)
-        digests = None if pool is None or sidecar is None else decode_sidecar(
+        carried = None if pool is None or sidecar is None else decode_sidecar(
             sidecar, pool.layers, len(pool.layout.segments))
         nbytes = state.geom.layers * state.geom.item_bytes
-        if digests is None or self._far_behind(pool):
+        if carried is None or carried[1] != page_version or self._far_behind(pool):
             self.forget_rows(state, [row])
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
+        digests = carried[0]
         pool.engine.post(lambda _arg: self.store.put(key, [row], digests[:, None, :]))
         self._count("l3", "verified", "none", nbytes)
         return True

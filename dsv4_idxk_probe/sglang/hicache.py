@@ -286,8 +286,8 @@ def _l3_state(probe, host_pool):
 
 
 def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
-    """Before ``_write_page``: the index-K pool's state, the page's file and its version; None
-    for other pools."""
+    """Before ``_write_page`` or ``_read_page``: the index-K pool's state, the page's file and
+    its version; None for other pools."""
     state = _l3_state(probe, host_pool)
     if state is None:
         return None
@@ -297,27 +297,36 @@ def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
 
 def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
     """After ``_write_page``: a page the backend stored anew takes its old sidecar away now and
-    gets its own, in the collector's order, while it is still the page on disk. A page that
-    was there already (``set`` skips it) keeps whatever sidecar its own write left."""
+    gets its own, in the collector's order, while it is still the page on disk, and only if
+    that file holds this host row's bytes (another writer of the key, a DP rank, may have
+    replaced it right after ``set`` did). Checked here, while SGLang's storage operation
+    still holds the host row. A page that was there already (``set`` skips it) keeps
+    whatever sidecar its own write left."""
     state, path, before = page_before
-    version = l3_files.file_version(path)
-    if not l3_files.stored_anew(before, version):
+    if not l3_files.stored_anew(before, l3_files.file_version(path)):
         return
     sidecar = _sidecar_key(backend, pool_name, key)
     l3_files.remove_stored(backend, sidecar)
+    if probe.restore.pool(state) is None:  # its rows are not digested: no sidecar to write
+        return
     row = int(page_offset) // int(host_pool.slot_page_size)
+    # what ``get_data_page(flat=True)`` gave ``set``: the row of each layer, layer after layer
+    version = l3_files.holding(path, [layer[row] for layer in state.host_arrays()])
+    if version is None:  # not this row's bytes on disk: no sidecar (its restore counts digest_lost)
+        return
 
     def write(data) -> None:
         l3_files.write_while_current(backend, sidecar, path, version,
                                      lambda: backend.set(sidecar, torch.from_numpy(data)))
 
-    probe.restore.write_sidecar(state, row, write)
+    probe.restore.write_sidecar(state, row, version, write)
 
 
-def _l3_read(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
-    state = _l3_state(probe, host_pool)
-    if state is None:
-        return
+def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
+    """After ``_read_page``: the row gets the digests of the page's sidecar if that sidecar
+    names the version of the page file the read found, before and after it (a page stored
+    anew while it was read may have given the row either version's bytes)."""
+    state, path, before = page_before
     sidecar = _sidecar_key(backend, pool_name, key)
     data = None
     pool = probe.restore.pool(state)
@@ -326,7 +335,8 @@ def _l3_read(probe, backend, pool_name, key, host_pool, page_offset, *_a, **_k) 
         got = backend.get(sidecar, target)
         data = None if got is None else got.numpy()
     row = int(page_offset) // int(host_pool.slot_page_size)
-    probe.restore.storage_read(state, row, data)
+    version = l3_files.file_version(path)
+    probe.restore.storage_read(state, row, data, version if version == before else None)
 
 
 def make_l3_write_wrapper(runtime):
@@ -354,14 +364,15 @@ def make_l3_read_wrapper(runtime):
     def wrapper(wrapped, instance, args, kwargs):
         if not probe.active or probe.restore is None:
             return wrapped(*args, **kwargs)
+        before = safe_invoke("hicache.l3_read", _l3_page_before, probe, instance, *args, **kwargs)
         local = probe.local
         local.l3_read = getattr(local, "l3_read", 0) + 1
         try:
             result = wrapped(*args, **kwargs)
         finally:
             local.l3_read -= 1
-        if result:
-            safe_invoke("hicache.l3_read", _l3_read, probe, instance, *args, **kwargs)
+        if result and before is not None:
+            safe_invoke("hicache.l3_read", _l3_read, probe, before, instance, *args, **kwargs)
         return result
 
     return wrapper

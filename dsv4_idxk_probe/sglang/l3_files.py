@@ -6,8 +6,12 @@ file and its sidecar's independently. A sidecar that outlives its page would sta
 when the same key is stored again, and the new page's restore would be compared
 with the old page's digests: a false mismatch wherever the two pages' bytes differ.
 So a page the backend stores anew takes its old sidecar away at once (its restore
-is `digest_lost` until the new sidecar is written), and a sidecar is written only
-while the page it describes is still the one on disk.
+is `digest_lost` until the new sidecar is written), a sidecar is written only while
+the page it describes is still the one on disk, and only when that file holds the
+bytes the write stored (another process may have stored the key in the same instant);
+and a sidecar names the page version it describes, which a read checks: a sidecar of
+another version (the page stored again while the probe was off, or by a writer it did
+not see) is no sidecar.
 
 SGLang knowledge (every release 0.5.18-0.5.23): a page of ``pool_name`` under
 ``key`` is the file ``<file_path>/<_get_suffixed_key(_log_key(pool_name, key))>.bin``;
@@ -19,7 +23,10 @@ stored anew is a new file (a new inode); ``exists`` may answer from
 from __future__ import annotations
 
 import os
-from typing import Callable
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
 
 #: A stored file's version: (inode, size, modification time in ns); None: no file.
 FileVersion = tuple[int, int, int]
@@ -42,6 +49,54 @@ def file_version(path: str) -> FileVersion | None:
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def holding(path: str, parts: Sequence[np.ndarray]) -> FileVersion | None:
+    """The version of the file at `path` if it holds exactly the bytes of `parts` (uint8
+    arrays, one after the other), else None. Read through one open file, so the version and
+    the bytes are the same file's. Why: a page's file can be another writer's (a second
+    process storing the same key in the same instant: ``set``'s own ``os.replace`` and the
+    other's land in either order), and a sidecar must describe the bytes that are on disk."""
+    size = sum(part.size for part in parts)
+    got = _scratch("got", size)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_size != size or not _read_fully(fd, got):
+            return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    want = np.concatenate(parts, out=_scratch("want", size))
+    if size % 8 == 0:  # eight bytes a compare
+        got, want = got.view(np.uint64), want.view(np.uint64)
+    return (st.st_ino, st.st_size, st.st_mtime_ns) if np.array_equal(got, want) else None
+
+
+def _read_fully(fd: int, into: np.ndarray) -> bool:
+    done = 0
+    while done < into.size:
+        n = os.preadv(fd, [into[done:]], done)
+        if not n:
+            return False
+        done += n
+    return True
+
+
+_scratches = threading.local()  # per storage thread: the page as read, the page as stored
+
+
+def _scratch(name: str, size: int) -> np.ndarray:
+    """A buffer of `size` bytes kept by this thread (a page's size: allocated once, not per page)."""
+    buf = getattr(_scratches, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, dtype=np.uint8)
+        setattr(_scratches, name, buf)
+    return buf[:size]
 
 
 def stored_anew(before: FileVersion | None, after: FileVersion | None) -> bool:

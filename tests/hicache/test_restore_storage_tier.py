@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
-from dsv4_idxk_probe.hicache.restore import SIDECAR_SUFFIX
+from dsv4_idxk_probe.hicache.restore import SIDECAR_SUFFIX, decode_sidecar, encode_sidecar
 from dsv4_idxk_probe.sglang import l3_files
 
-from .conftest import LAYERS, accepted
+from .conftest import LAYERS, accepted, host_row
 from .test_restore_pools import backup, findings, load, settle
 
 POOL = "deepseek_v4_c4_indexer"
@@ -51,21 +52,34 @@ def page_file(backend, key: str) -> str:
     return os.path.join(backend.file_path, f"{backend._get_suffixed_key(backend._log_key(POOL, key))}.bin")
 
 
+def corrupt_silently(path: str, offset: int, mask: int = 0x40) -> None:
+    """One byte of a stored file changed as storage corrupts it: the bytes change, the file's
+    metadata (inode, size, modification time) does not."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert l3_files.file_version(path) == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def store_evict_restore(pool, backend, between=None):
     """Host row 5 stored in L3 (with its sidecar), overwritten in the host pool (evicted and
     reused), `between` on the stored files, then read back from L3 into row 5."""
     offset = 5 * pool.slot_page_size
     assert backend._write_page(POOL, "page-5", pool, offset)
     for layer in range(LAYERS):
-        pool.kv_buffer[layer][5].zero_()
+        host_row(pool, 5, layer).zero_()
     if between is not None:
         between()
     assert backend._read_page(POOL, "page-5", pool, offset)
 
 
-def assert_load_verified(env, pool):
+def assert_load_verified(env, pool, io_backend="kernel"):
     """The restored row's load is compared with the digests its page carried: all match."""
-    load(pool)
+    load(pool, io_backend)
     settle(env)
     assert findings(env) == []
     assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
@@ -93,11 +107,7 @@ def test_a_storage_tier_page_changed_in_storage_is_found_at_hicache_load(hicache
     def flip():  # one scale byte of layer 1 of the stored page
         settle(env)  # the sidecar is written by the collector, behind the backup's digests
         assert storage.exists(f"{storage._log_key(POOL, 'page-5')}{SIDECAR_SUFFIX}"), "no sidecar was stored"
-        with open(path, "r+b") as f:
-            f.seek(1 * pool.item_bytes + SCALE_AT + 3)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x40]))
+        corrupt_silently(path, 1 * pool.item_bytes + SCALE_AT + 3)
 
     store_evict_restore(pool, storage, flip)
     load(pool, device_rows=[0, 4])
@@ -111,13 +121,17 @@ def test_a_storage_tier_page_changed_in_storage_is_found_at_hicache_load(hicache
     assert env.value("rooms_verified", stage="hicache_load", verdict="mismatch") == 1
 
 
-def test_a_clean_storage_tier_round_trip_matches(hicache, make_pool, storage):
+@pytest.mark.parametrize("layout, io_backend", [("layer_first", "kernel"), ("page_first", "kernel"),
+                                                ("page_first_direct", "direct")])
+def test_a_clean_storage_tier_round_trip_matches(hicache, make_pool, storage, layout, io_backend):
+    """Each host layout SGLang has: the page's file holds the row's bytes in the order the
+    write's check reads them (else no sidecar is stored, and the restore counts unverified)."""
     env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
+    pool = make_pool("fp8_indexer", layout)
+    backup(pool, io_backend)
     settle(env)
     store_evict_restore(pool, storage, lambda: settle(env))
-    assert_load_verified(env, pool)
+    assert_load_verified(env, pool, io_backend)
 
 
 def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool, storage):
@@ -248,3 +262,99 @@ def test_a_page_stored_anew_is_told_from_one_the_backend_skipped(storage):
     evict(storage, path)
     _, again = stored_page(storage, "page-7", 3)
     assert l3_files.stored_anew(first, again)
+
+
+def test_a_page_stored_again_where_the_probe_did_not_see_it_is_counted_unverified(hicache, make_pool, storages):
+    """The evictor took page-5's file, and the key was stored again with other bytes where the
+    probe's hook did not run (the probe off then, or its pool not registered): the old sidecar
+    stays beside a page it does not describe. Its restore is counted unverified, never compared
+    with that sidecar's digests (a mismatch nobody made)."""
+    env, pool = stored_with_sidecar(hicache, make_pool, storages)
+    evict(storages, page_file(storages, "page-5"))
+    compute_anew(pool)
+    settle(env)
+    offset = 5 * pool.slot_page_size
+    assert storages.set(storages._log_key(POOL, "page-5"), pool.get_data_page(offset, flat=True))  # no hook around it
+    assert os.path.exists(sidecar_file(storages, "page-5")), "the old sidecar is the case under test"
+    for layer in range(LAYERS):
+        host_row(pool, 5, layer).zero_()
+    assert storages._read_page(POOL, "page-5", pool, offset)
+    assert_load_unverified(env, pool)
+
+
+def test_a_page_another_writer_replaced_within_the_write_gets_no_sidecar(hicache, make_pool, storages, monkeypatch):
+    """Two processes store one key in the same instant (attention-DP ranks share a model's MLA
+    keys): both find it absent, both write, and the other's ``os.replace`` lands right after
+    this one's. The file then holds the other's bytes (computed in another batch, one byte
+    apart), so this row's digests must not be stored beside it."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    page_key, path = storages._log_key(POOL, "page-5"), page_file(storages, "page-5")
+    real_set = storages.set
+
+    def set_then_the_other_writer(key, value=None, *args, **kwargs):
+        stored = real_set(key, value, *args, **kwargs)
+        if key == page_key:
+            other = value.clone().view(torch.uint8)
+            other[1 * pool.item_bytes + SCALE_AT + 3] ^= 0x40
+            other.numpy().tofile(f"{path}.other")
+            os.replace(f"{path}.other", path)
+        return stored
+
+    monkeypatch.setattr(storages, "set", set_then_the_other_writer)
+    store_evict_restore(pool, storages, lambda: settle(env))
+    assert not os.path.exists(sidecar_file(storages, "page-5")), "this row's digests went beside the other's bytes"
+    assert_load_unverified(env, pool)
+
+
+def test_a_page_rewritten_through_the_file_system_is_another_page(hicache, make_pool, storage):
+    """A stored page changed by a write the file system dates (its modification time moves: a
+    writer outside ``set``) is not the page its sidecar describes: its restore is counted
+    unverified. Corruption that leaves the file's metadata as it was is found (the test above)."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    path = page_file(storage, "page-5")
+
+    def rewrite():
+        settle(env)
+        st = os.stat(path)
+        data = bytearray(open(path, "rb").read())
+        data[1 * pool.item_bytes + SCALE_AT + 3] ^= 0x40
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # dated, however coarse the clock
+
+    store_evict_restore(pool, storage, rewrite)
+    assert_load_unverified(env, pool)
+
+
+def test_a_page_stored_anew_while_it_is_read_is_counted_unverified(hicache, make_pool, storage, monkeypatch):
+    """Another version of page-5 lands, with a sidecar naming it, while SGLang reads the old one:
+    the row holds bytes no sidecar on disk describes now, so its restore is counted unverified."""
+    env, pool = stored_with_sidecar(hicache, make_pool, storage)
+    path, sidecar_path, page_key = page_file(storage, "page-5"), sidecar_file(storage, "page-5"), \
+        storage._log_key(POOL, "page-5")
+    real_get = storage.get
+
+    def get_then_stored_anew(key, *args, **kwargs):
+        got = real_get(key, *args, **kwargs)
+        if key == page_key:
+            data = bytearray(open(path, "rb").read())
+            data[SCALE_AT + 3] ^= 0x40
+            with open(f"{path}.new", "wb") as f:
+                f.write(data)
+            os.replace(f"{path}.new", path)
+            words = np.fromfile(sidecar_path, dtype=np.uint64)
+            digests, _ = decode_sidecar(words.view(np.uint8), int(words[1]), int(words[2]))
+            encode_sidecar(digests, l3_files.file_version(path)).tofile(sidecar_path)  # names the new version
+        return got
+
+    monkeypatch.setattr(storage, "get", get_then_stored_anew)
+    for layer in range(LAYERS):
+        host_row(pool, 5, layer).zero_()
+    assert storage._read_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
+    assert_load_unverified(env, pool)

@@ -22,6 +22,7 @@ The tests run in file order on one pair: each counts the findings and verdicts i
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -158,8 +159,11 @@ def test_every_index_k_page_stored_in_l3_carries_the_digests_of_its_bytes(rig):
     assert set(carried) == set(pages), (len(pages), len(carried))
     layout = get_layout("fp8")
     for key, sidecar in carried.items():
-        digests = decode_sidecar(np.fromfile(sidecar, dtype=np.uint8), LAYERS, len(layout.segments))
-        assert digests is not None, f"{sidecar.name} is not a sidecar of this pool's shape"
+        carried = decode_sidecar(np.fromfile(sidecar, dtype=np.uint8), LAYERS, len(layout.segments))
+        assert carried is not None, f"{sidecar.name} is not a sidecar of this pool's shape"
+        digests, version = carried
+        st = os.stat(pages[key])
+        assert version == (st.st_ino, st.st_size, st.st_mtime_ns), f"{key}: the sidecar names another page version"
         rows = np.fromfile(pages[key], dtype=np.uint8).reshape(LAYERS, layout.row_bytes)
         want = segment_digests(rows, np.full(LAYERS, layout.slots), layout)
         assert np.array_equal(digests, want), f"{key}: the sidecar's digests are not those of the stored page"
@@ -238,7 +242,8 @@ def test_a_prompt_restored_from_l3_is_verified_at_hicache_load_with_no_finding(r
 
 def test_a_page_changed_in_l3_is_found_at_hicache_load_with_its_cells(rig):
     """One byte of one stored index-K page (the model's layer 3, a payload byte) is changed in
-    its file between the write and the read; the page is read back into a host row and loaded
+    its file between the write and the read, as storage corrupts it (the file's metadata
+    unchanged: a rewrite the file system dates is another page, docs/hicache.md); the page is read back into a host row and loaded
     into a device page. Prefill digests the changed bytes, so decode agrees with it; the
     sidecar's digests (of the bytes the backup read) do not: a finding at `hicache_load`."""
     first, pages = stored_in_l3(rig, "l3fault", seed=63, number=700)
@@ -248,7 +253,9 @@ def test_a_page_changed_in_l3_is_found_at_hicache_load_with_its_cells(rig):
     slot = 5
     offset = layout.segments[0].offset + slot * layout.segments[0].slot_bytes + 17  # payload, pool layer 1
     data[1, offset] ^= 0x40
+    st = os.stat(path)
     data.tofile(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # storage's corruption: the bytes change, the metadata not
     mismatches_before, known = load_verdicts(rig, "mismatch"), len(restore_findings(rig))
     phase = resend(rig, "l3fault", first, 750)
     assert not phase.failed_requests, describe(phase)
