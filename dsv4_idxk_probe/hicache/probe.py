@@ -185,6 +185,7 @@ class HiCacheProbe:
         with self._lock:
             state = self._pools.pop(key, None)
             if state is not None:
+                state._host_arrays = None  # views of the pool's host memory: it goes with the pool
                 self._retired.append(state)
         if self.restore is not None:
             self.restore.forget_pool(key)  # its rows' digests and its engine go with it

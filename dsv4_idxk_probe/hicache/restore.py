@@ -54,12 +54,13 @@ STAGE = HICACHE_STAGES[0]  # "hicache_load"
 SIDECAR_SUFFIX = ".dsv4-idxk-digest"
 #: First word of a sidecar: "dsv4idx2" as a little-endian uint64 (the second format: the first,
 #: "dsv4idxk", carried no page version and reads as no sidecar), then layers, segments, the
-#: stored page's version (three words), digests.
+#: stored page's version (VERSION_WORDS words), digests.
 SIDECAR_MAGIC = int.from_bytes(b"dsv4idx2", "little")
-_SIDECAR_HEADER = 6  # words before the digests
 #: Which stored page a sidecar describes, as the storage backend tells one file from another
-#: (HiCacheFile: inode, size, modification time in ns): an opaque triple of integers here.
-PageVersion = tuple[int, int, int]
+#: (HiCacheFile: inode, its generation, size, modification time in ns): opaque integers here.
+PageVersion = tuple[int, ...]
+VERSION_WORDS = 4
+_SIDECAR_HEADER = 3 + VERSION_WORDS  # words before the digests
 
 
 def sidecar_bytes(layers: int, segments: int) -> int:
@@ -69,6 +70,8 @@ def sidecar_bytes(layers: int, segments: int) -> int:
 def encode_sidecar(digests: np.ndarray, page_version: PageVersion) -> np.ndarray:
     """A host row's kept digests (uint64 [layers, segments]) and the version of the stored page
     they describe, as the bytes of its sidecar."""
+    if len(page_version) != VERSION_WORDS:
+        raise ValueError(f"a page version has {VERSION_WORDS} words, got {len(page_version)}")
     layers, segments = digests.shape
     header = [SIDECAR_MAGIC, layers, segments, *(int(v) for v in page_version)]
     words = np.concatenate([np.array(header, dtype=np.uint64), np.asarray(digests, dtype=np.uint64).reshape(-1)])
@@ -84,7 +87,7 @@ def decode_sidecar(data, layers: int, segments: int) -> tuple[np.ndarray, PageVe
     words = data.view(np.uint64)
     if int(words[0]) != SIDECAR_MAGIC or (int(words[1]), int(words[2])) != (layers, segments):
         return None
-    version = (int(words[3]), int(words[4]), int(words[5]))
+    version = tuple(int(w) for w in words[3:_SIDECAR_HEADER])
     return words[_SIDECAR_HEADER:].reshape(layers, segments).copy(), version
 
 

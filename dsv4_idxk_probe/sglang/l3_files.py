@@ -22,14 +22,21 @@ stored anew is a new file (a new inode); ``exists`` may answer from
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import threading
 from typing import Callable, Sequence
 
 import numpy as np
 
-#: A stored file's version: (inode, size, modification time in ns); None: no file.
-FileVersion = tuple[int, int, int]
+#: A stored file's version: (inode, the inode's generation, size, modification time in ns);
+#: None: no file. The generation tells apart two files that got the same inode number one
+#: after the other (ext4 hands a freed inode out again at once), where a modification time
+#: may not (the kernel's file clock moves in ticks of up to 4 ms); 0 where the file system
+#: keeps none, and then the other three decide.
+FileVersion = tuple[int, int, int, int]
+_FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long): ext2/3/4, XFS, btrfs
 
 
 def stored_path(backend, storage_key: str) -> str:
@@ -43,12 +50,38 @@ def page_path(backend, pool_name, key) -> str:
 
 
 def file_version(path: str) -> FileVersion | None:
-    """The file's version, or None when there is none (one stat)."""
+    """The file's version, or None when there is none (an open, a stat and an ioctl)."""
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    try:
+        return _version(fd, os.fstat(fd))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def stored_size(path: str) -> int | None:
+    """The size of the file at `path`, None when there is none (one stat)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _version(fd: int, st: os.stat_result) -> FileVersion:
+    return st.st_ino, _generation(fd), st.st_size, st.st_mtime_ns
+
+
+def _generation(fd: int) -> int:
+    buf = array.array("l", [0])
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETVERSION, buf, True)
+    except OSError:  # not kept by this file system (tmpfs, overlay on some kernels)
+        return 0
+    return int(buf[0])
 
 
 def holding(path: str, parts: Sequence[np.ndarray]) -> FileVersion | None:
@@ -67,6 +100,7 @@ def holding(path: str, parts: Sequence[np.ndarray]) -> FileVersion | None:
         st = os.fstat(fd)
         if st.st_size != size or not _read_fully(fd, got):
             return None
+        version = _version(fd, st)
     except OSError:
         return None
     finally:
@@ -74,7 +108,7 @@ def holding(path: str, parts: Sequence[np.ndarray]) -> FileVersion | None:
     want = np.concatenate(parts, out=_scratch("want", size))
     if size % 8 == 0:  # eight bytes a compare
         got, want = got.view(np.uint64), want.view(np.uint64)
-    return (st.st_ino, st.st_size, st.st_mtime_ns) if np.array_equal(got, want) else None
+    return version if np.array_equal(got, want) else None
 
 
 def _read_fully(fd: int, into: np.ndarray) -> bool:

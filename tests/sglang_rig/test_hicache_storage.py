@@ -33,6 +33,7 @@ import pytest
 from dsv4_idxk_probe.digest.layout import get_layout
 from dsv4_idxk_probe.digest.reference import segment_digests
 from dsv4_idxk_probe.hicache.restore import SIDECAR_SUFFIX, decode_sidecar
+from dsv4_idxk_probe.sglang import l3_files
 from dsv4_idxk_probe.testbed.sglang import launch, workload
 from dsv4_idxk_probe.testbed.sglang.workload import Request
 
@@ -159,11 +160,10 @@ def test_every_index_k_page_stored_in_l3_carries_the_digests_of_its_bytes(rig):
     assert set(carried) == set(pages), (len(pages), len(carried))
     layout = get_layout("fp8")
     for key, sidecar in carried.items():
-        carried = decode_sidecar(np.fromfile(sidecar, dtype=np.uint8), LAYERS, len(layout.segments))
-        assert carried is not None, f"{sidecar.name} is not a sidecar of this pool's shape"
-        digests, version = carried
-        st = os.stat(pages[key])
-        assert version == (st.st_ino, st.st_size, st.st_mtime_ns), f"{key}: the sidecar names another page version"
+        decoded = decode_sidecar(np.fromfile(sidecar, dtype=np.uint8), LAYERS, len(layout.segments))
+        assert decoded is not None, f"{sidecar.name} is not a sidecar of this pool's shape"
+        digests, version = decoded
+        assert version == l3_files.file_version(str(pages[key])), f"{key}: the sidecar names another page version"
         rows = np.fromfile(pages[key], dtype=np.uint8).reshape(LAYERS, layout.row_bytes)
         want = segment_digests(rows, np.full(LAYERS, layout.slots), layout)
         assert np.array_equal(digests, want), f"{key}: the sidecar's digests are not those of the stored page"
