@@ -327,7 +327,7 @@ def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offse
 
     def write(data) -> None:
         l3_files.write_while_current(backend, sidecar, path, version,
-                                     lambda: backend.set(sidecar, torch.from_numpy(data)))
+                                     lambda: l3_files.set_anew(backend, sidecar, torch.from_numpy(data)))
 
     probe.restore.write_sidecar(state, row, version, write)
 

@@ -153,6 +153,17 @@ def remove_stored(backend, storage_key: str) -> None:
         cache.remove(backend._get_suffixed_key(storage_key))
 
 
+def set_anew(backend, storage_key: str, value) -> bool:
+    """The backend's ``set`` of a key the probe took away (`remove_stored`), its metadata
+    cache's entry forgotten first: an ``exists`` that saw the old file just before it went
+    can have put the entry back, and ``set`` would then skip the key for the cache's TTL.
+    A file of the key that is there (another writer's) is still kept, as ``set`` keeps one."""
+    cache = getattr(backend, "metadata_cache", None)
+    if cache is not None:
+        cache.remove(backend._get_suffixed_key(storage_key))
+    return backend.set(storage_key, value)
+
+
 def write_while_current(backend, sidecar_key: str, page: str, version: FileVersion,
                         write: Callable[[], object]) -> bool:
     """Write a page's sidecar only while `page` is still at `version`: checked before the

@@ -429,3 +429,25 @@ def keeps_generations(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def test_a_metadata_cache_entry_put_back_after_the_old_sidecar_went_does_not_stop_the_new_one(
+        hicache, make_pool, tmp_path, monkeypatch):
+    """With SGLang's metadata cache, an ``exists`` that saw the old sidecar just before the
+    probe removed it puts the cache's entry back; the new sidecar's ``set`` must not be
+    skipped for that (the page's restores would count unverified for the cache's TTL)."""
+    backend = file_backend(tmp_path, monkeypatch, enable_metadata_cache=True, metadata_ttl=60)
+    env, pool = stored_with_sidecar(hicache, make_pool, backend)
+    evict(backend, page_file(backend, "page-5"))
+    compute_anew(pool)
+    settle(env)
+    removed = l3_files.remove_stored
+
+    def removed_then_seen(backend_, storage_key):  # a concurrent exists() landed just before the unlink
+        removed(backend_, storage_key)
+        backend_.metadata_cache.add(backend_._get_suffixed_key(storage_key))
+
+    monkeypatch.setattr(l3_files, "remove_stored", removed_then_seen)
+    store_evict_restore(pool, backend, lambda: settle(env))
+    assert os.path.exists(sidecar_file(backend, "page-5")), "the new sidecar's set was skipped"
+    assert_load_verified(env, pool)
