@@ -66,6 +66,16 @@ def corrupt_silently(path: str, offset: int, mask: int = 0x40) -> None:
     assert l3_files.file_version(path) == version
 
 
+def backed_up(hicache, make_pool, layout: str = "layer_first", io_backend: str = "kernel"):
+    """The probe installed and a pool's device pages backed up to its host rows (row 5 among
+    them), their digests kept before anything is stored (the collector's order)."""
+    env = hicache()
+    pool = make_pool("fp8_indexer", layout)
+    backup(pool, io_backend)
+    settle(env)
+    return env, pool
+
+
 def store_evict_restore(pool, backend, between=None):
     """Host row 5 stored in L3 (with its sidecar), overwritten in the host pool (evicted and
     reused), `between` on the stored files, then read back from L3 into row 5."""
@@ -127,25 +137,17 @@ def test_a_storage_tier_page_changed_in_storage_is_found_at_hicache_load(hicache
 def test_a_clean_storage_tier_round_trip_matches(hicache, make_pool, storage, layout, io_backend):
     """Each host layout SGLang has: the page's file holds the row's bytes in the order the
     write's check reads them (else no sidecar is stored, and the restore counts unverified)."""
-    env = hicache()
-    pool = make_pool("fp8_indexer", layout)
-    backup(pool, io_backend)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool, layout, io_backend)
     store_evict_restore(pool, storage, lambda: settle(env))
     assert_load_verified(env, pool, io_backend)
 
 
 def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool, storage):
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool)
 
     def lose_sidecar():
         settle(env)
-        os.remove(page_file(storage, "page-5")[: -len(".bin")].replace(
-            storage._get_suffixed_key(storage._log_key(POOL, "page-5")),
-            storage._get_suffixed_key(f"{storage._log_key(POOL, 'page-5')}{SIDECAR_SUFFIX}")) + ".bin")
+        os.remove(sidecar_file(storage, "page-5"))
 
     store_evict_restore(pool, storage, lose_sidecar)
     assert_load_unverified(env, pool)  # the restored row holds zeros no more, but nothing says what it should hold
@@ -172,10 +174,7 @@ def compute_anew(pool):
 
 def stored_with_sidecar(hicache, make_pool, backend):
     """Host row 5 backed up and stored in L3 as page-5, its sidecar beside it."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool)
     assert backend._write_page(POOL, "page-5", pool, 5 * pool.slot_page_size)
     settle(env)
     assert os.path.exists(sidecar_file(backend, "page-5")), "no sidecar was stored"
@@ -303,10 +302,7 @@ def test_a_page_another_writer_replaced_within_the_write_gets_no_sidecar(hicache
     keys): both find it absent, both write, and the other's ``os.replace`` lands right after
     this one's. The file then holds the other's bytes (computed in another batch, one byte
     apart), so this row's digests must not be stored beside it."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool)
     page_key, path = storages._log_key(POOL, "page-5"), page_file(storages, "page-5")
     real_set = storages.set
 
@@ -332,10 +328,7 @@ def test_a_page_rewritten_through_the_file_system_is_another_page(hicache, make_
     """A stored page changed by a write the file system dates (its modification time moves: a
     writer outside ``set``) is not the page its sidecar describes: its restore is counted
     unverified. Corruption that leaves the file's metadata as it was is found (the test above)."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool)
     path = page_file(storage, "page-5")
 
     def rewrite():
@@ -383,10 +376,7 @@ def test_a_sidecar_of_the_earlier_format_reads_as_none_and_is_taken_away(hicache
     """A sidecar written before sidecars named their page's version (three header words, not
     seven: ``get`` would refuse it as a short read) is no sidecar: the restore counts
     unverified, the probe fails nowhere, and the old file goes."""
-    env = hicache()
-    pool = make_pool("fp8_indexer")
-    backup(pool)
-    settle(env)
+    env, pool = backed_up(hicache, make_pool)
 
     def earlier_format():
         settle(env)
