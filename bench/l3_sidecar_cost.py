@@ -8,9 +8,11 @@ thread that writes or reads the page file, not the scheduler's. This prices them
 against that thread's own work for the same page: SGLang's `HiCacheFile.set` (a new
 key each time, so every page is stored anew) and `HiCacheFile.get`, on a real
 `HiCacheFile` in a temporary folder (the page cache, as a warm local disk serves it).
-The probe's calls are the product's own (`dsv4_idxk_probe.sglang.l3_files`); the
-sidecar's own write and read go through the same `set` and `get` and are not counted
-here (a 8 B x (6 + layers x segments) file).
+The probe's calls are the product's own (`dsv4_idxk_probe.sglang.l3_files`, the read
+hook's `_read_sidecar`). "write checks": the write hook's, on the storage thread;
+"sidecar write": the sidecar's own write, on the probe's collector thread (its page's
+version before and after, the metadata cache's entry forgotten, `set` of the small
+file); "read checks": the read hook's, the sidecar's read included.
 
 Usage:  python -m bench.l3_sidecar_cost [--layers 30] [--row-bytes 8448] [--pages 300] [--rounds 5] [--out DIR]
 """
@@ -52,22 +54,32 @@ def thread_us(fn) -> float:
 def one_round(backend, host_layers: list[np.ndarray], row: int, pages: int, round_no: int) -> dict[str, list[float]]:
     """`pages` pages stored anew and read back: SGLang's calls and the probe's, each timed alone.
     The page is host row `row` of every layer, flat (as `get_data_page(flat=True)` gives `set`);
-    the probe's check reads it from the layers' arrays as the hook does (`PoolState.host_arrays`)."""
+    the probe's check reads it from the layers' arrays as the hook does (`PoolState.host_arrays`).
+    The sidecar is written as the collector writes it and read as the read hook reads it."""
+    from dsv4_idxk_probe.hicache.restore import sidecar_bytes
+    from dsv4_idxk_probe.sglang.hicache import _read_sidecar
+
     page = torch.from_numpy(np.concatenate([layer[row] for layer in host_layers]))
     target = torch.empty_like(page)
-    times: dict[str, list[float]] = {k: [] for k in ("set", "write_checks", "get", "read_checks")}
+    nbytes = sidecar_bytes(len(host_layers), 2)
+    sidecar_value = torch.zeros(nbytes, dtype=torch.uint8)
+    times: dict[str, list[float]] = {k: [] for k in ("set", "write_checks", "sidecar_write", "get", "read_checks")}
     for i in range(pages):
         key = f"r{round_no}-p{i}"
-        path = l3_files.stored_path(backend, key)
+        sidecar, path = key + SIDECAR, l3_files.stored_path(backend, key)
         times["write_checks"].append(thread_us(lambda: l3_files.file_version(path)))  # before the call
         times["set"].append(thread_us(lambda: backend.set(key, page)))
+        versions = []
         times["write_checks"][-1] += thread_us(lambda: (
             l3_files.stored_anew(None, l3_files.file_version(path)),
-            l3_files.remove_stored(backend, key + SIDECAR),
-            l3_files.holding(path, [layer[row] for layer in host_layers])))
+            l3_files.remove_stored(backend, sidecar),
+            versions.append(l3_files.holding(path, [layer[row] for layer in host_layers]))))
+        times["sidecar_write"].append(thread_us(lambda: l3_files.write_while_current(
+            backend, sidecar, path, versions[0], lambda: l3_files.set_anew(backend, sidecar, sidecar_value))))
         times["read_checks"].append(thread_us(lambda: l3_files.file_version(path)))
         times["get"].append(thread_us(lambda: backend.get(key, target)))
-        times["read_checks"][-1] += thread_us(lambda: l3_files.file_version(path))
+        times["read_checks"][-1] += thread_us(lambda: (_read_sidecar(backend, sidecar, nbytes),
+                                                       l3_files.file_version(path)))
     return times
 
 
@@ -88,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             times = one_round(backend, host_layers, 3, args.pages, r)
             rounds.append({k: median(v) for k, v in times.items()})
-    table = Table(("round", "5d"), ("set us", "9.1f"), ("write checks us", "15.1f"), ("ratio", "6.3f"),
-                  ("get us", "8.1f"), ("read checks us", "14.1f"), ("ratio", "6.3f"))
+    table = Table(("round", "5d"), ("set us", "8.1f"), ("write checks us", "15.1f"), ("ratio", "6.3f"),
+                  ("sidecar write us", "16.1f"), ("get us", "8.1f"), ("read checks us", "14.1f"), ("ratio", "6.3f"))
     lines = [table.header()]
     for r, m in enumerate(rounds):
-        lines.append(table.row(r, m["set"], m["write_checks"], m["write_checks"] / m["set"],
+        lines.append(table.row(r, m["set"], m["write_checks"], m["write_checks"] / m["set"], m["sidecar_write"],
                                m["get"], m["read_checks"], m["read_checks"] / m["get"]))
     print(f"{command_line('l3_sidecar_cost', argv)}\n"
           f"page {args.layers * args.row_bytes} B ({args.layers} layers x {args.row_bytes} B); "

@@ -56,6 +56,7 @@ SIDECAR_SUFFIX = ".dsv4-idxk-digest"
 #: "dsv4idxk", carried no page version and reads as no sidecar), then layers, segments, the
 #: stored page's version (VERSION_WORDS words), digests.
 SIDECAR_MAGIC = int.from_bytes(b"dsv4idx2", "little")
+EARLIER_SIDECAR_HEAD = b"dsv4idxk"  # the first format's first word
 #: Which stored page a sidecar describes, as the storage backend tells one file from another
 #: (HiCacheFile: inode, its generation, size, modification time in ns): opaque integers here.
 PageVersion = tuple[int, ...]

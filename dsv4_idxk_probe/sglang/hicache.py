@@ -22,6 +22,7 @@ of its own is `GuardRefused` under ``hicache.guard: block``.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from ..hicache.geometry import DeviceBuffer, PoolGeometry, TokenRow
 from ..hicache.probe import GuardRefused, HiCacheProbe, probe_for
-from ..hicache.restore import SIDECAR_SUFFIX, is_index_k_pool, sidecar_bytes
+from ..hicache.restore import EARLIER_SIDECAR_HEAD, SIDECAR_SUFFIX, is_index_k_pool, sidecar_bytes
 from ..hicache.roundtrip import RowViews, page_rows
 from ..safety import safe_invoke
 from . import l3_files
@@ -296,6 +297,7 @@ def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
 
 
 _OTHER_BYTES_SAID: "weakref.WeakSet" = weakref.WeakSet()  # pool states whose L3 write check found other bytes
+_OTHER_BYTES_LOCK = threading.Lock()  # several storage threads may find them at once
 
 
 def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offset, *_a, **_k) -> None:
@@ -316,8 +318,10 @@ def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offse
     # what ``get_data_page(flat=True)`` gave ``set``: the row of each layer, layer after layer
     version = l3_files.holding(path, [layer[row] for layer in state.host_arrays()])
     if version is None:  # not this row's bytes on disk: no sidecar (its restore counts digest_lost)
-        if state not in _OTHER_BYTES_SAID:
+        with _OTHER_BYTES_LOCK:
+            said = state in _OTHER_BYTES_SAID
             _OTHER_BYTES_SAID.add(state)
+        if not said:
             probe.log.warning(
                 "dsv4-idxk-probe hicache pool %s: a page stored in L3 did not hold its host row's bytes right after "
                 "the write (another process storing the same key, or a page layout the check does not know); such "
@@ -346,14 +350,17 @@ def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset
 
 
 def _read_sidecar(backend, sidecar: str, nbytes: int):
-    """The sidecar's bytes, None when there is none of this size. One of another size (a
-    sidecar of the earlier format, or of another pool shape) is taken away: ``get`` would
-    raise on it at every read of the page, and a page that stays stored gets no new one."""
-    size = l3_files.stored_size(l3_files.stored_path(backend, sidecar))
+    """The sidecar's bytes, None when there is none of this size. A sidecar of the earlier
+    format is taken away: ``get`` would refuse it (a short read) at every read of the page,
+    and a page that stays stored gets no new one. One of any other size is left as it is
+    (another probe's format, or a new one landing between the stat and the read)."""
+    path = l3_files.stored_path(backend, sidecar)
+    size = l3_files.stored_size(path)
     if size is None:
         return None
     if size != nbytes:
-        l3_files.remove_stored(backend, sidecar)
+        if l3_files.head(path, len(EARLIER_SIDECAR_HEAD)) == EARLIER_SIDECAR_HEAD:
+            l3_files.remove_stored(backend, sidecar)
         return None
     got = backend.get(sidecar, torch.empty(nbytes, dtype=torch.uint8))
     return None if got is None else got.numpy()

@@ -36,7 +36,9 @@ import numpy as np
 #: may not (the kernel's file clock moves in ticks of up to 4 ms); 0 where the file system
 #: keeps none, and then the other three decide.
 FileVersion = tuple[int, int, int, int]
-_FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long): ext2/3/4, XFS, btrfs
+#: _IOR('v', 1, long) as x86-64 and aarch64 number it (where SGLang serves; elsewhere the call
+#: fails and the generation reads 0): answered by ext2/3/4, XFS and btrfs
+_FS_IOC_GETVERSION = 0x80087601
 
 
 def stored_path(backend, storage_key: str) -> str:
@@ -76,12 +78,21 @@ def _version(fd: int, st: os.stat_result) -> FileVersion:
 
 
 def _generation(fd: int) -> int:
-    buf = array.array("l", [0])
+    buf = array.array("i", [0])  # the file systems answer with a 32-bit int
     try:
         fcntl.ioctl(fd, _FS_IOC_GETVERSION, buf, True)
-    except OSError:  # not kept by this file system (tmpfs, overlay on some kernels)
+    except OSError:  # not kept by this file system (overlayfs, tmpfs, network file systems)
         return 0
-    return int(buf[0])
+    return int(buf[0]) & 0xFFFFFFFF
+
+
+def head(path: str, nbytes: int) -> bytes | None:
+    """The first `nbytes` of the file at `path`, None when there is no file."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return f.read(nbytes)
+    except OSError:
+        return None
 
 
 def holding(path: str, parts: Sequence[np.ndarray]) -> FileVersion | None:
@@ -155,9 +166,11 @@ def remove_stored(backend, storage_key: str) -> None:
 
 def set_anew(backend, storage_key: str, value) -> bool:
     """The backend's ``set`` of a key the probe took away (`remove_stored`), its metadata
-    cache's entry forgotten first: an ``exists`` that saw the old file just before it went
-    can have put the entry back, and ``set`` would then skip the key for the cache's TTL.
-    A file of the key that is there (another writer's) is still kept, as ``set`` keeps one."""
+    cache's entry forgotten first: a call that saw the old file just before it went (the
+    backend's ``exists``) can have put the entry back, and ``set`` would then skip the key
+    for the cache's TTL. Narrows that window to the microseconds between the forget and the
+    ``set``. A file of the key that is there (another writer's) is still kept, as ``set``
+    keeps one."""
     cache = getattr(backend, "metadata_cache", None)
     if cache is not None:
         cache.remove(backend._get_suffixed_key(storage_key))

@@ -441,3 +441,35 @@ def test_a_metadata_cache_entry_put_back_after_the_old_sidecar_went_does_not_sto
     store_evict_restore(pool, backend, lambda: settle(env))
     assert os.path.exists(sidecar_file(backend, "page-5")), "the new sidecar's set was skipped"
     assert_load_verified(env, pool)
+
+
+def test_a_sidecar_of_another_size_is_no_sidecar_and_stays(hicache, make_pool, storage):
+    """A file under the sidecar key that is neither this format nor the earlier one (another
+    probe's, or a new sidecar landing as it is read) is not used, and not taken away."""
+    env, pool = backed_up(hicache, make_pool)
+
+    def another_size():
+        settle(env)
+        np.arange(40, dtype=np.uint64).tofile(sidecar_file(storage, "page-5"))
+
+    store_evict_restore(pool, storage, another_size)
+    assert os.path.exists(sidecar_file(storage, "page-5"))
+    assert_load_unverified(env, pool)
+
+
+def test_a_file_system_without_inode_generations_still_versions_files(storage, monkeypatch):
+    """Where FS_IOC_GETVERSION is not answered (overlayfs, tmpfs), the generation reads 0 and
+    inode, size and time tell versions apart; nothing fails."""
+    import errno
+
+    def unanswered(*_args, **_kwargs):
+        raise OSError(errno.ENOTTY, "Inappropriate ioctl for device")
+
+    monkeypatch.setattr(l3_files.fcntl, "ioctl", unanswered)
+    path, first = stored_page(storage, "page-9", 1)
+    assert first is not None and first[1] == 0 and first[2] == 4096
+    evict(storage, path)
+    _, again = stored_page(storage, "page-9", 2, later_than=first)
+    assert again[1] == 0 and again != first
+    assert l3_files.holding(path, [np.full(4096, 2, dtype=np.uint8)]) == again
+    assert l3_files.holding(path, [np.full(4096, 1, dtype=np.uint8)]) is None
