@@ -33,7 +33,7 @@ import numpy as np
 #: A stored file's version: (inode, the inode's generation, size, modification time in ns);
 #: None: no file. The generation tells apart two files that got the same inode number one
 #: after the other (ext4 hands a freed inode out again at once), where a modification time
-#: may not (the kernel's file clock moves in ticks of up to 4 ms); 0 where the file system
+#: may not (the kernel's file clock moves in ticks of 1-10 ms before 6.13); 0 where the file system
 #: keeps none, and then the other three decide.
 FileVersion = tuple[int, int, int, int]
 #: _IOR('v', 1, long) as x86-64 and aarch64 number it (where SGLang serves; elsewhere the call
@@ -159,9 +159,7 @@ def remove_stored(backend, storage_key: str) -> None:
         os.remove(stored_path(backend, storage_key))
     except FileNotFoundError:
         pass
-    cache = getattr(backend, "metadata_cache", None)
-    if cache is not None:
-        cache.remove(backend._get_suffixed_key(storage_key))
+    _forget_cached(backend, storage_key)
 
 
 def set_anew(backend, storage_key: str, value) -> bool:
@@ -171,10 +169,15 @@ def set_anew(backend, storage_key: str, value) -> bool:
     for the cache's TTL. Narrows that window to the microseconds between the forget and the
     ``set``. A file of the key that is there (another writer's) is still kept, as ``set``
     keeps one."""
+    _forget_cached(backend, storage_key)
+    return backend.set(storage_key, value)
+
+
+def _forget_cached(backend, storage_key: str) -> None:
+    """Take `storage_key` out of the backend's metadata cache, where it keeps one."""
     cache = getattr(backend, "metadata_cache", None)
     if cache is not None:
         cache.remove(backend._get_suffixed_key(storage_key))
-    return backend.set(storage_key, value)
 
 
 def write_while_current(backend, sidecar_key: str, page: str, version: FileVersion,

@@ -213,7 +213,7 @@ def test_a_page_the_backend_kept_gets_no_sidecar_of_other_bytes(hicache, make_po
 
 def dated_after(path: str, earlier) -> None:
     """Date a file stored again 5 ms after the version `earlier` of it, as a store that comes
-    later does: this test is faster than the kernel's file clock (ticks of up to 4 ms), and
+    later does: this test is faster than the kernel's file clock (ticks of 1-10 ms), and
     on a file system that keeps no inode generation a reused inode number would leave the
     two versions alike (docs/hicache.md, "Known limits")."""
     st = os.stat(path)
@@ -333,12 +333,9 @@ def test_a_page_rewritten_through_the_file_system_is_another_page(hicache, make_
 
     def rewrite():
         settle(env)
-        st = os.stat(path)
-        data = bytearray(open(path, "rb").read())
-        data[1 * pool.item_bytes + SCALE_AT + 3] ^= 0x40
-        with open(path, "r+b") as f:
-            f.write(data)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # dated, however coarse the clock
+        written = l3_files.file_version(path)
+        corrupt_silently(path, 1 * pool.item_bytes + SCALE_AT + 3)
+        dated_after(path, written)  # then dated, as the file system dates a write, however coarse its clock
 
     store_evict_restore(pool, storage, rewrite)
     assert_load_unverified(env, pool)
