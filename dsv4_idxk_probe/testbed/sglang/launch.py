@@ -270,6 +270,8 @@ def router_args(ports: Ports, opts: ServerOptions | None = None) -> list[str]:
         "--decode", f"http://{role_host(opts, 'decode')}:{ports.decode}", "--host", "127.0.0.1",
         "--port", str(ports.router),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports.router_metrics),
+        # it starts before the servers are up: look for them every second, not every 30
+        "--worker-startup-check-interval", "1",
     ]
 
 
@@ -286,6 +288,10 @@ def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role:
         "UCX_NET_DEVICES": "lo" if opts.hosts is None or role == "router" else opts.hosts.role_device(role),
         "SGLANG_FORCE_COARSE_WAR_BARRIER": "1",  # the stand-in has no DSV4 attention metadata
         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",
+        # A stop signals every process; a server whose scheduler dies first takes it for a crash
+        # and sleeps 5 s before its py-spy and CUDA-coredump diagnostics (neither exists here)
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
@@ -327,22 +333,30 @@ def _start(run_dir: Path, opts: ServerOptions, env: dict[str, str], *, timeout_s
             metrics = run_dir / f"metrics-{role}"
             metrics.mkdir(exist_ok=True)
             _spawn(cluster, role, server_args(role, model_dir, ports, opts), server_env(env, site, metrics, role, opts))
+        # The router starts beside the servers, not after them: its import alone takes ~9 s of
+        # CPU, and once the servers are up their idle schedulers poll for work, so on two
+        # cores a router started then took 12 s (one rank a side) to 114 s (two) to start.
+        (run_dir / "metrics-router").mkdir(exist_ok=True)
+        router_env = server_env(env, site, run_dir / "metrics-router", "router", opts)
+        _spawn(cluster, "router", router_args(ports, opts), router_env)
         deadline = time.monotonic() + timeout_s
         for role in ("prefill", "decode"):
             _wait_http(cluster, role, cluster.server_url(role) + "/health", deadline)
-        (run_dir / "metrics-router").mkdir(exist_ok=True)
-        _start_router(cluster, server_env(env, site, run_dir / "metrics-router", "router", opts), deadline)
+        _start_router(cluster, router_env, deadline, spawned=True)
     except BaseException:
         cluster.stop()
         raise
     return cluster
 
 
-def _start_router(cluster: Cluster, env: dict[str, str], deadline: float, attempts: int = 3) -> None:
-    """The router starts last, a minute after its ports were picked: one taken meanwhile costs
-    the router (not the servers) a start on two other ports, `attempts` times at most."""
+def _start_router(cluster: Cluster, env: dict[str, str], deadline: float, attempts: int = 3,
+                  spawned: bool = False) -> None:
+    """The router, ready; `spawned`: its first start is already on its way. Its ports were
+    picked up to a minute before it binds them: one taken meanwhile costs the router (not the
+    servers) a start on two other ports, `attempts` times at most."""
     for attempt in range(attempts):
-        _spawn(cluster, "router", router_args(cluster.ports, cluster.options), env)
+        if attempt > 0 or not spawned:
+            _spawn(cluster, "router", router_args(cluster.ports, cluster.options), env)
         try:
             _wait_router(cluster, deadline)
             return
