@@ -1,5 +1,7 @@
-"""The rig's router starts a minute after its ports were picked; a port taken in that minute
-must cost the router a start on other ports, not the test (CI once lost a pair to it)."""
+"""The rig's router binds its ports a while after they were picked (its import alone takes
+seconds on a busy machine; before it started beside the servers, a minute or more); a port
+taken meanwhile must cost the router a start on other ports, not the test (CI once lost a
+pair to it)."""
 
 from __future__ import annotations
 
