@@ -504,9 +504,12 @@ class HiCacheProbe:
 
     def _restore_token_copy(self, call: Call) -> None:
         """A token-granular copy on an index-K pool: its rows are not whole pages, so its
-        bytes are counted unverified (`other`). Page-path copies go to the verifier (`end`)."""
+        bytes are counted unverified (`other`); a backup's also makes the host rows' kept
+        digests stale (`after_token_backup`). Page-path copies go to the verifier (`end`)."""
         state = call.state
         if is_index_k_pool(state.geom.name):
+            if call.direction == "d2h":
+                self.restore.after_token_backup(state)
             path = "hicache_backup" if call.direction == "d2h" else "hicache_load"
             layers = state.geom.layers if call.layer is None else 1
             self._count_on_copy_path(path, "unverified", "other", call.numel * layers * state.geom.item_bytes

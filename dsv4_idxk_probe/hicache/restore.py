@@ -335,13 +335,26 @@ class RestoreVerifier:
             self._report(state, comparison, dict(context, pool=pool.name, layout=pool.layout.name,
                                                  host_rows=rows, device_pages=device_pages))
 
-        if pool.strided:
-            ticket = pool.engine.submit_room(pool.load_key, device_indices, n_pages * pool.page_tokens, compared,
-                                             contents_only=True)
-        else:
-            ticket = self._submit_page_ids(pool, pool.load_key, device_indices, n_pages, compared)
+        try:
+            if pool.strided:
+                ticket = pool.engine.submit_room(pool.load_key, device_indices, n_pages * pool.page_tokens, compared,
+                                                 contents_only=True)
+            else:
+                ticket = self._submit_page_ids(pool, pool.load_key, device_indices, n_pages, compared)
+        except Exception:  # not digested: counted, as a backup's failed submit is
+            record_error("hicache.restore_load")
+            self._count("hicache_load", "unverified", "probe_error", n_pages * pool.page_bytes)
+            return
         if not ticket:  # the collector is behind: counted, never waited for
             self._count("hicache_load", "unverified", "queue_full", n_pages * pool.page_bytes)
+
+    def after_token_backup(self, state) -> None:
+        """A token-granular backup into an index-K pool wrote parts of host rows (through a
+        kernel whose row geometry need not be this pool's, docs/hicache.md): kept digests no
+        longer say what those rows hold, and a page-path load of one would be compared with
+        them, a mismatch nobody made. All the pool's kept digests go, fenced (those of
+        backups still in flight too): rare copies; the loads after count `digest_lost`."""
+        self.store.forget_all(state.key, fence=True)
 
     def _submit_page_ids(self, pool: PoolRestore, key: str, device_indices, n_pages: int, callback):
         """Digest the device pages a copy named, in its stream order, where the engine does not

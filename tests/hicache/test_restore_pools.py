@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from .conftest import LAYERS, SUPPORTED, host_row, page_indices
+from .conftest import HAS_BACKUP_TOKENS, LAYERS, SUPPORTED, host_row, page_indices
 
 HOST_ROWS, DEVICE_ROWS = [2, 5], [1, 6]
 STAGE = "hicache_load"
@@ -106,6 +106,51 @@ def test_a_storage_tier_write_loses_the_digest_and_is_counted_unverified(hicache
     assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
     assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == row
     assert env.value("rooms_verified", stage=STAGE, verdict="unverified") == 1
+
+
+@pytest.mark.skipif(not HAS_BACKUP_TOKENS, reason="backup_tokens_from_device_all_layer arrives in SGLang 0.5.23")
+def test_a_token_backup_over_a_backed_up_row_leaves_no_stale_digest(hicache, make_pool):
+    """A token-granular backup writes parts of host rows whose page backup's digests are
+    kept; a page load of such a row must not be compared with them (a mismatch nobody
+    made): counted unverified, `digest_lost`, like a row the storage tier wrote."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    host, dev = page_indices([0, 5]), page_indices(DEVICE_ROWS)
+    pool.backup_from_device_all_layer(None, host, dev, "kernel")  # host rows 0, 5: digests kept
+    settle(env)
+    before = host_row(pool, 0, 0).clone()
+    # tokens 0-9: the token kernel's own row geometry (not this pool's) puts them in host row 0
+    pool.backup_tokens_from_device_all_layer(torch.arange(10), torch.arange(10))
+    assert not torch.equal(host_row(pool, 0, 0), before)  # the token copy did write into row 0
+    for layer in range(LAYERS):
+        pool.load_to_device_per_layer(None, host, page_indices([3, 7]), layer, "kernel")
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == 2 * row
+    assert not env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none")
+    assert env.value("rooms_verified", stage=STAGE, verdict="mismatch") == 0
+
+
+def test_a_load_whose_digest_cannot_be_launched_is_counted_unverified(hicache, make_pool, monkeypatch):
+    """The load's pages are not digested (its submit raises): counted `probe_error`, as a
+    backup's failed submit is, never left out of the coverage."""
+    env = hicache()
+    env.allow_probe_errors = True
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    restore = env.probe.restore._pools[env.probe.state_of(pool).key]
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no staging buffer")
+
+    monkeypatch.setattr(restore.snapshot, "submit", fails)
+    load(pool)
+    settle(env)
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="probe_error") == 2 * row
+    assert not env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none")
 
 
 def test_evicted_digests_are_counted_and_their_loads_unverified(hicache, make_pool):
