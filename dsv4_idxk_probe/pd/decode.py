@@ -204,7 +204,11 @@ class DecodeMonitor:
         if _digest_observers:
             self._observe(jobs)
         t_ns = _monotonic_ns()
-        pending = self.engine.submit_room(key, pages, n_tokens, partial(self._on_results, jobs, t_ns))
+        try:
+            pending = self.engine.submit_room(key, pages, n_tokens, partial(self._on_results, jobs, t_ns))
+        except Exception:
+            self._failed(jobs, t_ns)
+            return None
         if pending is None:
             self._dropped(jobs, t_ns)
             return None
@@ -246,8 +250,12 @@ class DecodeMonitor:
         if _digest_observers:
             self._observe(jobs)
         t_ns = _monotonic_ns()
-        pending = self.engine.submit_room(state.key, state.pages, state.n_tokens, partial(self._on_results, jobs, t_ns),
-                                          table=state.table)
+        try:
+            pending = self.engine.submit_room(state.key, state.pages, state.n_tokens,
+                                              partial(self._on_results, jobs, t_ns), table=state.table)
+        except Exception:
+            self._failed(jobs, t_ns)
+            return None
         if pending is None:
             self._dropped(jobs, t_ns)
             return None
@@ -289,7 +297,11 @@ class DecodeMonitor:
         if _digest_observers:
             self._observe(_batch_jobs(states, len(done), stepped))
         t_ns = _monotonic_ns()
-        pending = self.engine.submit(states, partial(self._on_batch, states, len(done), stepped, t_ns))
+        try:
+            pending = self.engine.submit(states, partial(self._on_batch, states, len(done), stepped, t_ns))
+        except Exception:
+            self._failed(_batch_jobs(states, len(done), stepped), t_ns)
+            return None
         if pending is None:
             self._dropped(_batch_jobs(states, len(done), stepped), t_ns)
             return None
@@ -350,14 +362,22 @@ class DecodeMonitor:
         for observer in list(_digest_observers):
             safe_invoke("decode.digest_observer", observer, points)
 
-    def _dropped(self, jobs, t_ns: int) -> None:
-        """The digest queue was full: the digests are lost (counted). Rooms that finished
-        in them are forgotten on the collector, their pages journalled as freed."""
-        if self.metrics is not None:
+    def _failed(self, jobs, t_ns: int) -> None:
+        """The digests' launch raised (a device or launcher error): counted as the probe's
+        error, and the rooms as a full queue leaves them: skipped (`probe_error`), finished
+        ones forgotten and counted, never left in the table for an eviction to pass over."""
+        record_error("decode.digest_submit")
+        self._dropped(jobs, t_ns, "probe_error")
+
+    def _dropped(self, jobs, t_ns: int, reason: str = "queue_full") -> None:
+        """The digests are lost: the digest queue was full (counted), or their launch
+        failed (`_failed`). Rooms that finished in them are forgotten on the collector,
+        their pages journalled as freed."""
+        if self.metrics is not None and reason == "queue_full":
             self.metrics.records_dropped.labels(sink="digest_queue").inc(len(jobs))
         with self._coverage_lock:
             for state, _, _ in jobs:
-                _coverage_of(state).fold("skipped", "queue_full")
+                _coverage_of(state).fold("skipped", reason)
         finished = [state for state, stage, _ in jobs if stage == "decode_finish"]
         if finished:
             self.engine.post(self._on_lost, (finished, t_ns))

@@ -243,6 +243,38 @@ def test_a_room_evicted_while_its_finish_digest_runs_has_one_last_verdict(pair):
     assert verdicts == [("decode_recv", "match"), ("decode_finish", "match")]
 
 
+@pytest.mark.parametrize("how", ["alone", "in_a_batch"])
+def test_a_room_whose_finish_digest_cannot_be_launched_is_counted_and_forgotten(pair, monkeypatch, how):
+    """A launch that raises (a device or launcher error; the hook's guard swallows it) must
+    not leave the finished room in the table, where an eviction passes finished rooms over
+    and it would never be counted: it is counted with the outcome it had (verified at its
+    receipt here), and the failure is counted as the probe's error."""
+    from dsv4_idxk_probe import safety
+
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(1)
+    _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
+    decode.room_received(room, [4, 5], 512, _send(prefill, pre_sink, room, [0, 1], 512))
+    dec_sink.wait_for(1)
+    _settled(decode)
+    errors = safety.error_counts().get("decode.digest_submit", 0)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(decode.engine, "submit_room", fails)
+    monkeypatch.setattr(decode.engine, "submit", fails)
+    try:
+        decode.room_finished(room) if how == "alone" else decode.batch_done([room], [])
+    except RuntimeError:  # what the hook's guard would swallow
+        pass
+    _settled(decode)
+    received = registry.get_sample_value("dsv4_idxk_probe_digest_bytes_total", {**BASE, "stage": "decode_recv"})
+    assert _coverage(registry) == {("verified", "none"): received}
+    assert decode._get(room) is None
+    assert safety.error_counts().get("decode.digest_submit", 0) == errors + 1
+
+
 def test_a_fold_on_the_serving_thread_and_one_on_the_collector_take_turns(pair, monkeypatch):
     """A full digest queue folds `skipped` into a room on the serving thread while the collector
     may fold that room's verdict: each fold reads, then writes. Forced to switch threads in
