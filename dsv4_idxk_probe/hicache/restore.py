@@ -158,7 +158,7 @@ class RestoreVerifier:
         `record`: where a digest's event is recorded (`hicache.restore_record`, `engine_options`)."""
         self.defer_s = defer_s
         self.record = record
-        self.store = HostPageDigests(max_pages, on_evict)
+        self.store = HostPageDigests(max_pages, on_evict, self._stored_lost)
         self.queue_max = queue_max
         self._report = report
         self._count = count
@@ -329,6 +329,10 @@ class RestoreVerifier:
                     comparison = compare_load(expected, contents, rows, device_pages, names)
             if comparison.verified_rows:
                 self._count("hicache_load", "verified", "none", comparison.verified_rows * pool.page_bytes)
+                unverified = set(comparison.unverified_rows)
+                from_l3 = self.store.take_stored(key, [r for r in rows if r not in unverified])
+                if from_l3:  # storage-tier pages whose digests this load compared
+                    self._count("l3", "verified", "none", from_l3 * pool.page_bytes)
             if comparison.unverified_rows:
                 self._count("hicache_load", "unverified", "digest_lost",
                             len(comparison.unverified_rows) * pool.page_bytes)
@@ -423,9 +427,17 @@ class RestoreVerifier:
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
         digests = carried[0]
-        pool.engine.post(lambda _arg: self.store.put(key, [row], digests[:, None, :]))
-        self._count("l3", "verified", "none", nbytes)
+        # counted on l3 once a load compares the page (`compared`), or unverified should its
+        # entry go first (`_stored_lost`): a page read is not yet a page verified
+        pool.engine.post(lambda _arg: self.store.put(key, [row], digests[:, None, :], stored=True))
         return True
+
+    def _stored_lost(self, key: int, n_rows: int) -> None:
+        """Storage-tier pages whose digests went (evicted, dropped, backed up over) before a
+        load compared them: read from L3, never verified."""
+        pool = self._pools.get(key)
+        if pool is not None:
+            self._count("l3", "unverified", "digest_lost", n_rows * pool.page_bytes)
 
     def _far_behind(self, pool: PoolRestore) -> bool:
         """Whether the pool's collector has `2 x queue_max` batches and notes waiting: past

@@ -37,12 +37,18 @@ def entry_bytes(layers: int, segments: int) -> int:
 class HostPageDigests:
     """(pool key, host row) -> uint64 [layers, segments], bounded, oldest evicted first."""
 
-    def __init__(self, max_pages: int, on_evict: Callable[[int], None] | None = None):
+    def __init__(self, max_pages: int, on_evict: Callable[[int], None] | None = None,
+                 on_stored_lost: Callable[[int, int], None] | None = None):
         if max_pages < 0:
             raise ValueError(f"max_pages must be >= 0, got {max_pages}")
         self.max_pages = int(max_pages)
         self._on_evict = on_evict
         self._table: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        # Entries a storage-tier page brought (`put(stored=True)`) that no load has compared
+        # yet: such a page counts verified once a load compares it (`take_stored`), and
+        # unverified if its entry goes first (`on_stored_lost(pool, n_rows)`, outside the lock).
+        self._stored: set[tuple[int, int]] = set()
+        self._on_stored_lost = on_stored_lost
         self._lost: OrderedDict[tuple[int, int], None] = OrderedDict()  # evicted or dropped, not stored again
         self._lock = threading.Lock()
         self.evicted = 0
@@ -53,37 +59,64 @@ class HostPageDigests:
         # the copying thread).
         self.generations: dict[int, int] = {}
 
-    def put(self, pool: int, rows: Iterable[int], contents: np.ndarray, generation: int | None = None) -> bool:
+    def put(self, pool: int, rows: Iterable[int], contents: np.ndarray, generation: int | None = None,
+            stored: bool = False) -> bool:
         """Keep `contents[:, j, :]` for host row `rows[j]`; `contents` is uint64 [layers, pages, segments].
         With `generation` (the pool's when the digest was submitted): nothing is kept, the rows
-        are remembered as lost and False returned if the pool's digests were forgotten since."""
+        are remembered as lost and False returned if the pool's digests were forgotten since.
+        `stored`: the digests came with a storage-tier page, for `take_stored`."""
         rows = [int(r) for r in rows]
         if contents.ndim != 3 or contents.shape[1] != len(rows):
             raise ValueError(f"contents {contents.shape} do not hold {len(rows)} pages as [layers, pages, segments]")
+        keys = [(pool, row) for row in rows]
         evicted = 0
         with self._lock:
-            if generation is not None and generation != self.generations.get(pool, 0):
-                for row in rows:
-                    self._table.pop((pool, row), None)
-                    self._remember_lost((pool, row))
-                return False
-            for j, row in enumerate(rows):
-                key = (pool, row)
+            refused = generation is not None and generation != self.generations.get(pool, 0)
+            for j, key in enumerate(keys):
                 self._table.pop(key, None)
-                self._lost.pop(key, None)
-                if self.max_pages == 0:
+                if refused or self.max_pages == 0:
                     self._remember_lost(key)
-                    evicted += 1
+                    evicted += not refused
                     continue
+                self._lost.pop(key, None)
                 self._table[key] = np.array(contents[:, j, :], dtype=np.uint64, copy=True)
+            gone = self._stored_taken(keys)  # a stored page's entry replaced before a load compared it
+            if stored and not refused and self.max_pages:
+                self._stored.update(keys)
             while len(self._table) > self.max_pages:
                 key, _ = self._table.popitem(last=False)
                 self._remember_lost(key)
+                gone += self._stored_taken([key])
                 evicted += 1
             self.evicted += evicted
+        self._report_stored_lost(gone)
         if evicted and self._on_evict is not None:
             self._on_evict(evicted)
-        return True
+        return not refused
+
+    def take_stored(self, pool: int, rows: Iterable[int]) -> int:
+        """How many of these rows hold a storage-tier page's digests that no load had compared:
+        a load compared them now, so they count here, once."""
+        with self._lock:
+            return len(self._stored_taken([(pool, int(r)) for r in rows]))
+
+    def _stored_taken(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(Under the lock) which of `keys` are stored pages not yet compared; no longer so."""
+        if not self._stored:
+            return []
+        taken = [k for k in keys if k in self._stored]
+        self._stored.difference_update(taken)
+        return taken
+
+    def _report_stored_lost(self, keys: list[tuple[int, int]]) -> None:
+        """(Outside the lock) stored pages whose entries went before a load compared them."""
+        if not keys or self._on_stored_lost is None:
+            return
+        by_pool: dict[int, int] = {}
+        for pool, _ in keys:
+            by_pool[pool] = by_pool.get(pool, 0) + 1
+        for pool, n in by_pool.items():
+            self._on_stored_lost(pool, n)
 
     def get(self, pool: int, rows: Iterable[int]) -> list[np.ndarray | None]:
         """The kept digests of each row ([layers, segments]), None where none is kept."""
@@ -98,12 +131,14 @@ class HostPageDigests:
     def drop(self, pool: int, rows: Iterable[int]) -> int:
         """Forget these rows' digests (the storage tier wrote the pages); returns how many were kept."""
         dropped = 0
+        keys = [(pool, int(row)) for row in rows]
         with self._lock:
-            for row in rows:
-                key = (pool, int(row))
+            for key in keys:
                 if self._table.pop(key, None) is not None:
                     dropped += 1
                 self._remember_lost(key)
+            gone = self._stored_taken(keys)
+        self._report_stored_lost(gone)
         return dropped
 
     def forget_all(self, pool: int, fence: bool = False) -> int:
@@ -118,6 +153,8 @@ class HostPageDigests:
             for key in keys:
                 del self._table[key]
                 self._remember_lost(key)
+            gone = self._stored_taken(keys)
+        self._report_stored_lost(gone)
         return len(keys)
 
     def forget_pool(self, pool: int) -> None:
@@ -127,6 +164,7 @@ class HostPageDigests:
             for table in (self._table, self._lost):
                 for key in [k for k in table if k[0] == pool]:
                     del table[key]
+            self._stored_taken([k for k in self._stored if k[0] == pool])  # gone with the pool, uncounted
 
     def _remember_lost(self, key: tuple[int, int]) -> None:
         self._lost.pop(key, None)

@@ -142,6 +142,24 @@ def test_a_clean_storage_tier_round_trip_matches(hicache, make_pool, storage, la
     assert_load_verified(env, pool, io_backend)
 
 
+def test_a_page_read_with_its_digests_counts_verified_only_once_a_load_compares_it(hicache, make_pool, storage):
+    """A page read from L3 with its sidecar is verifiable, not yet verified: l3 counts it
+    verified when a load compares it, and unverified (`digest_lost`) if its digests go
+    first: here a backup over its host row before any load."""
+    env, pool = backed_up(hicache, make_pool)
+    store_evict_restore(pool, storage)
+    settle(env)
+    assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
+    backup(pool)  # host rows 2 and 5 backed up again: row 5's L3 digests are replaced, never compared
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
+
+
 def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool, storage):
     env, pool = backed_up(hicache, make_pool)
 

@@ -30,6 +30,27 @@ def test_the_store_keeps_each_host_rows_digests_and_evicts_the_oldest_with_a_cou
     assert store.lost(7, 10) and store.lost(7, 11) and not store.lost(7, 12)
 
 
+def test_a_stored_pages_digests_count_once_compared_or_once_gone():
+    """`put(stored=True)`: an L3 page's digests. A load's `take_stored` counts them once; an
+    eviction, a drop, a backup over the row or a forgetting reports them lost, once."""
+    lost = []
+    store = HostPageDigests(3, on_stored_lost=lambda pool, n: lost.append((pool, n)))
+    store.put(7, [1, 2], contents(2, 2), stored=True)
+    assert store.take_stored(7, [1, 3]) == 1 and store.take_stored(7, [1]) == 0  # row 1 compared, once
+    store.put(7, [2], contents(2, 1, seed=1))  # a backup over row 2 before any load compared it
+    assert lost == [(7, 1)] and store.take_stored(7, [2]) == 0
+    store.put(7, [4, 5], contents(2, 2, seed=2), stored=True)
+    store.put(7, [6, 8], contents(2, 2, seed=3))  # past the bound the oldest go: 1, then 2 and 4 (stored)
+    assert lost == [(7, 1), (7, 1)]
+    store.drop(7, [5])
+    store.put(8, [0], contents(2, 1), stored=True)
+    store.forget_all(8, fence=True)
+    assert lost == [(7, 1), (7, 1), (7, 1), (8, 1)]
+    assert store.put(8, [0], contents(2, 1), generation=0, stored=True) is False  # refused: nothing pending
+    store.forget_all(8)
+    assert lost[-1] == (8, 1) and len(lost) == 4
+
+
 def test_storing_a_row_again_makes_it_the_newest_and_clears_its_loss():
     store = HostPageDigests(2)
     store.put(1, [0], contents(1, 1, 1))
