@@ -49,6 +49,7 @@ from typing import Any
 from ..exchange.endpoint import rebuild_endpoint
 from ..exchange.prefetch import prefetch, prefetched
 from ..exchange.stages import StageEndpoints, describe_endpoint
+from ..pd.coverage import skip_reason
 from ..pd.inband import port_from_slots
 from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
@@ -152,16 +153,24 @@ _said_metadata_on_device = False
 
 def count_inactive_room(runtime: Any, decode_req: Any) -> None:
     """A room lands on a decode side that cannot read its pool: its index-K bytes moved
-    unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4)."""
+    unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4).
+    As on an active side, rooms that move no index-K (health checks, fake bootstrap hosts)
+    are not counted, and an aborted one is `skipped` (`aborted`)."""
     side = runtime.sides.get("decode")
     req = getattr(decode_req, "req", None)
     per_page = getattr(side, "bytes_per_page", 0)
     if side is None or side.active or not per_page or req is None or runtime.metrics is None:
         return
+    why = decode_skip_reason(req)
+    if why is None:
+        outcome, reason = "unverified", _INACTIVE_COVERAGE_REASON.get(getattr(side, "code", ""), "other")
+    else:
+        outcome, reason = "skipped", skip_reason(why)
+        if reason is None:
+            return  # moved no index-K
     n_tokens = origin_len(req) - cache_protected_len(req)
     pages = -(-max(0, n_tokens) // max(1, int(getattr(side, "page_tokens", 256))))
-    reason = _INACTIVE_COVERAGE_REASON.get(getattr(side, "code", ""), "other")
-    runtime.metrics.count_coverage("pd", "unverified", reason, pages * per_page)
+    runtime.metrics.count_coverage("pd", outcome, reason, pages * per_page)
 
 
 def metadata_on_device(transfer_queue: Any) -> bool:

@@ -181,11 +181,18 @@ def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_un
                               kv=SimpleNamespace(cache_protected_len=v41world.PREFIX_TOKENS),
                               cache_protected_len=v41world.PREFIX_TOKENS, bootstrap_room=ROOM)
         pd_decode.count_inactive_room(runtime, SimpleNamespace(req=req))
+        # as on an active side: a health check moves no index-K; an aborted room is skipped
+        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=SimpleNamespace(**{**vars(req), "rid": "HEALTH_CHECK_1"})))
+        FINISH_ABORT = type("FINISH_ABORT", (), {})
+        aborted = SimpleNamespace(**{**vars(req), "finished_reason": FINISH_ABORT()})
+        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=aborted))
         counted = _coverage(registry, "unverified", "layout_unknown")
+        skipped = _coverage(registry, "skipped", "aborted")
     finally:
         runtime.close()
     per_page = 2 * 8448 + 4 * 4352 + 2 * 4352  # C4: two layers of one 8448 B row; r1: 4 rows; r2: 2 rows
     assert counted == 3 * per_page
+    assert skipped == 3 * per_page
 
 
 def test_an_npu_indexer_is_not_read_as_its_unwritten_packed_rows(v41):
