@@ -32,7 +32,7 @@ from ..hicache.geometry import DeviceBuffer, PoolGeometry, TokenRow
 from ..hicache.probe import GuardRefused, HiCacheProbe, probe_for
 from ..hicache.restore import EARLIER_SIDECAR_HEAD, SIDECAR_SUFFIX, is_index_k_pool, sidecar_bytes
 from ..hicache.roundtrip import RowViews, page_rows
-from ..safety import safe_invoke
+from ..safety import record_error, safe_invoke
 from . import l3_files
 
 #: The row that ``transfer_cache_dsv4_mla`` hard-codes (SGLang 0.5.23,
@@ -342,8 +342,13 @@ def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset
     anew while it was read may have given the row either version's bytes)."""
     state, path, before = page_before
     pool = probe.restore.pool(state)
-    data = None if pool is None else _read_sidecar(backend, _sidecar_key(backend, pool_name, key),
-                                                   sidecar_bytes(pool.layers, len(pool.layout.segments)))
+    data = None
+    if pool is not None:
+        try:
+            data = _read_sidecar(backend, _sidecar_key(backend, pool_name, key),
+                                 sidecar_bytes(pool.layers, len(pool.layout.segments)))
+        except Exception:  # e.g. a sidecar replaced between its stat and its read: the page counts as without
+            record_error("hicache.l3_sidecar")
     row = int(page_offset) // int(host_pool.slot_page_size)
     version = l3_files.file_version(path)
     probe.restore.storage_read(state, row, data, version if version == before else None)

@@ -160,6 +160,23 @@ def test_a_page_read_with_its_digests_counts_verified_only_once_a_load_compares_
     assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
 
 
+def test_a_sidecar_whose_read_fails_leaves_its_page_counted_unverified(hicache, make_pool, storage, monkeypatch):
+    """`get` of the sidecar raises (HiCacheFile's short read, when the sidecar is replaced
+    between its size check and its read): the page counts as one without digests, never
+    as nothing."""
+    env, pool = backed_up(hicache, make_pool)
+    env.allow_probe_errors = True
+    get = storage.get
+
+    def short_read(key, *args, **kwargs):
+        if str(key).endswith(SIDECAR_SUFFIX):
+            raise IOError("Short read")
+        return get(key, *args, **kwargs)
+
+    store_evict_restore(pool, storage, lambda: (settle(env), monkeypatch.setattr(storage, "get", short_read)))
+    assert_load_unverified(env, pool)
+
+
 def test_a_page_whose_sidecar_was_lost_is_counted_unverified(hicache, make_pool, storage):
     env, pool = backed_up(hicache, make_pool)
 
