@@ -279,8 +279,8 @@ class RestoreVerifier:
                 return
             if self.store.put(key, rows, result.contents[0], generation):
                 self._count("hicache_backup", "verified", "none", nbytes)
-            else:  # the pool's digests were forgotten meanwhile (a collector far behind): so is this
-                self._count("hicache_backup", "unverified", "queue_full", nbytes)
+            else:  # the pool's digests were forgotten meanwhile (a collector far behind, a token backup)
+                self._count("hicache_backup", "unverified", self.store.fence_cause.get(key, "queue_full"), nbytes)
 
         try:
             if pool.strided:  # the engine reads the token indices as they are: no frame, no device call more
@@ -358,7 +358,7 @@ class RestoreVerifier:
         longer say what those rows hold, and a page-path load of one would be compared with
         them, a mismatch nobody made. All the pool's kept digests go, fenced (those of
         backups still in flight too): rare copies; the loads after count `digest_lost`."""
-        self.store.forget_all(state.key, fence=True)
+        self.store.forget_all(state.key, fence=True, cause="other")
 
     def _submit_page_ids(self, pool: PoolRestore, key: str, device_indices, n_pages: int, callback):
         """Digest the device pages a copy named, in its stream order, where the engine does not
@@ -427,9 +427,15 @@ class RestoreVerifier:
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
         digests = carried[0]
-        # counted on l3 once a load compares the page (`compared`), or unverified should its
-        # entry go first (`_stored_lost`): a page read is not yet a page verified
-        pool.engine.post(lambda _arg: self.store.put(key, [row], digests[:, None, :], stored=True))
+        generation = self.store.generations.get(key, 0)  # a fence after this read refuses them (a token backup)
+
+        def keep(_arg) -> None:
+            # counted on l3 once a load compares the page (`compared`), or unverified should its
+            # entry go first (`_stored_lost`) or be refused: a page read is not yet a page verified
+            if not self.store.put(key, [row], digests[:, None, :], generation, stored=True):
+                self._count("l3", "unverified", "digest_lost", nbytes)
+
+        pool.engine.post(keep)
         return True
 
     def _stored_lost(self, key: int, n_rows: int) -> None:

@@ -58,6 +58,7 @@ class HostPageDigests:
         # count when it is submitted (`generations.get(pool, 0)`: one C call, no frame on
         # the copying thread).
         self.generations: dict[int, int] = {}
+        self.fence_cause: dict[int, str] = {}  # per pool, the coverage reason of its last fence
 
     def put(self, pool: int, rows: Iterable[int], contents: np.ndarray, generation: int | None = None,
             stored: bool = False) -> bool:
@@ -81,8 +82,11 @@ class HostPageDigests:
                 self._lost.pop(key, None)
                 self._table[key] = np.array(contents[:, j, :], dtype=np.uint64, copy=True)
             gone = self._stored_taken(keys)  # a stored page's entry replaced before a load compared it
-            if stored and not refused and self.max_pages:
-                self._stored.update(keys)
+            if stored and not refused:  # (refused: the caller counts it, seeing False)
+                if self.max_pages:
+                    self._stored.update(keys)
+                else:
+                    gone += keys  # nothing is kept: lost at once
             while len(self._table) > self.max_pages:
                 key, _ = self._table.popitem(last=False)
                 self._remember_lost(key)
@@ -141,7 +145,7 @@ class HostPageDigests:
         self._report_stored_lost(gone)
         return dropped
 
-    def forget_all(self, pool: int, fence: bool = False) -> int:
+    def forget_all(self, pool: int, fence: bool = False, cause: str = "queue_full") -> int:
         """Forget every kept digest of a pool, remembered as lost (a backup whose rows could
         not be read: any of them may be stale now); returns how many were kept. `fence`: called
         out of the collector's order (the copying thread), so digests submitted before this
@@ -149,6 +153,7 @@ class HostPageDigests:
         with self._lock:
             if fence:
                 self.generations[pool] = self.generations.get(pool, 0) + 1
+                self.fence_cause[pool] = cause
             keys = [k for k in self._table if k[0] == pool]
             for key in keys:
                 del self._table[key]

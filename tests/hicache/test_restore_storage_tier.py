@@ -14,7 +14,7 @@ import torch
 from dsv4_idxk_probe.hicache.restore import SIDECAR_SUFFIX, decode_sidecar, encode_sidecar
 from dsv4_idxk_probe.sglang import l3_files
 
-from .conftest import LAYERS, accepted, host_row
+from .conftest import HAS_BACKUP_TOKENS, LAYERS, accepted, host_row
 from .test_restore_pools import backup, findings, load, settle
 
 POOL = "deepseek_v4_c4_indexer"
@@ -158,6 +158,34 @@ def test_a_page_read_with_its_digests_counts_verified_only_once_a_load_compares_
     assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
     assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
     assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
+
+
+@pytest.mark.skipif(not HAS_BACKUP_TOKENS, reason="backup_tokens_from_device_all_layer arrives in SGLang 0.5.23")
+def test_a_token_backup_after_a_read_refuses_the_read_digests_still_on_their_way(hicache, make_pool, storage):
+    """The read's digests reach the store on the collector; a token backup between (its
+    fence) must refuse them, or the row would hold the stored page's digests over the token
+    copy's bytes: the page counts l3 unverified and its load is no finding."""
+    from .test_restore_pools import _hold_collector
+
+    env, pool = backed_up(hicache, make_pool)
+    held = []
+
+    def hold():  # the sidecar written, the collector then held: the read's digests wait behind it
+        settle(env)
+        held.append(_hold_collector(env, pool))
+
+    store_evict_restore(pool, storage, hold)
+    before = host_row(pool, 5, 0).clone()
+    # tokens 73-82: the token kernel's own row geometry (C4's, not this pool's) puts them in host row 5
+    pool.backup_tokens_from_device_all_layer(torch.arange(73, 83), torch.arange(10))
+    assert not torch.equal(host_row(pool, 5, 0), before)
+    held[0].set()
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
 
 
 def test_a_sidecar_whose_read_fails_leaves_its_page_counted_unverified(hicache, make_pool, storage, monkeypatch):

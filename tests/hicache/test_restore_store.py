@@ -49,6 +49,9 @@ def test_a_stored_pages_digests_count_once_compared_or_once_gone():
     assert store.put(8, [0], contents(2, 1), generation=0, stored=True) is False  # refused: nothing pending
     store.forget_all(8)
     assert lost[-1] == (8, 1) and len(lost) == 4
+    keeps_none = HostPageDigests(0, on_stored_lost=lambda pool, n: lost.append((pool, n)))
+    keeps_none.put(9, [0, 1], contents(2, 2), stored=True)  # nothing kept: both lost at once
+    assert lost[-1] == (9, 2)
 
 
 def test_storing_a_row_again_makes_it_the_newest_and_clears_its_loss():

@@ -275,6 +275,34 @@ def test_a_room_whose_finish_digest_cannot_be_launched_is_counted_and_forgotten(
     assert safety.error_counts().get("decode.digest_submit", 0) == errors + 1
 
 
+def test_a_room_whose_receipt_digest_cannot_be_launched_is_still_tracked_and_counted(pair, monkeypatch):
+    """The receipt's launch raises: the room stays tracked (its finish digest may still come)
+    with `skipped`/`probe_error` folded; when it ends it is counted with its best outcome."""
+    from dsv4_idxk_probe import safety
+
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    room = RoomId(4)
+    _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
+    inband = _send(prefill, pre_sink, room, [0, 1], 512)
+    errors = safety.error_counts().get("decode.digest_submit", 0)
+    submit_room = decode.engine.submit_room
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(decode.engine, "submit_room", fails)
+    assert decode.room_received(room, [4, 5], 512, inband) is None
+    state = decode._get(room)
+    assert state is not None and (state.coverage.outcome, state.coverage.reason) == ("skipped", "probe_error")
+    assert safety.error_counts().get("decode.digest_submit", 0) == errors + 1
+    monkeypatch.setattr(decode.engine, "submit_room", submit_room)
+    decode.room_finished(room)
+    dec_sink.wait_for(1)
+    _settled(decode)
+    assert [(r["stage"], r["verdict"]) for r in dec_sink.records if r["room"] == "4"] == [("decode_finish", "match")]
+    assert list(_coverage(registry)) == [("verified", "none")]
+
+
 def test_a_fold_on_the_serving_thread_and_one_on_the_collector_take_turns(pair, monkeypatch):
     """A full digest queue folds `skipped` into a room on the serving thread while the collector
     may fold that room's verdict: each fold reads, then writes. Forced to switch threads in
