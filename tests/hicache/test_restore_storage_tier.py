@@ -151,13 +151,18 @@ def test_a_page_read_with_its_digests_counts_verified_only_once_a_load_compares_
     settle(env)
     assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
     backup(pool)  # host rows 2 and 5 backed up again: row 5's L3 digests are replaced, never compared
+    assert_read_page_never_compared(env, pool)
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * LAYERS * pool.item_bytes
+
+
+def assert_read_page_never_compared(env, pool):
+    """Host row 5 came from L3 with its digests, which went before a load compared them: the
+    rows' load is no finding, and the page counts l3 unverified, never verified."""
     load(pool)
     settle(env)
     assert findings(env) == []
-    row = LAYERS * pool.item_bytes
     assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
-    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == LAYERS * pool.item_bytes
 
 
 @pytest.mark.skipif(not HAS_BACKUP_TOKENS, reason="backup_tokens_from_device_all_layer arrives in SGLang 0.5.23")
@@ -180,12 +185,7 @@ def test_a_token_backup_after_a_read_refuses_the_read_digests_still_on_their_way
     pool.backup_tokens_from_device_all_layer(torch.arange(73, 83), torch.arange(10))
     assert not torch.equal(host_row(pool, 5, 0), before)
     held[0].set()
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    row = LAYERS * pool.item_bytes
-    assert not env.value("coverage_bytes", path="l3", outcome="verified", reason="none")
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
+    assert_read_page_never_compared(env, pool)
 
 
 def test_a_sidecar_whose_read_fails_leaves_its_page_counted_unverified(hicache, make_pool, storage, monkeypatch):
