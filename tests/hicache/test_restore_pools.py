@@ -30,6 +30,16 @@ def settle(env):
     assert env.probe.restore.drain(), "the restore digests were not delivered"
 
 
+def restore_engine(env, pool):
+    """The pool's restore digest engine: every backup's and load's digest is its submit."""
+    return env.probe.restore._pools[env.probe.state_of(pool).key].snapshot
+
+
+def submit_fails(*args, **kwargs):
+    """A digest submit that raises, as one with no staging buffer does."""
+    raise RuntimeError("no staging buffer")
+
+
 def findings(env):
     return [r for r in env.records if r.get("event") == "restore_mismatch"]
 
@@ -140,12 +150,7 @@ def test_a_load_whose_digest_cannot_be_launched_is_counted_unverified(hicache, m
     pool = make_pool("fp8_indexer")
     backup(pool)
     settle(env)
-    restore = env.probe.restore._pools[env.probe.state_of(pool).key]
-
-    def fails(*args, **kwargs):
-        raise RuntimeError("no staging buffer")
-
-    monkeypatch.setattr(restore.snapshot, "submit", fails)
+    monkeypatch.setattr(restore_engine(env, pool), "submit", submit_fails)
     load(pool)
     settle(env)
     row = LAYERS * pool.item_bytes
@@ -173,13 +178,8 @@ def test_a_backup_whose_digest_cannot_be_taken_forgets_what_its_rows_held(hicach
     pool = make_pool("fp8_indexer")
     backup(pool)  # host rows 2, 5 <- device pages 1, 6: digests kept
     settle(env)
-    restore = env.probe.restore._pools[env.probe.state_of(pool).key]
-
-    def fails(*args, **kwargs):
-        raise RuntimeError("no staging buffer")
-
     with monkeypatch.context() as patch:
-        patch.setattr(restore.snapshot, "submit", fails)
+        patch.setattr(restore_engine(env, pool), "submit", submit_fails)
         pool.backup_from_device_all_layer(None, page_indices(HOST_ROWS), page_indices([3, 7]), "kernel")
     load(pool, device_rows=[0, 4])  # a good restore of what the host rows hold now
     settle(env)

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from tests.support.recordsink import Sink
 
+from dsv4_idxk_probe import safety
 from dsv4_idxk_probe.digest import DigestEngine, get_layout
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics, process_labels
 from dsv4_idxk_probe.pd import DecodeMonitor, InbandDigest, PrefillMonitor, RoomId
@@ -62,6 +63,11 @@ def _settled(decode) -> None:
     done = threading.Event()
     decode.engine.post(lambda _: done.set())
     assert done.wait(10)
+
+
+def _launch_fails(*args, **kwargs):
+    """A digest launch that raises (a device or launcher error)."""
+    raise RuntimeError("launch failed")
 
 
 def _coverage(registry) -> dict[tuple[str, str], float]:
@@ -249,8 +255,6 @@ def test_a_room_whose_finish_digest_cannot_be_launched_is_counted_and_forgotten(
     not leave the finished room in the table, where an eviction passes finished rooms over
     and it would never be counted: it is counted with the outcome it had (verified at its
     receipt here), and the failure is counted as the probe's error."""
-    from dsv4_idxk_probe import safety
-
     prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
     room = RoomId(1)
     _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
@@ -259,11 +263,8 @@ def test_a_room_whose_finish_digest_cannot_be_launched_is_counted_and_forgotten(
     _settled(decode)
     errors = safety.error_counts().get("decode.digest_submit", 0)
 
-    def fails(*args, **kwargs):
-        raise RuntimeError("launch failed")
-
-    monkeypatch.setattr(decode.engine, "submit_room", fails)
-    monkeypatch.setattr(decode.engine, "submit", fails)
+    monkeypatch.setattr(decode.engine, "submit_room", _launch_fails)
+    monkeypatch.setattr(decode.engine, "submit", _launch_fails)
     try:
         decode.room_finished(room) if how == "alone" else decode.batch_done([room], [])
     except RuntimeError:  # what the hook's guard would swallow
@@ -278,8 +279,6 @@ def test_a_room_whose_finish_digest_cannot_be_launched_is_counted_and_forgotten(
 def test_a_room_whose_receipt_digest_cannot_be_launched_is_still_tracked_and_counted(pair, monkeypatch):
     """The receipt's launch raises: the room stays tracked (its finish digest may still come)
     with `skipped`/`probe_error` folded; when it ends it is counted with its best outcome."""
-    from dsv4_idxk_probe import safety
-
     prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
     room = RoomId(4)
     _copy_room(pre_bufs, [0, 1], dec_bufs, [4, 5])
@@ -287,10 +286,7 @@ def test_a_room_whose_receipt_digest_cannot_be_launched_is_still_tracked_and_cou
     errors = safety.error_counts().get("decode.digest_submit", 0)
     submit_room = decode.engine.submit_room
 
-    def fails(*args, **kwargs):
-        raise RuntimeError("launch failed")
-
-    monkeypatch.setattr(decode.engine, "submit_room", fails)
+    monkeypatch.setattr(decode.engine, "submit_room", _launch_fails)
     assert decode.room_received(room, [4, 5], 512, inband) is None
     state = decode._get(room)
     assert state is not None and (state.coverage.outcome, state.coverage.reason) == ("skipped", "probe_error")
