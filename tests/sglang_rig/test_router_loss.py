@@ -1,7 +1,7 @@
-"""Requests SGLang's router lost before decode saw them (testbed/sglang/router_loss.py, no
-servers): only the whole signature counts (the client timed out, prefill's bootstrap timed
-out waiting for decode, decode never named the rid), so a request lost anywhere else still
-fails its phase; and a phase sends such a request once more under a new rid."""
+"""Requests SGLang's router lost on one leg (testbed/sglang/router_loss.py, no servers): only
+the whole signature counts (the client timed out, one side timed out waiting for the other,
+the other never named the rid), so a request lost anywhere else still fails its phase; and a
+phase sends such a request once more under a new rid."""
 
 from __future__ import annotations
 
@@ -31,19 +31,36 @@ def outcome(rid="abort-3", status=None, error=TIMED_OUT, **request):
 
 def test_the_whole_signature_is_a_router_loss(tmp_path):
     prefill, decode = logs(tmp_path, BOOTSTRAP_TIMEOUT, "[...] Abort request obj.rid='abort-13'\n")
-    assert router_loss.lost_before_decode(outcome(), prefill, decode, wait_s=0)
+    assert router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)
 
 
 def test_anything_less_is_not(tmp_path):
     prefill, decode = logs(tmp_path, BOOTSTRAP_TIMEOUT, "")
-    assert not router_loss.lost_before_decode(outcome(status=500, error="boom"), prefill, decode, wait_s=0)
-    assert not router_loss.lost_before_decode(outcome(abort_after_s=1.0), prefill, decode, wait_s=0)
-    assert not router_loss.lost_before_decode(outcome(rid="abort-4"), prefill, decode, wait_s=0)
-    assert not router_loss.lost_before_decode(outcome(rid="abort-30"), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(status=500, error="boom"), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(abort_after_s=1.0), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(rid="abort-4"), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(rid="abort-30"), prefill, decode, wait_s=0)
     prefill, decode = logs(tmp_path, BOOTSTRAP_TIMEOUT, "[...] Abort request obj.rid='abort-3'\n")
-    assert not router_loss.lost_before_decode(outcome(), prefill, decode, wait_s=0)  # decode had it
+    assert not router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)  # decode had it
     prefill, decode = logs(tmp_path, BOOTSTRAP_TIMEOUT.replace("KVPoll.Bootstrapping", "KVPoll.Transferring"), "")
-    assert not router_loss.lost_before_decode(outcome(), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)
+
+
+# decode's line as SGLang 0.5.23 logs it (a fresh-clone run, 2026-12-06: the prefill leg lost)
+TRANSFER_TIMEOUT = ("[2026-12-06 17:29:23] Decode transfer failed for request rank=0 decode_req.req.rid='abort-3' "
+                    "decode_req.req.bootstrap_room=445518024391207756 with exception KVTransferError(bootstrap_room="
+                    "445518024391207756): Request 445518024391207756 timed out after 300.0s in KVPoll.WaitingForInput\n")
+
+
+def test_the_prefill_leg_lost_is_a_router_loss_too_and_only_whole(tmp_path):
+    prefill, decode = logs(tmp_path, "", TRANSFER_TIMEOUT)
+    assert router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(status=500, error="boom"), prefill, decode, wait_s=0)
+    assert not router_loss.lost_by_router(outcome(rid="abort-4"), prefill, decode, wait_s=0)
+    prefill, decode = logs(tmp_path, "[...] req.rid='abort-3' sent\n", TRANSFER_TIMEOUT)
+    assert not router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)  # prefill had it
+    prefill, decode = logs(tmp_path, "", TRANSFER_TIMEOUT.replace("KVPoll.WaitingForInput", "KVPoll.Transferring"))
+    assert not router_loss.lost_by_router(outcome(), prefill, decode, wait_s=0)
 
 
 class LossyRouter(RigSession):

@@ -30,7 +30,7 @@ from typing import Any
 from ..faults.verify import Verification, verify
 from . import launch, truth
 from .env import ENV_OUT, ENV_PLAN
-from .router_loss import lost_before_decode
+from .router_loss import lost_by_router
 from .workload import Outcome, Request, send
 
 
@@ -50,7 +50,7 @@ class Phase:
     # vanish: the servers record each one applied, or not applied with the reason)
     unrecorded_faults: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    # rids SGLang's router lost before decode saw them, each sent again as "<rid>-resent" (router_loss)
+    # rids SGLang's router lost on one leg, each sent again as "<rid>-resent" (router_loss)
     router_lost: list[str] = field(default_factory=list)
 
     @property
@@ -162,13 +162,13 @@ class RigSession:
 
     def _resend_router_lost(self, requests: list[Request], outcomes: list[Outcome], concurrency: int,
                             plan: dict[str, Any]) -> tuple[list[Request], list[Outcome], list[str]]:
-        """Send once more, under a new rid, each request SGLang's router lost before decode saw it
+        """Send once more, under a new rid, each request SGLang's router lost on one leg
         (`router_loss`); the phase judges the resent one in its place and names the lost rid.
         `plan`: the phase's `_write_plan` arguments besides its rooms."""
         logs = self.cluster.logs
         if "prefill" not in logs or "decode" not in logs:
             return requests, outcomes, []
-        lost = [o for o in outcomes if lost_before_decode(o, logs["prefill"], logs["decode"])]
+        lost = [o for o in outcomes if lost_by_router(o, logs["prefill"], logs["decode"])]
         if not lost:
             return requests, outcomes, []
         again = {o.request.rid: replace(o.request, rid=f"{o.request.rid}-resent") for o in lost}
