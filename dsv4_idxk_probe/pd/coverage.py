@@ -30,6 +30,7 @@ _SKIP_REASONS = (
     ("evicted", "evicted"),
     ("received into the hicache host pool", "host_dest"),
     ("digest failed", "probe_error"),
+    ("probe error", "probe_error"),
     ("destination pages were not recorded", "probe_error"),
     ("digest queue full", "queue_full"),
 )

@@ -36,7 +36,10 @@ Targets (configs/targets/sglang.yaml, "PD prefill / decode"):
   ``decode_finish`` for rooms that finished at once;
 * ``ScheduleBatch.retract_decode`` (after): a retracted room is `skipped`;
 * ``DecodeTransferQueue._abort_failed_transfer`` (before; 0.5.22 on): a room whose
-  transfer failed is `skipped` with "transfer failed: <SGLang's reason>".
+  transfer failed is `skipped` with "transfer failed: <SGLang's reason>";
+* ``DecodeTransferQueue._release_request`` (before; 0.5.21 on): a room the queue lets
+  go of without a commit (a host-received room aborted at `KVPoll.Success`; before
+  0.5.22 a failed transfer) is `skipped` with SGLang's reason, unless already counted.
 
 Only frozen bytes are digested (the kernel counts them from each room's tokens), so the tail slots
 later decode steps write never count. No SGLang import.
@@ -63,6 +66,9 @@ from .index_k import decode_room_pages
 from .sides import build_side
 
 ATTR_ROOM = "_dsv4_idxk_room"  # on a decode Req: its RoomId while the probe tracks it
+#: On a DecodeRequest: the probe has accounted for the room (its receipt taken, or counted
+#: skipped), so the transfer queue's release of it counts nothing more.
+ATTR_ACCOUNTED = "_dsv4_idxk_accounted"
 
 
 def decode_side(runtime: Any, scheduler: Any = None):
@@ -240,6 +246,7 @@ def prefill_endpoint(runtime: Any, side: Any, seen: tuple) -> tuple[Any, bool]:
 def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple[list[int], int | None, str | None]) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     req = decode_req.req
+    setattr(decode_req, ATTR_ACCOUNTED, True)
     if side is None:
         count_inactive_room(runtime, decode_req)
     if side is None or room_of(req) is None:
@@ -270,6 +277,23 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     setattr(req, ATTR_ROOM, room)
     setattr(req, ATTR_STEPS, 0)
     setattr(req, ATTR_RECV, (pending, inband, dest.n_tokens))
+
+
+def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
+    """The probe's own commit read (`before_commit`) or its receipt (`after_commit`)
+    raised (the error is counted): a room it did not start tracking is counted
+    `skipped` (`probe_error`) with the bytes it received, so it is not left out of the
+    coverage; one the monitor took before the failure is retired the same way (no hook
+    would finish it: the request does not carry the room)."""
+    req = getattr(decode_req, "req", None)
+    if room_of(req) is None or getattr(req, ATTR_ROOM, None) is not None:
+        return  # no room, or tracked and carried: its life goes on as usual
+    side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
+    if side is None:
+        return  # an inactive side counts its rooms in after_commit; that raised, and is counted
+    setattr(decode_req, ATTR_ACCOUNTED, True)
+    side.monitor.room_skipped(RoomId(room_of(req)), "probe error at the commit", extra={"rid": rid_of(req)},
+                              n_tokens=_received_tokens(req))
 
 
 def _received_tokens(req: Any) -> int | None:
@@ -369,7 +393,26 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
     records = getattr(manager, "failure_records", None)
     why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
     reason = f"transfer failed: {why}" if why else "transfer failed"
+    setattr(decode_req, ATTR_ACCOUNTED, True)
     side.monitor.room_skipped(RoomId(room), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
+
+
+def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
+    """The transfer queue lets go of a room that never reached its commit: aborted while its
+    bytes went into the HiCache host pool (host receive: released at `KVPoll.Success`
+    without a commit), or, before 0.5.22 (no `_abort_failed_transfer`), its transfer failed.
+    Counted `skipped` with SGLang's reason (an abort) and the bytes it received, unless the
+    probe accounted for it already (its commit, a failed transfer's hook)."""
+    req = getattr(decode_req, "req", None)
+    if getattr(decode_req, ATTR_ACCOUNTED, False) or room_of(req) is None or getattr(req, ATTR_ROOM, None) is not None:
+        return
+    setattr(decode_req, ATTR_ACCOUNTED, True)
+    side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
+    if side is None:
+        count_inactive_room(runtime, decode_req)
+        return
+    reason = decode_skip_reason(req) or "released by the transfer queue before its commit"
+    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
 
 
 # %% enforce: what this rank judges (sglang/enforce.py makes the ranks act alike)
@@ -488,8 +531,11 @@ def make_commit_transfer_wrapper(runtime):
         decode_req = _pick(*args, **kwargs)
         seen = safe_invoke("decode.commit_read", before_commit, instance, decode_req)
         result = wrapped(*args, **kwargs)
-        if seen is not None and result is not False:
-            safe_invoke("decode.commit", after_commit, runtime, instance, decode_req, seen)
+        if result is not False:
+            done = seen is not None and safe_invoke("decode.commit", after_commit, runtime, instance, decode_req, seen,
+                                                    fallback=False) is not False
+            if not done:
+                safe_invoke("decode.commit_lost", commit_failed, runtime, instance, decode_req)
         return result
 
     return wrapper
@@ -549,6 +595,21 @@ def make_release_wrapper(runtime):
     def wrapper(wrapped, instance, args, kwargs):
         if runtime.enabled and runtime.sides.get("decode") is not None:
             safe_invoke("decode.release", on_release, runtime, _pick(*args, **kwargs))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def make_transfer_release_wrapper(runtime):
+    """``DecodeTransferQueue._release_request(self, decode_req)`` (0.5.21 on), before: a room the
+    transfer queue releases without a commit is counted (`on_transfer_release`)."""
+
+    def _pick(decode_req, *_a, **_k):
+        return decode_req
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if runtime.enabled and runtime.sides.get("decode") is not None:
+            safe_invoke("decode.transfer_release", on_transfer_release, runtime, instance, _pick(*args, **kwargs))
         return wrapped(*args, **kwargs)
 
     return wrapper

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..digest.engine import DigestEngine
+from ..pd.coverage import skip_reason
 from ..pd.decode import DecodeMonitor
 from ..pd.prefill import PrefillMonitor, RecentRooms
 from ..safety import safe_invoke
@@ -155,12 +156,13 @@ def unread_bytes_per_page(pools: Sequence[IndexPool]) -> int:
 
 
 def count_unread(metrics: Any, bytes_per_page: int, page_tokens: int, n_tokens: int,
-                 reason: str = "layout_unknown") -> None:
-    """Count a room's bytes in unreadable pools as moved unverified (whole pages)."""
+                 reason: str = "layout_unknown", outcome: str = "unverified") -> None:
+    """Count a room's bytes in unreadable pools as moved unverified (whole pages), or
+    under `outcome` (a room skipped before it was received)."""
     if metrics is None or bytes_per_page <= 0 or n_tokens <= 0:
         return
     pages = -(-int(n_tokens) // max(1, int(page_tokens)))
-    metrics.count_coverage("pd", "unverified", reason, pages * bytes_per_page)
+    metrics.count_coverage("pd", outcome, reason, pages * bytes_per_page)
 
 
 class PrefillFanOut:
@@ -230,10 +232,17 @@ class DecodeFanOut:
 
     def room_skipped(self, room: Any, reason: str, stage: str = "decode_recv", extra: dict | None = None,
                      n_tokens: int | None = None) -> None:
+        """`n_tokens` comes only with a room that was never received (the hooks pass it
+        for those alone): the unreadable pools' bytes of such a room are counted here,
+        `skipped` with the room's reason; a received room's were counted at its receipt."""
         self.main.room_skipped(room, reason, stage=stage, extra=extra, n_tokens=n_tokens)
         for pool in self.pools:
             safe_invoke("decode.pool_skipped", pool.monitor.room_skipped, room, reason, stage=stage, extra=extra,
                         n_tokens=n_tokens)
+        coverage_reason = skip_reason(reason) if self.unread_per_page and n_tokens else None
+        if coverage_reason is not None:
+            safe_invoke("decode.pool_unread", count_unread, self.metrics, self.unread_per_page, self.page_tokens,
+                        n_tokens, coverage_reason, "skipped")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.main, name)

@@ -4,6 +4,7 @@ probe cannot read are counted unverified and a side that reads nothing says so."
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,13 @@ def _sample(registry, name, **labels):
     """The sum of `name`'s samples whose labels include `labels` (the process labels aside)."""
     return sum(sample.value for metric in registry.collect() for sample in metric.samples
                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def _settled(engine) -> None:
+    """Whatever `engine`'s collector was handed before now has run."""
+    done = threading.Event()
+    engine.post(lambda _: done.set())
+    assert done.wait(10)
 
 
 def _coverage(registry, outcome, reason):
@@ -158,6 +166,31 @@ def test_bytes_of_an_unreadable_low_ratio_pool_are_counted_unverified_per_room(v
     finally:
         runtime.close()
     assert counted == 3 * 4 * 4352  # three full pages of the ratio-1 pool's one layer
+
+
+def test_a_room_skipped_before_its_receipt_counts_the_unreadable_pools_bytes_too(v41):
+    """A room whose transfer failed never reaches a receipt: every readable pool counts its
+    bytes `skipped` from its length, and so must the pool the side cannot read."""
+    from dsv4_idxk_probe.pd.coverage import estimated_bytes
+
+    decode_pool = v41[1]
+    decode_pool.index_pools[1].index_k_page8 = True
+    try:
+        runtime, sink, registry, prefill, decode = _sides(v41)
+    finally:
+        decode_pool.index_pools[1].index_k_page8 = False
+    n = v41world.ROOM_TOKENS
+    try:
+        decode.monitor.room_skipped(RoomId(ROOM), "transfer failed: peer gone", n_tokens=n)
+        sink.wait_for(1, stage="decode_recv")
+        engines = [decode.monitor.main.engine] + [pool.monitor.engine for pool in decode.pool_sides]
+        for engine in engines:  # each engine's collector has counted its part
+            _settled(engine)
+        readable = sum(estimated_bytes(engine, n) for engine in engines)
+        counted = _coverage(registry, "skipped", "transfer_failed")
+    finally:
+        runtime.close()
+    assert counted == readable + 3 * 4 * 4352  # three pages (the last partial) of the ratio-1 pool's one layer
 
 
 # %% a side that reads nothing says so

@@ -64,3 +64,79 @@ def test_a_host_received_room_is_counted_skipped_host_dest_with_its_bytes(worlds
     engine = runtime.sides["decode"].monitor.engine
     frozen_slots = pdworld.ROOM_TOKENS // 4  # C4: one key per 4 tokens; fp8 rows: 128 B payload + 4 B scale per key
     assert _coverage(registry) == {("skipped", "host_dest"): frozen_slots * len(engine.layer_ids) * (128 + 4)}
+
+
+def _raises(*_a, **_k):
+    raise RuntimeError("a probe defect")
+
+
+@pytest.mark.parametrize("failing", ["before_commit", "prefill_endpoint"])
+def test_a_room_whose_commit_hook_fails_is_counted_skipped_probe_error_with_its_bytes(worlds, patched, monkeypatch,
+                                                                                       failing):  # noqa: F811
+    """The probe's own read of the metadata row (`before_commit`), or its receipt before the
+    monitor took the room (`after_commit`, here where it works out prefill's endpoint), raises:
+    SGLang's commit goes on, and the room's bytes are counted, not left out of the coverage."""
+    runtime, sink, registry = patched
+    monkeypatch.setattr(pd_decode, failing, _raises)
+    dreq = hooks._decode_flow(worlds, patched)
+    assert dreq.req.output_ids == [42]  # SGLang's commit ran
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert record["verdict"] == "skipped" and record["reason"].startswith("probe error")
+    _settled(runtime)
+    engine = runtime.sides["decode"].monitor.engine
+    frozen_slots = pdworld.ROOM_TOKENS // 4  # as in the host-receive test above
+    assert _coverage(registry) == {("skipped", "probe_error"): frozen_slots * len(engine.layer_ids) * (128 + 4)}
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,
+                    reason="host-receive (destination=HOST) arrives with _send_kv_metadata in SGLang 0.5.21")
+def test_a_host_received_room_aborted_before_its_commit_is_counted_skipped_aborted(worlds, patched):  # noqa: F811
+    """SGLang releases a host-staged room whose request was aborted at `KVPoll.Success`
+    without committing it (`_release_request`): its bytes moved all the same."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    hooks.send_room(prefill)
+    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
+    host_indices = torch.arange(40 * pdworld.PAGE, 40 * pdworld.PAGE + pdworld.ROOM_TOKENS, dtype=torch.int64)
+    host = SimpleNamespace(name="HOST", value="host")  # KVTransferDestination.HOST
+    pdworld.prealloc_queue(decode)._send_kv_metadata(dreq, host_indices, pdworld.PAGE, None, decode_prefix_len=0,
+                                                     destination=host)
+    dreq.host_staged = True  # as SGLang's host admission sets it
+    dreq.req.finished_reason = FINISH_ABORT("client gone")
+    if hasattr(dreq.req, "kv"):  # 0.5.23: what `discard_kv_cache_backup` reads
+        dreq.req.kv.retraction_backup = None
+    queue = pdworld.transfer_queue(decode)
+    queue.__dict__.update(enable_host_receive=True, tree_cache=None)
+    queue.scheduler.enable_hisparse = False
+    queue._release_request(dreq)
+    queue._release_request(dreq)  # released twice (a deferred release resolving): counted once
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert (record["verdict"], record["reason"]) == ("skipped", "aborted")
+    _settled(runtime)
+    engine = runtime.sides["decode"].monitor.engine
+    frozen_slots = pdworld.ROOM_TOKENS // 4
+    assert _coverage(registry) == {("skipped", "aborted"): frozen_slots * len(engine.layer_ids) * (128 + 4)}
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA, reason="`_release_request` arrives in SGLang 0.5.21")
+def test_a_room_counted_at_its_commit_counts_nothing_more_when_the_queue_releases_it(worlds, patched):  # noqa: F811
+    """The commit found the request aborted (its metadata row carries another room): counted
+    there, `skipped`/`aborted`; the transfer queue's release of it right after adds nothing."""
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    hooks.send_room(prefill)
+    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM + 1, hooks.DECODE_ROW))
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+    pdworld.aux_transfer(prefill, decode, hooks.PREFILL_ROW, hooks.DECODE_ROW)
+    queue = pdworld.transfer_queue(decode)
+    queue._commit_transfer_to_req(dreq)
+    assert sink.wait_for(1, stage="decode_recv")[0]["reason"] == "aborted"
+    _settled(runtime)
+    counted = _coverage(registry)
+    assert list(counted) == [("skipped", "aborted")]
+    pd_decode.on_transfer_release(runtime, queue, dreq)  # what the wrapped `_release_request` runs first
+    _settled(runtime)
+    assert _coverage(registry) == counted
