@@ -496,6 +496,15 @@ class HiCacheProbe:
 
     # -- restore verification ----------------------------------------------------------
 
+    def count_unprobed(self, pool_name: str, direction: str, nbytes: int) -> None:
+        """A copy of a pool that could not be registered (its failure counted and logged):
+        an index-K pool's bytes count unverified, `probe_error`, on the copy's path."""
+        if self.restore is None or not is_index_k_pool(pool_name):
+            return
+        path = "hicache_backup" if direction == "d2h" else "hicache_load"
+        self._count_on_copy_path(path, "unverified", "probe_error", nbytes)
+        self._start_flusher()  # no registered pool may have started it
+
     def _count_on_copy_path(self, path: str, outcome: str, reason: str, nbytes: int) -> None:
         """Coverage, counted in a dict (no metric lock on a copy thread), published by the flusher."""
         key = (path, outcome, reason)

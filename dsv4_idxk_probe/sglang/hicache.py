@@ -121,11 +121,31 @@ def _state(probe: HiCacheProbe, pool: Any):
 
 
 def _begin(probe, pool, direction, pick, args, kwargs):
-    if id(pool) in probe.unusable:
-        return None
     host, device, io_backend, layer = pick(*args, **kwargs)
-    state = probe.state_of(pool) or _state(probe, pool)
+    if id(pool) in probe.unusable:
+        _count_unprobed(probe, pool, direction, host, layer)
+        return None
+    state = probe.state_of(pool)
+    if state is None:
+        try:
+            state = _state(probe, pool)
+        except Exception:
+            _count_unprobed(probe, pool, direction, host, layer)
+            raise
     return probe.begin(state, direction, host, device, io_backend, layer)
+
+
+def _count_unprobed(probe, pool, direction, host_indices, layer) -> None:
+    """A copy of a pool the probe could not register: an index-K pool's bytes moved
+    unverified (`probe_error`), from what the pool says of itself where it can."""
+    try:
+        layers = 1 if layer is not None else int(pool.layer_num)
+        n = int(host_indices.numel()) if hasattr(host_indices, "numel") else len(host_indices)
+        nbytes = n * layers * int(pool.item_bytes) // max(1, int(pool.slot_page_size))
+        name = str(pool.pool_name)
+    except Exception:
+        return  # the pool says too little of itself to count (its failure is counted)
+    probe.count_unprobed(name, direction, nbytes)
 
 
 def _around(probe: HiCacheProbe, site: str, call, wrapped, args, kwargs, outer: bool):

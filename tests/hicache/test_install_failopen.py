@@ -185,6 +185,22 @@ def test_a_pool_that_cannot_be_registered_is_tried_once_not_on_every_copy(hicach
     assert id(pool) in env.probe.unusable
 
 
+def test_the_copies_of_a_pool_that_cannot_be_registered_count_unverified_probe_error(hicache, make_pool, standins,
+                                                                                     monkeypatch):
+    """Its copies pass straight through, and its bytes are counted as moved unverified, not left out."""
+    from dsv4_idxk_probe.sglang import hicache as adapter
+
+    env = hicache()
+    env.allow_probe_errors = True
+    monkeypatch.setattr(adapter, "pool_geometry", lambda pool: (_ for _ in ()).throw(ValueError("unreadable")))
+    pool = make_pool("fp8_indexer")
+    assert _copy_round_trip(pool)  # one page backed up over every layer, then loaded back layer by layer
+    page_bytes = LAYERS * pool.item_bytes
+    counted = {(dict(labels)["path"], dict(labels)["reason"]): value
+               for labels, value in env.samples("coverage_bytes", outcome="unverified").items()}
+    assert counted == {("hicache_backup", "probe_error"): page_bytes, ("hicache_load", "probe_error"): page_bytes}
+
+
 def test_host_pool_records_are_read_by_diff_without_errors(hicache, make_pool, standins, tmp_path):
     """Found with SGLang's own servers: the pool's start-up record had no schema version,
     and `diff` counted every host-pool record of a prefill log as a bad line."""
