@@ -274,7 +274,8 @@ def make_set_page_wrapper(runtime):
 
 def make_page_meta_wrapper(runtime):
     """``get_page_buffer_meta(indices)``: hands host page addresses to the storage
-    tier, which may write them (zero-copy prefetch); round-trip mode forgets them."""
+    tier, which may write them (zero-copy prefetch): their kept digests are forgotten,
+    unless a wrapped store call says it only reads them (`make_zero_copy_set_wrapper`)."""
     probe = probe_for(runtime)
 
     def _rows(pool, indices, *_a, **_k):
@@ -282,7 +283,7 @@ def make_page_meta_wrapper(runtime):
 
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if _follows_host_writes(probe):
+        if _follows_host_writes(probe) and getattr(probe.local, "zero_copy", None) != "set":
             rows = safe_invoke("hicache.page_meta", _rows, instance, *args, **kwargs)
             if rows:
                 safe_invoke("hicache.page_meta", _invalidate, probe, instance, rows)
@@ -426,5 +427,71 @@ def make_l3_read_wrapper(runtime):
         if result and before is not None:
             safe_invoke("hicache.l3_read", _l3_read, probe, before, instance, *args, **kwargs)
         return result
+
+    return wrapper
+
+
+# -- zero-copy storage backends (Mooncake): the host rows the store reads or fills ---------
+
+
+def _zero_copy_call(probe, mode: str, wrapped, args, kwargs):
+    """Run a store call with `mode` ("get" or "set") told to the page-address hook."""
+    local = probe.local
+    before = getattr(local, "zero_copy", None)
+    local.zero_copy = mode
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        local.zero_copy = before
+
+
+def _zero_copy_read(probe, backend, transfers, results) -> None:
+    """After a zero-copy ``batch_get_v2``: each index-K page the store filled moved from L3
+    without its digests (no sidecar travels with these backends): counted on `l3` as
+    `unverified` (`digest_lost`), as its load will be on `hicache_load`. Pages the store
+    missed moved nothing and count nothing."""
+    pools = getattr(backend, "registered_pools", None) or {}
+    for transfer in transfers or ():
+        pool = pools.get(transfer.name)
+        hits = results.get(transfer.name) if isinstance(results, dict) else None
+        state = _l3_state(probe, pool) if pool is not None else None
+        if state is None or not hits or transfer.host_indices is None:
+            continue
+        rows = page_rows(transfer.host_indices, state.geom.page_size)
+        read = [row for row, hit in zip(rows, hits) if hit]
+        if read:
+            probe.storage_wrote(state, read)
+
+
+def make_zero_copy_get_wrapper(runtime):
+    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)``: the store writes host rows
+    through the addresses ``get_page_buffer_meta`` gave it; the rows it filled are counted
+    (`_zero_copy_read`)."""
+    probe = probe_for(runtime)
+
+    def _transfers(transfers, *_a, **_k):
+        return transfers
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _follows_host_writes(probe):
+            return wrapped(*args, **kwargs)
+        result = _zero_copy_call(probe, "get", wrapped, args, kwargs)
+        if probe.restore is not None:
+            safe_invoke("hicache.l3_zero_copy_get", _zero_copy_read, probe, instance, _transfers(*args, **kwargs),
+                        result)
+        return result
+
+    return wrapper
+
+
+def make_zero_copy_set_wrapper(runtime):
+    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)``: the store only reads the host
+    rows it is handed, so their kept digests stay (the page-address hook is told)."""
+    probe = probe_for(runtime)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _follows_host_writes(probe):
+            return wrapped(*args, **kwargs)
+        return _zero_copy_call(probe, "set", wrapped, args, kwargs)
 
     return wrapper

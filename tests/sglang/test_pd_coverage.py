@@ -46,17 +46,23 @@ def test_a_clean_room_reads_all_its_bytes_verified_once_it_finishes(worlds, patc
     assert _coverage(registry) == {("verified", "none"): received}
 
 
-@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,
-                    reason="host-receive (destination=HOST) arrives with _send_kv_metadata in SGLang 0.5.21")
-def test_a_host_received_room_is_counted_skipped_host_dest_with_its_bytes(worlds, patched):  # noqa: F811
-    prefill, decode = worlds
-    runtime, sink, registry = patched
+def _host_received(prefill, decode):
+    """A room sent by prefill whose decode published host pages (destination=HOST) for it."""
     hooks.send_room(prefill)
     dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
     host_indices = torch.arange(40 * pdworld.PAGE, 40 * pdworld.PAGE + pdworld.ROOM_TOKENS, dtype=torch.int64)
     host = SimpleNamespace(name="HOST", value="host")  # KVTransferDestination.HOST
     pdworld.prealloc_queue(decode)._send_kv_metadata(dreq, host_indices, pdworld.PAGE, None, decode_prefix_len=0,
                                                      destination=host)
+    return dreq
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,
+                    reason="host-receive (destination=HOST) arrives with _send_kv_metadata in SGLang 0.5.21")
+def test_a_host_received_room_is_counted_skipped_host_dest_with_its_bytes(worlds, patched):  # noqa: F811
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    dreq = _host_received(prefill, decode)
     pdworld.aux_transfer(prefill, decode, hooks.PREFILL_ROW, hooks.DECODE_ROW)
     pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
     assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "skipped"
@@ -97,12 +103,7 @@ def test_a_host_received_room_aborted_before_its_commit_is_counted_skipped_abort
 
     prefill, decode = worlds
     runtime, sink, registry = patched
-    hooks.send_room(prefill)
-    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
-    host_indices = torch.arange(40 * pdworld.PAGE, 40 * pdworld.PAGE + pdworld.ROOM_TOKENS, dtype=torch.int64)
-    host = SimpleNamespace(name="HOST", value="host")  # KVTransferDestination.HOST
-    pdworld.prealloc_queue(decode)._send_kv_metadata(dreq, host_indices, pdworld.PAGE, None, decode_prefix_len=0,
-                                                     destination=host)
+    dreq = _host_received(prefill, decode)
     dreq.host_staged = True  # as SGLang's host admission sets it
     dreq.req.finished_reason = FINISH_ABORT("client gone")
     if hasattr(dreq.req, "kv"):  # 0.5.23: what `discard_kv_cache_backup` reads
