@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
+
+from dsv4_idxk_probe.testbed.sglang.mooncake_master import MasterError, MooncakeMaster, running_master
 
 from .conftest import LAYERS, host_row, page_indices
 from .test_restore_pools import backup, findings, load, settle
@@ -38,53 +36,16 @@ pytestmark = pytest.mark.skipif(not _packs_every_pool(), reason=(
     "(it packs only the C4 KV pool's buffers)"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _master_binary() -> str:
-    """The master that ships with the Mooncake wheel, beside this interpreter."""
-    found = shutil.which("mooncake_master", path=os.path.dirname(sys.executable)) or shutil.which("mooncake_master")
-    if found is None:
-        pytest.fail("mooncake_master not found: the Mooncake wheel of requirements/ is not installed")
-    return found
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    """A Mooncake master with its HTTP metadata server, both on loopback."""
-    rpc, http, admin = _free_port(), _free_port(), _free_port()
-    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "wb")
-    proc = subprocess.Popen(
-        [_master_binary(), "-rpc_address", "127.0.0.1", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-         "-http_metadata_server_host", "127.0.0.1", f"-http_metadata_server_port={http}",
-         "-metrics_host", "127.0.0.1", f"-metrics_port={admin}", "-enable_metric_reporting=false"],
-        stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"mooncake_master exited with {proc.returncode} (its log: {log.name})"
-            try:
-                socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
-                socket.create_connection(("127.0.0.1", http), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "mooncake_master did not listen within 60 s"
-                time.sleep(0.2)
-        yield f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        with running_master(tmp_path_factory.mktemp("mooncake") / "master.log") as running:
+            yield running
+    except MasterError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
-def mooncake_backend(master_address: str, metadata_url: str, pool):
+def mooncake_backend(master: MooncakeMaster, pool):
     """SGLang's MooncakeStore, its methods as shipped, holding a connected store and the pool
     registered as the hybrid stack registers it (the rest of its __init__ wants a server)."""
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -92,7 +53,7 @@ def mooncake_backend(master_address: str, metadata_url: str, pool):
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
     store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", metadata_url, 64 << 20, 16 << 20, "tcp", "", master_address) == 0
+    assert store.setup("127.0.0.1", master.metadata_url, 64 << 20, 16 << 20, "tcp", "", master.address) == 0
     for layer in pool.kv_buffer:  # zero-copy moves only registered memory
         assert store.register_buffer(layer.data_ptr(), layer.numel() * layer.element_size()) == 0
     backend = object.__new__(MooncakeStore)
@@ -117,7 +78,7 @@ def backed_up(hicache, make_pool, master):
     pool = make_pool("fp8_indexer")
     backup(pool)
     settle(env)
-    backend = mooncake_backend(*master, pool)
+    backend = mooncake_backend(master, pool)
     yield env, pool, backend
     backend.store.close()
 

@@ -34,6 +34,11 @@ only, by the rig's plugin (`plugin.load`).
    the DeepSeek-V4 host pools' ``get_dummy_flat_data_page`` (the page a
    storage-tier read fills, ``HiCacheFile._read_page``) asks for pinned
    memory; without a CUDA driver it is left unpinned (the same bytes).
+9. ``mem_cache.memory_pool_host.transfer_kv_all_layer_direct_lf_pf`` and
+   ``transfer_kv_per_layer_direct_pf_lf``: the "direct" io backend's row copies
+   for the ``page_first_direct`` host layout (the layout SGLang switches to for
+   a Mooncake storage tier), sgl_kernel ops with no CPU build, as the same row
+   copies in torch. Only these ops: the pools' branch choice stays SGLang's.
 """
 
 from __future__ import annotations
@@ -174,9 +179,38 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst.index_copy_(0, dst_rows.to(dst.device), src.index_select(0, src_rows.to(src.device)).to(dst.device))
 
 
+def _byte_rows(tensor):
+    """`tensor` as uint8 [rows, bytes per row]: the same memory, whatever its dtype (a view,
+    or an error: a copy would take the writes)."""
+    return tensor.view(torch.uint8).view(tensor.shape[0], -1)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size=1):
+    """A backup into a page_first_direct host pool [rows, layers, ...]: row dst_indices[i] of
+    every layer gets the bytes of row src_indices[i] of that layer's device buffer."""
+    src_rows = src_indices.to(torch.int64).cpu()
+    dst_rows = dst_indices.to(torch.int64).cpu()
+    host = dst_ptrs[0].view(torch.uint8).view(dst_ptrs[0].shape[0], dst_ptrs[0].shape[1], -1)
+    for layer, src in enumerate(src_ptrs):
+        host[dst_rows, layer] = _byte_rows(src).index_select(0, src_rows.to(src.device)).to(host.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size=1):
+    """One layer's load from a page_first_direct host pool: row dst_indices[i] of the device
+    buffer gets the bytes of host row src_indices[i] of that layer."""
+    src_rows = src_indices.to(torch.int64).cpu()
+    dst_rows = dst_indices.to(torch.int64).cpu()
+    host = src_ptrs[0].view(torch.uint8).view(src_ptrs[0].shape[0], src_ptrs[0].shape[1], -1)
+    dst = _byte_rows(dst_ptrs[0])
+    dst.index_copy_(0, dst_rows.to(dst.device), host[src_rows, layer_id].to(dst.device))
+
+
 def _patch_host_pools(module) -> None:
     if not torch.cuda.is_available() and not hasattr(module, "transfer_kv_direct"):
         module.transfer_kv_direct = transfer_kv_direct
+    if not torch.cuda.is_available() and not hasattr(module, "transfer_kv_all_layer_direct_lf_pf"):
+        module.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf  # 9.
+        module.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
     if not torch.cuda.is_available():
         module.torch = _unpinned_zeros_torch()  # 8.: the storage tier's read page
 
