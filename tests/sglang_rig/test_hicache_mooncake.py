@@ -56,7 +56,7 @@ def test_rows_mooncake_stored_keep_their_digests_and_their_loads_are_verified(ri
     phase = evict_then_resend(rig, "mcclean", seed=8, number=10)
     assert phase.ok, describe(phase)
     assert phase.verification.verdicts == {"match": 1}, describe(phase)
-    assert stored_indexer_pages(rig), "no index-K page reached Mooncake"
+    assert wait_for(lambda: stored_indexer_pages(rig), timeout_s=30), "no index-K page reached Mooncake"
     assert wait_for(lambda: load_verdicts(rig, "match") > 0, timeout_s=30), "no load was compared at hicache_load"
     assert wait_for(lambda: counters(rig, "coverage_bytes_total", path="hicache_load", outcome="verified",
                                      reason="none") > 0, timeout_s=30), "no verified hicache_load bytes counted"
