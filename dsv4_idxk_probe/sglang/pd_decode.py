@@ -256,9 +256,8 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     dest = getattr(decode_req, ATTR_DEST, None)
     if reason is None and (dest is None or isinstance(dest, str)):
         reason = dest or "destination pages were not recorded"
-    if reason is not None:  # n_tokens: what the room moved, for its coverage bytes (docs/coverage.md)
-        side.monitor.room_skipped(room, reason, extra={"rid": rid_of(req)},
-                                  n_tokens=_received_tokens(req))
+    if reason is not None:
+        _skipped_unreceived(side, decode_req, reason)
         return
     digest_slots = seen[0]
     endpoint, whole_room = prefill_endpoint(runtime, side, seen)
@@ -291,9 +290,16 @@ def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
         return  # an inactive side counts its rooms in after_commit; that raised, and is counted
+    _skipped_unreceived(side, decode_req, "probe error at the commit")
+
+
+def _skipped_unreceived(side: Any, decode_req: Any, reason: str) -> None:
+    """A room decode's monitor never took, counted `skipped` with the bytes it received
+    (`n_tokens`: its coverage bytes, docs/coverage.md), and marked so that the transfer
+    queue's release of it counts nothing more."""
+    req = decode_req.req
     setattr(decode_req, ATTR_ACCOUNTED, True)
-    side.monitor.room_skipped(RoomId(room_of(req)), "probe error at the commit", extra={"rid": rid_of(req)},
-                              n_tokens=_received_tokens(req))
+    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
 
 
 def _received_tokens(req: Any) -> int | None:
@@ -392,9 +398,7 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
     manager = getattr(receiver, "kv_mgr", None)
     records = getattr(manager, "failure_records", None)
     why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
-    reason = f"transfer failed: {why}" if why else "transfer failed"
-    setattr(decode_req, ATTR_ACCOUNTED, True)
-    side.monitor.room_skipped(RoomId(room), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
+    _skipped_unreceived(side, decode_req, f"transfer failed: {why}" if why else "transfer failed")
 
 
 def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
@@ -406,13 +410,12 @@ def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> N
     req = getattr(decode_req, "req", None)
     if getattr(decode_req, ATTR_ACCOUNTED, False) or room_of(req) is None or getattr(req, ATTR_ROOM, None) is not None:
         return
-    setattr(decode_req, ATTR_ACCOUNTED, True)
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
+        setattr(decode_req, ATTR_ACCOUNTED, True)
         count_inactive_room(runtime, decode_req)
         return
-    reason = decode_skip_reason(req) or "released by the transfer queue before its commit"
-    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
+    _skipped_unreceived(side, decode_req, decode_skip_reason(req) or "released by the transfer queue before its commit")
 
 
 # %% enforce: what this rank judges (sglang/enforce.py makes the ranks act alike)
