@@ -13,10 +13,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from .launch import free_ports, http_get
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,8 +34,10 @@ class MooncakeMaster:
 
     def keys(self) -> list[str]:
         """Every key the store holds now."""
-        with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=10) as reply:
-            return [line for line in reply.read().decode().splitlines() if line.strip()]
+        status, body = http_get(f"{self.admin_url}/get_all_keys", timeout=10)
+        if status != 200:
+            raise MasterError(f"the master's key list answered HTTP {status}")
+        return [line for line in body.decode().splitlines() if line.strip()]
 
 
 def master_binary() -> str:
@@ -43,12 +46,6 @@ def master_binary() -> str:
     if found is None:
         raise MasterError("mooncake_master not found: the Mooncake wheel of requirements/ is not installed")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -62,7 +59,7 @@ def _listening(port: int) -> bool:
 @contextlib.contextmanager
 def running_master(log_path: Path, start_timeout_s: float = 60.0) -> Iterator[MooncakeMaster]:
     """A master for the block's duration, its output in `log_path`; stopped on exit."""
-    rpc, http, admin = _free_port(), _free_port(), _free_port()
+    rpc, http, admin = free_ports(3)  # below the ephemeral range the servers' own binds come from
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [master_binary(), "-rpc_address", LOOPBACK, f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
