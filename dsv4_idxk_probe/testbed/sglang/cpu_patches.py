@@ -171,10 +171,14 @@ def _no_pinning(wrapped, instance, args, kwargs):
 # %% 7. HiCache's direct row copy
 
 
+def _row_ids(indices):
+    """Row numbers as the torch copies below index with them."""
+    return indices.to(torch.int64).cpu()
+
+
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size=1):
     """dst_layers[i][dst_indices] = src_layers[i][src_indices], rows along the first dimension."""
-    src_rows = src_indices.to(torch.int64).cpu()
-    dst_rows = dst_indices.to(torch.int64).cpu()
+    src_rows, dst_rows = _row_ids(src_indices), _row_ids(dst_indices)
     for src, dst in zip(src_layers, dst_layers):
         dst.index_copy_(0, dst_rows.to(dst.device), src.index_select(0, src_rows.to(src.device)).to(dst.device))
 
@@ -185,12 +189,16 @@ def _byte_rows(tensor):
     return tensor.view(torch.uint8).view(tensor.shape[0], -1)
 
 
+def _byte_pages(host):
+    """A page_first_direct host pool [rows, layers, ...] as uint8 [rows, layers, bytes] (a view)."""
+    return host.view(torch.uint8).view(host.shape[0], host.shape[1], -1)
+
+
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size=1):
-    """A backup into a page_first_direct host pool [rows, layers, ...]: row dst_indices[i] of
-    every layer gets the bytes of row src_indices[i] of that layer's device buffer."""
-    src_rows = src_indices.to(torch.int64).cpu()
-    dst_rows = dst_indices.to(torch.int64).cpu()
-    host = dst_ptrs[0].view(torch.uint8).view(dst_ptrs[0].shape[0], dst_ptrs[0].shape[1], -1)
+    """A backup into a page_first_direct host pool: row dst_indices[i] of every layer gets the
+    bytes of row src_indices[i] of that layer's device buffer."""
+    src_rows, dst_rows = _row_ids(src_indices), _row_ids(dst_indices)
+    host = _byte_pages(dst_ptrs[0])
     for layer, src in enumerate(src_ptrs):
         host[dst_rows, layer] = _byte_rows(src).index_select(0, src_rows.to(src.device)).to(host.device)
 
@@ -198,11 +206,9 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size=1):
     """One layer's load from a page_first_direct host pool: row dst_indices[i] of the device
     buffer gets the bytes of host row src_indices[i] of that layer."""
-    src_rows = src_indices.to(torch.int64).cpu()
-    dst_rows = dst_indices.to(torch.int64).cpu()
-    host = src_ptrs[0].view(torch.uint8).view(src_ptrs[0].shape[0], src_ptrs[0].shape[1], -1)
+    src_rows, dst_rows = _row_ids(src_indices), _row_ids(dst_indices)
     dst = _byte_rows(dst_ptrs[0])
-    dst.index_copy_(0, dst_rows.to(dst.device), host[src_rows, layer_id].to(dst.device))
+    dst.index_copy_(0, dst_rows.to(dst.device), _byte_pages(src_ptrs[0])[src_rows, layer_id].to(dst.device))
 
 
 def _patch_host_pools(module) -> None:
