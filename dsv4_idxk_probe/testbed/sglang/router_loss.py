@@ -26,7 +26,7 @@ from pathlib import Path
 from .workload import Outcome
 
 #: How long to wait for the waiting side's log line (its timeout and the client's end together).
-PREFILL_LINE_WAIT_S = 30.0
+WAITING_LINE_WAIT_S = 30.0
 
 
 def _names(text: str, rid: str) -> bool:
@@ -43,7 +43,7 @@ def waited_in_vain(log: str, rid: str, state: str) -> bool:
 
 
 def lost_by_router(outcome: Outcome, prefill_log: Path, decode_log: Path,
-                   wait_s: float = PREFILL_LINE_WAIT_S) -> bool:
+                   wait_s: float = WAITING_LINE_WAIT_S) -> bool:
     """Whether `outcome` is a request the router lost on one leg (the signature above)."""
     request = outcome.request
     if request.aborted or outcome.status is not None or "timed out" not in outcome.error:
