@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry
 from tests.support.recordsink import Sink  # noqa: F401  (re-exported to the adapter tests)
 
@@ -16,3 +18,10 @@ def make_runtime(**config) -> tuple[Runtime, Sink, CollectorRegistry]:
     sink = Sink()
     runtime = Runtime(parse_config(document, "<test>"), registry=registry, emit=sink)
     return runtime, sink, registry
+
+
+def collected(engine, timeout_s: float) -> None:
+    """Wait until `engine`'s collector has handled everything posted to it so far."""
+    done = threading.Event()
+    engine.post(lambda _: done.set())
+    assert done.wait(timeout_s), f"the collector did not get through its queue within {timeout_s} s"

@@ -4,13 +4,12 @@ probe cannot read are counted unverified and a side that reads nothing says so."
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 import v41world
-from pd_testkit import make_runtime
+from pd_testkit import collected, make_runtime
 
 from dsv4_idxk_probe.digest import shipped_layouts
 from dsv4_idxk_probe.pd import RoomId
@@ -80,13 +79,6 @@ def _sample(registry, name, **labels):
     """The sum of `name`'s samples whose labels include `labels` (the process labels aside)."""
     return sum(sample.value for metric in registry.collect() for sample in metric.samples
                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
-
-
-def _settled(engine) -> None:
-    """Whatever `engine`'s collector was handed before now has run."""
-    done = threading.Event()
-    engine.post(lambda _: done.set())
-    assert done.wait(10)
 
 
 def _coverage(registry, outcome, reason):
@@ -185,7 +177,7 @@ def test_a_room_skipped_before_its_receipt_counts_the_unreadable_pools_bytes_too
         sink.wait_for(1, stage="decode_recv")
         engines = [decode.monitor.main.engine] + [pool.monitor.engine for pool in decode.pool_sides]
         for engine in engines:  # each engine's collector has counted its part
-            _settled(engine)
+            collected(engine, timeout_s=10)
         readable = sum(estimated_bytes(engine, n) for engine in engines)
         counted = _coverage(registry, "skipped", "transfer_failed")
     finally:

@@ -4,13 +4,13 @@ host-received room is counted skipped with reason host_dest and its bytes (docs/
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import pdworld
+from pd_testkit import collected
 import test_pd_hooks as hooks
 from test_pd_hooks import patched  # noqa: F401  (the fixture: the pd.* targets patched on SGLang's classes)
 
@@ -20,9 +20,7 @@ COVERAGE = "dsv4_idxk_probe_coverage_bytes_total"
 
 
 def _settled(runtime) -> None:
-    done = threading.Event()
-    runtime.sides["decode"].monitor.engine.post(lambda _: done.set())
-    assert done.wait(10)
+    collected(runtime.sides["decode"].monitor.engine, timeout_s=10)
 
 
 def _coverage(registry) -> dict[tuple[str, str], float]:

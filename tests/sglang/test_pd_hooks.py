@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import threading
 import time
 from types import SimpleNamespace
 from unittest import mock
@@ -38,7 +37,7 @@ from dsv4_idxk_probe.sglang.patcher import Patcher
 from dsv4_idxk_probe.sglang.targets import load_targets
 
 import pdworld
-from pd_testkit import make_runtime
+from pd_testkit import collected, make_runtime
 
 ROOM = 4242
 PREFILL_ROW, DECODE_ROW = 2, 1
@@ -564,9 +563,7 @@ def test_room_released_unfinished_is_retired_as_retracted_once(worlds, patched):
 
 def _collected(monitor) -> None:
     """Wait until the monitor's collector has done everything posted so far."""
-    done = threading.Event()
-    monitor.engine.post(lambda _: done.set())
-    assert done.wait(30)
+    collected(monitor.engine, timeout_s=30)
 
 
 def test_room_finished_at_once_gets_its_finish_digest(worlds, patched):
