@@ -354,6 +354,11 @@ class DecodeMonitor:
         with self._lock:
             return len(self._rooms)
 
+    def holds(self, room: RoomId) -> bool:
+        """Whether the monitor took `room` (its receipt) and has not let it go."""
+        with self._lock:
+            return room.key in self._rooms
+
     def _get(self, room: RoomId) -> _Room | None:
         return self._rooms.get(room.key)
 

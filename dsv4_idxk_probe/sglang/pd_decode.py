@@ -283,23 +283,27 @@ def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     raised (the error is counted): a room it did not start tracking is counted
     `skipped` (`probe_error`) with the bytes it received, so it is not left out of the
     coverage; one the monitor took before the failure is retired the same way (no hook
-    would finish it: the request does not carry the room)."""
+    would finish it: the request does not carry the room), its bytes counted once, as
+    its receipt left them (the unreadable pools' bytes too)."""
     req = getattr(decode_req, "req", None)
     if room_of(req) is None or getattr(req, ATTR_ROOM, None) is not None:
         return  # no room, or tracked and carried: its life goes on as usual
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
         return  # an inactive side counts its rooms in after_commit; that raised, and is counted
-    _skipped_unreceived(side, decode_req, "probe error at the commit")
+    received = side.monitor.holds(RoomId(room_of(req)))
+    _skipped_unreceived(side, decode_req, "probe error at the commit", received=received)
 
 
-def _skipped_unreceived(side: Any, decode_req: Any, reason: str) -> None:
+def _skipped_unreceived(side: Any, decode_req: Any, reason: str, received: bool = False) -> None:
     """A room decode's monitor never took, counted `skipped` with the bytes it received
     (`n_tokens`: its coverage bytes, docs/coverage.md), and marked so that the transfer
-    queue's release of it counts nothing more."""
+    queue's release of it counts nothing more. `received`: the monitor took it after all,
+    and its receipt counted its bytes: it is retired without a length."""
     req = decode_req.req
     setattr(decode_req, ATTR_ACCOUNTED, True)
-    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
+    n_tokens = None if received else _received_tokens(req)
+    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=n_tokens)
 
 
 def _received_tokens(req: Any) -> int | None:

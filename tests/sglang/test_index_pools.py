@@ -185,6 +185,43 @@ def test_a_room_skipped_before_its_receipt_counts_the_unreadable_pools_bytes_too
     assert counted == readable + 3 * 4 * 4352  # three pages (the last partial) of the ratio-1 pool's one layer
 
 
+def test_a_received_room_whose_commit_hook_failed_after_its_receipt_counts_the_unreadable_pools_bytes_once(v41):
+    """The probe's commit hook can fail after decode's monitor took the room (the receipt
+    counted the unreadable pool's bytes `unverified`): the room is retired `skipped`, and
+    the unreadable pool's bytes are not counted a second time."""
+    from dsv4_idxk_probe.pd.coverage import estimated_bytes
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    v41world.transfer(*v41)
+    decode_pool = v41[1]
+    decode_pool.index_pools[1].index_k_page8 = True
+    try:
+        runtime, sink, registry, prefill, decode = _sides(v41)
+    finally:
+        decode_pool.index_pools[1].index_k_page8 = False
+    n = v41world.ROOM_TOKENS
+    req = SimpleNamespace(origin_input_ids=list(range(v41world.PREFIX_TOKENS + n)),
+                          cache_protected_len=v41world.PREFIX_TOKENS, bootstrap_room=ROOM, rid="r")
+    try:
+        _room_flow(prefill, decode)  # the receipt, then the hook fails before the request carries the room
+        sink.wait_for(1, stage="decode_recv", kind="room", verdict="match")
+        engines = [decode.monitor.main.engine] + [pool.monitor.engine for pool in decode.pool_sides]
+        for engine in engines:
+            collected(engine, timeout_s=10)
+        pd_decode.commit_failed(runtime, SimpleNamespace(scheduler=None), SimpleNamespace(req=req))
+        sink.wait_for(1, stage="decode_recv", kind="room", verdict="skipped")
+        for engine in engines:
+            collected(engine, timeout_s=10)
+        verified = _coverage(registry, "verified", "none")  # a tracked room counts once it is retired
+        unread = _coverage(registry, "unverified", "layout_unknown")
+        skipped = _coverage(registry, "skipped", "probe_error")
+    finally:
+        runtime.close()
+    assert verified == sum(estimated_bytes(engine, n) for engine in engines)  # the readable pools, as received
+    assert unread == 3 * 4 * 4352  # the unreadable pool, at the receipt
+    assert skipped == 0  # nothing counted twice
+
+
 # %% a side that reads nothing says so
 
 
