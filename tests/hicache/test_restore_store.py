@@ -3,6 +3,8 @@ comparison of a load's digests with them (docs/hicache.md, "Restore verification
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 
@@ -79,9 +81,61 @@ def test_forgetting_a_pools_digests_marks_its_rows_lost_and_leaves_other_pools()
     store = HostPageDigests(10)
     store.put(1, [5, 6], contents(1, 2, 1))
     store.put(2, [5], contents(1, 1, 2))
-    assert store.forget_all(1) == 2
+    store.forget_all(1)
     assert store.get(1, [5, 6]) == [None, None] and store.lost(1, 5) and store.lost(1, 6)
-    assert store.get(2, [5])[0] is not None and not store.lost(2, 5)
+    assert store.get(2, [5])[0] is not None and not store.lost(2, 5) and len(store) == 1
+    assert store.drop(1, [5]) == 0  # nothing of a forgotten row is kept
+
+
+class _NoWalk(OrderedDict):
+    """A table that refuses to be walked: what a caller that must not walk it may not do."""
+
+    def _refuse(self, *_a):
+        raise AssertionError("the table was walked")
+
+    __iter__ = keys = items = values = _refuse
+
+
+def test_forgetting_a_pool_does_not_walk_the_table_and_the_next_store_sweeps_it():
+    """SGLang's copying thread forgets a pool's digests (a token-granular backup): that must
+    not cost a walk of the whole table there (~20 ms at the default bound). The forgotten
+    rows read as lost at once; the collector's next store moves them to the lost table,
+    and they are not counted as evictions."""
+    evicted = []
+    store = HostPageDigests(4, evicted.append)
+    store.put(1, [0, 1, 2], contents(1, 3, 1))
+    store.put(2, [0], contents(1, 1, 2))
+    kept = store._table
+    store._table = _NoWalk(kept)
+    try:
+        store.forget_all(1, fence=True)
+        assert store.get(1, [0, 1, 2]) == [None] * 3 and all(store.lost(1, r) for r in range(3))
+        assert store.get(2, [0])[0] is not None
+    finally:
+        store._table = kept  # (forgetting changed no entry)
+    store.put(1, [3], contents(1, 1, 3), store.generations.get(1, 0))  # the collector's next store sweeps
+    assert list(store._table) == [(2, 0), (1, 3)] and all(store.lost(1, r) for r in range(3))
+    store.put(2, [1, 2, 3], contents(1, 3, 4))  # past the bound: the oldest, (2, 0), goes and counts
+    assert evicted == [1] and len(store) == 4
+
+
+def test_a_sweep_goes_a_chunk_a_store_and_a_pool_forgotten_meanwhile_is_swept_again(monkeypatch):
+    from dsv4_idxk_probe.hicache import restore_store
+
+    monkeypatch.setattr(restore_store, "SWEEP_CHUNK", 2)
+    store = HostPageDigests(100)
+    store.put(1, [0, 1, 2, 3], contents(1, 4, 1))
+    store.put(2, [0], contents(1, 1, 2))
+    store.forget_all(1)
+    store.put(2, [1], contents(1, 1, 3))  # looks at (1, 0) and (1, 1)
+    assert list(store._table)[:3] == [(1, 2), (1, 3), (2, 0)]
+    assert store.get(1, [2, 3]) == [None, None] and store.lost(1, 0) and store.lost(1, 3)
+    store.put(1, [9], contents(1, 1, 4))
+    store.forget_all(1)  # during the sweep: (1, 9) is forgotten too
+    for row in range(2, 6):
+        store.put(2, [row], contents(1, 1, row))
+    assert [key for key in store._table if key[0] == 1] == [] and len(store) == 6
+    assert all(store.lost(1, r) for r in (0, 1, 2, 3, 9))
 
 
 def test_a_fenced_forget_refuses_digests_submitted_before_it_and_only_those():
