@@ -431,7 +431,7 @@ def make_l3_read_wrapper(runtime):
     return wrapper
 
 
-# -- zero-copy storage backends (Mooncake): the host rows the store reads or fills ---------
+# -- zero-copy storage backends (Mooncake, NIXL): the host rows the store reads or fills ---------
 
 
 def _zero_copy_call(probe, mode: str, wrapped, args, kwargs):
@@ -445,14 +445,25 @@ def _zero_copy_call(probe, mode: str, wrapped, args, kwargs):
         local.zero_copy = before
 
 
+def _zero_copy_pool(backend, name):
+    """The host pool a backend's ``batch_get_v2`` fills by address for pool `name`, else None.
+    `HiCacheNixl` does so only for a pool it registered zero-copy (its context says; its bounce
+    buffers reach the pool through ``set_from_flat_data_page``, counted by that hook);
+    `MooncakeStore` for every registered pool."""
+    contexts = getattr(backend, "_hybrid_pool_ctx", None)
+    if contexts is not None:
+        context = contexts.get(name)
+        return context.host_pool if context is not None and getattr(context, "is_zero_copy", False) else None
+    return (getattr(backend, "registered_pools", None) or {}).get(name)
+
+
 def _zero_copy_read(probe, backend, transfers, results) -> None:
     """After a zero-copy ``batch_get_v2``: each index-K page the store filled moved from L3
     without its digests (no sidecar travels with these backends): counted on `l3` as
     `unverified` (`digest_lost`), as its load will be on `hicache_load`. Pages the store
     missed moved nothing and count nothing."""
-    pools = getattr(backend, "registered_pools", None) or {}
     for transfer in transfers or ():
-        pool = pools.get(transfer.name)
+        pool = _zero_copy_pool(backend, transfer.name)
         hits = results.get(transfer.name) if isinstance(results, dict) else None
         state = _l3_state(probe, pool) if pool is not None else None
         if state is None or not hits or transfer.host_indices is None:
@@ -464,7 +475,7 @@ def _zero_copy_read(probe, backend, transfers, results) -> None:
 
 
 def make_zero_copy_get_wrapper(runtime):
-    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)``: the store writes host rows
+    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s): the store writes host rows
     through the addresses ``get_page_buffer_meta`` gave it; the rows it filled are counted
     (`_zero_copy_read`)."""
     probe = probe_for(runtime)
@@ -485,7 +496,7 @@ def make_zero_copy_get_wrapper(runtime):
 
 
 def make_zero_copy_set_wrapper(runtime):
-    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)``: the store only reads the host
+    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s): the store only reads the host
     rows it is handed, so their kept digests stay (the page-address hook is told)."""
     probe = probe_for(runtime)
 
