@@ -431,7 +431,7 @@ def make_l3_read_wrapper(runtime):
     return wrapper
 
 
-# -- zero-copy storage backends (Mooncake, NIXL): the host rows the store reads or fills ---------
+# -- zero-copy storage backends (Mooncake, NIXL, UMBP): the host rows the store reads or fills ---------
 
 
 def _zero_copy_call(probe, mode: str, wrapped, args, kwargs):
@@ -449,7 +449,7 @@ def _zero_copy_pool(backend, name):
     """The host pool a backend's ``batch_get_v2`` fills by address for pool `name`, else None.
     `HiCacheNixl` does so only for a pool it registered zero-copy (its context says; its bounce
     buffers reach the pool through ``set_from_flat_data_page``, counted by that hook);
-    `MooncakeStore` for every registered pool."""
+    `MooncakeStore` and `UMBPStore` for every registered pool."""
     contexts = getattr(backend, "_hybrid_pool_ctx", None)
     if contexts is not None:
         context = contexts.get(name)
@@ -475,7 +475,7 @@ def _zero_copy_read(probe, backend, transfers, results) -> None:
 
 
 def make_zero_copy_get_wrapper(runtime):
-    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s): the store writes host rows
+    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s, `UMBPStore`'s): the store writes host rows
     through the addresses ``get_page_buffer_meta`` gave it; the rows it filled are counted
     (`_zero_copy_read`)."""
     probe = probe_for(runtime)
@@ -496,7 +496,7 @@ def make_zero_copy_get_wrapper(runtime):
 
 
 def make_zero_copy_set_wrapper(runtime):
-    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s): the store only reads the host
+    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s, `UMBPStore`'s): the store only reads the host
     rows it is handed, so their kept digests stay (the page-address hook is told)."""
     probe = probe_for(runtime)
 

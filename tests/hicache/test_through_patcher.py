@@ -40,7 +40,7 @@ def test_patched_counted_and_blocked_through_the_runtime(patched, make_pool, sta
     runtime, registry, status, records = patched
     expected = {"hicache.pool_init", "hicache.backup", "hicache.load", "hicache.set_page", "hicache.page_meta",
                 "hicache.l3_write_page", "hicache.l3_read_page", "hicache.l3_zero_copy_get", "hicache.l3_zero_copy_set",
-                "hicache.l3_nixl_get", "hicache.l3_nixl_set"}
+                "hicache.l3_nixl_get", "hicache.l3_nixl_set", "hicache.l3_umbp_get", "hicache.l3_umbp_set"}
     if hasattr(mph.DeepSeekV4PagedHostPool, "backup_tokens_from_device_all_layer"):  # SGLang 0.5.23+
         expected.add("hicache.backup_tokens")
     assert {name: s for name, (s, _) in status.items()} == dict.fromkeys(expected, "patched")
