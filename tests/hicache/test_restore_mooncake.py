@@ -1,8 +1,6 @@
 """The storage tier through a zero-copy backend: SGLang's own `MooncakeStore` methods on a real
 Mooncake store (its `mooncake_master` on loopback, TCP), moving a real host pool's pages by
-address. No digests travel with these pages: a page read back is counted on `l3` as
-`unverified` (`digest_lost`), never verified and never a finding; a page only stored keeps its
-host row's digests, so the row's next load is still verified."""
+address. The cases are every zero-copy backend's (`zero_copy_cases`)."""
 
 from __future__ import annotations
 
@@ -14,11 +12,8 @@ import pytest
 
 from dsv4_idxk_probe.testbed.sglang.mooncake_master import MasterError, MooncakeMaster, running_master
 
-from .conftest import LAYERS, host_row, page_indices
-from .test_restore_pools import backup, findings, load, settle
-from .test_restore_storage_tier import assert_load_unverified
-
-POOL = "deepseek_v4_c4_indexer"
+from . import zero_copy_cases as cases
+from .test_restore_pools import backup, load, settle
 
 
 def _packs_every_pool() -> bool:
@@ -64,12 +59,6 @@ def mooncake_backend(master: MooncakeMaster, pool):
     return backend
 
 
-def _transfer(rows, keys):
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
-    return [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4_INDEXER, host_indices=page_indices(rows), keys=keys)]
-
-
 @pytest.fixture
 def backed_up(hicache, make_pool, master):
     """A pool's device pages backed up to its host rows (2 and 5), their digests kept, and
@@ -83,31 +72,21 @@ def backed_up(hicache, make_pool, master):
     backend.store.close()
 
 
+def _key(name: str) -> str:
+    """A key no earlier test stored: the master lives as long as the module."""
+    return f"{name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
 def test_a_page_read_back_through_mooncake_is_counted_l3_unverified_and_never_a_finding(backed_up):
     env, pool, backend = backed_up
-    key = f"page-5-{os.getpid()}-{time.monotonic_ns()}"
-    assert backend.batch_set_v2(_transfer([5], [key]))[POOL] == [True]
-    kept = [host_row(pool, 5, layer).clone() for layer in range(LAYERS)]
-    for layer in range(LAYERS):
-        host_row(pool, 5, layer).zero_()  # evicted and reused
-    assert backend.batch_get_v2(_transfer([5], [key]))[POOL] == [True]
-    assert all(host_row(pool, 5, layer).equal(kept[layer]) for layer in range(LAYERS))  # Mooncake put it back
-    assert_load_unverified(env, pool)  # row 5: l3 and its load digest_lost; row 2 compared
+    cases.read_back_is_counted_l3_unverified(env, pool, backend, load, _key("page-5"))
 
 
 def test_a_page_mooncake_does_not_hold_counts_nothing_on_l3(backed_up):
-    env, pool, backend = backed_up
-    assert backend.batch_get_v2(_transfer([5], [f"absent-{time.monotonic_ns()}"]))[POOL] == [False]
-    settle(env)
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") is None
+    env, _pool, backend = backed_up
+    cases.a_miss_counts_nothing(env, backend, _key("absent"))
 
 
 def test_a_page_only_stored_in_mooncake_keeps_its_digests_and_its_load_is_verified(backed_up):
     env, pool, backend = backed_up
-    assert backend.batch_set_v2(_transfer([2, 5], [f"p2-{time.monotonic_ns()}", f"p5-{time.monotonic_ns()}"]))[
-        POOL] == [True, True]
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
-    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * LAYERS * pool.item_bytes
+    cases.only_stored_keeps_the_rows_digests(env, pool, backend, load, [_key("p2"), _key("p5")])

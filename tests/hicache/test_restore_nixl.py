@@ -2,19 +2,15 @@
 NIXL agent moving a real host pool's pages to and from files, by address where the pool allows it
 (zero copy, the path DeepSeek-V4's host pools take), else through SGLang's bounce buffers.
 
-No digests travel with these pages: a page read back is counted on `l3` as `unverified`
-(`digest_lost`), never verified and never a finding; a page only stored keeps its host row's
-digests, so the row's next load is still verified."""
+The cases are every zero-copy backend's (`zero_copy_cases`); in the bounce form the page reaches
+its row through `set_from_flat_data_page` instead, and must still count once."""
 
 from __future__ import annotations
 
 import pytest
 
-from .conftest import LAYERS, host_row, page_indices
-from .test_restore_pools import backup, findings, load, settle
-from .test_restore_storage_tier import assert_load_unverified
-
-POOL = "deepseek_v4_c4_indexer"
+from . import zero_copy_cases as cases
+from .test_restore_pools import backup, load, settle
 
 
 def nixl_backend(tmp_path, pool, zero_copy: bool = True):
@@ -36,12 +32,6 @@ def nixl_backend(tmp_path, pool, zero_copy: bool = True):
     return backend
 
 
-def _transfer(rows, keys):
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
-    return [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4_INDEXER, host_indices=page_indices(rows), keys=keys)]
-
-
 @pytest.fixture(params=[True, False], ids=["zero_copy", "bounce"])
 def backed_up(request, hicache, make_pool, tmp_path):
     """A pool's device pages backed up to its host rows (2 and 5), their digests kept, and
@@ -55,27 +45,14 @@ def backed_up(request, hicache, make_pool, tmp_path):
 
 def test_a_page_read_back_through_nixl_is_counted_l3_unverified_once_and_never_a_finding(backed_up):
     env, pool, backend = backed_up
-    assert backend.batch_set_v2(_transfer([5], ["page-5"]))[POOL] == [True]
-    kept = [host_row(pool, 5, layer).clone() for layer in range(LAYERS)]
-    for layer in range(LAYERS):
-        host_row(pool, 5, layer).zero_()  # evicted and reused
-    assert backend.batch_get_v2(_transfer([5], ["page-5"]))[POOL] == [True]
-    assert all(host_row(pool, 5, layer).equal(kept[layer]) for layer in range(LAYERS))  # NIXL put it back
-    assert_load_unverified(env, pool)  # row 5: l3 and its load digest_lost, once; row 2 compared
+    cases.read_back_is_counted_l3_unverified(env, pool, backend, load, "page-5")
 
 
 def test_a_page_nixl_does_not_hold_counts_nothing_on_l3(backed_up):
-    env, pool, backend = backed_up
-    assert backend.batch_get_v2(_transfer([5], ["absent"]))[POOL] == [False]
-    settle(env)
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") is None
+    env, _pool, backend = backed_up
+    cases.a_miss_counts_nothing(env, backend, "absent")
 
 
 def test_a_page_only_stored_through_nixl_keeps_its_digests_and_its_load_is_verified(backed_up):
     env, pool, backend = backed_up
-    assert backend.batch_set_v2(_transfer([2, 5], ["p2", "p5"]))[POOL] == [True, True]
-    load(pool)
-    settle(env)
-    assert findings(env) == []
-    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
-    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * LAYERS * pool.item_bytes
+    cases.only_stored_keeps_the_rows_digests(env, pool, backend, load, ["p2", "p5"])

@@ -8,9 +8,7 @@ own code (key expansion, buffer addresses from the pool, results per page) is SG
 host pool is `page_first_direct` (one address per page: UMBP's v2 path refuses a multi-layer
 `layer_first` pool, whose pages are one address per layer).
 
-No digests travel with these pages: a page read back is counted on `l3` as `unverified`
-(`digest_lost`), never verified and never a finding; a page only stored keeps its host row's
-digests, so the row's next load is still verified."""
+The cases are every zero-copy backend's (`zero_copy_cases`)."""
 
 from __future__ import annotations
 
@@ -19,10 +17,9 @@ import ctypes
 import pytest
 import torch
 
-from .conftest import LAYERS, host_row, page_indices
-from .test_restore_pools import DEVICE_ROWS, HOST_ROWS, findings, settle
-
-POOL = "deepseek_v4_c4_indexer"
+from . import zero_copy_cases as cases
+from .conftest import LAYERS, page_indices
+from .test_restore_pools import DEVICE_ROWS, HOST_ROWS, settle
 
 
 class FakeUMBPClient:
@@ -58,12 +55,6 @@ def umbp_backend(pool):
     return backend
 
 
-def _transfer(rows, keys):
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
-    return [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4_INDEXER, host_indices=page_indices(rows), keys=keys)]
-
-
 def _load(pool):
     for layer in range(LAYERS):
         pool.device_buffers[layer].view(torch.uint8)[DEVICE_ROWS] = 0  # the pages held something else
@@ -84,32 +75,14 @@ def backed_up(hicache, make_pool):
 
 def test_a_page_read_back_through_umbp_is_counted_l3_unverified_and_never_a_finding(backed_up):
     env, pool, backend = backed_up
-    assert backend.batch_set_v2(_transfer([5], ["page-5"]))[POOL] == [True]
-    kept = [host_row(pool, 5, layer).clone() for layer in range(LAYERS)]
-    for layer in range(LAYERS):
-        host_row(pool, 5, layer).zero_()  # evicted and reused
-    assert backend.batch_get_v2(_transfer([5], ["page-5"]))[POOL] == [True]
-    assert all(host_row(pool, 5, layer).equal(kept[layer]) for layer in range(LAYERS))  # UMBP put it back
-    _load(pool)
-    settle(env)
-    assert findings(env) == []
-    row = LAYERS * pool.item_bytes
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") == row
-    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
+    cases.read_back_is_counted_l3_unverified(env, pool, backend, _load, "page-5")
 
 
 def test_a_page_umbp_does_not_hold_counts_nothing_on_l3(backed_up):
-    env, pool, backend = backed_up
-    assert backend.batch_get_v2(_transfer([5], ["absent"]))[POOL] == [False]
-    settle(env)
-    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") is None
+    env, _pool, backend = backed_up
+    cases.a_miss_counts_nothing(env, backend, "absent")
 
 
 def test_a_page_only_stored_through_umbp_keeps_its_digests_and_its_load_is_verified(backed_up):
     env, pool, backend = backed_up
-    assert backend.batch_set_v2(_transfer(HOST_ROWS, ["p2", "p5"]))[POOL] == [True, True]
-    _load(pool)
-    settle(env)
-    assert findings(env) == []
-    assert env.value("rooms_verified", stage="hicache_load", verdict="match") == 1
-    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * LAYERS * pool.item_bytes
+    cases.only_stored_keeps_the_rows_digests(env, pool, backend, _load, ["p2", "p5"])

@@ -68,6 +68,17 @@ def _sides(v41, **config):
     return runtime, sink, registry, prefill, decode
 
 
+def _sides_r1_unreadable(v41):
+    """`_sides`, decode's ratio-1 pool built in aiter's page-8 row-group order, which no
+    layout describes: decode cannot read that pool."""
+    decode_pool = v41[1]
+    decode_pool.index_pools[1].index_k_page8 = True
+    try:
+        return _sides(v41)
+    finally:
+        decode_pool.index_pools[1].index_k_page8 = False
+
+
 def _room_flow(prefill, decode):
     n = v41world.ROOM_TOKENS
     prefill.monitor.room_sent(RoomId(ROOM), v41world.sent_tokens(v41world.PREFILL_PAGES[1:], n), n)
@@ -143,12 +154,7 @@ def test_a_clean_v41_room_matches_in_every_pool(v41):
 
 
 def test_bytes_of_an_unreadable_low_ratio_pool_are_counted_unverified_per_room(v41):
-    decode_pool = v41[1]
-    decode_pool.index_pools[1].index_k_page8 = True  # aiter's row-group order: no layout describes it
-    try:
-        runtime, sink, registry, prefill, decode = _sides(v41)
-    finally:
-        decode_pool.index_pools[1].index_k_page8 = False
+    runtime, sink, registry, prefill, decode = _sides_r1_unreadable(v41)
     try:
         assert decode.active and [p.ratio for p in decode.pool_sides] == [2]
         before = _coverage(registry, "unverified", "layout_unknown")
@@ -165,12 +171,7 @@ def test_a_room_skipped_before_its_receipt_counts_the_unreadable_pools_bytes_too
     bytes `skipped` from its length, and so must the pool the side cannot read."""
     from dsv4_idxk_probe.pd.coverage import estimated_bytes
 
-    decode_pool = v41[1]
-    decode_pool.index_pools[1].index_k_page8 = True
-    try:
-        runtime, sink, registry, prefill, decode = _sides(v41)
-    finally:
-        decode_pool.index_pools[1].index_k_page8 = False
+    runtime, sink, registry, prefill, decode = _sides_r1_unreadable(v41)
     n = v41world.ROOM_TOKENS
     try:
         decode.monitor.room_skipped(RoomId(ROOM), "transfer failed: peer gone", n_tokens=n)
@@ -193,12 +194,7 @@ def test_a_received_room_whose_commit_hook_failed_after_its_receipt_counts_the_u
     from dsv4_idxk_probe.sglang import pd_decode
 
     v41world.transfer(*v41)
-    decode_pool = v41[1]
-    decode_pool.index_pools[1].index_k_page8 = True
-    try:
-        runtime, sink, registry, prefill, decode = _sides(v41)
-    finally:
-        decode_pool.index_pools[1].index_k_page8 = False
+    runtime, sink, registry, prefill, decode = _sides_r1_unreadable(v41)
     n = v41world.ROOM_TOKENS
     req = SimpleNamespace(origin_input_ids=list(range(v41world.PREFIX_TOKENS + n)),
                           cache_protected_len=v41world.PREFIX_TOKENS, bootstrap_room=ROOM, rid="r")
