@@ -431,7 +431,7 @@ def make_l3_read_wrapper(runtime):
     return wrapper
 
 
-# -- zero-copy storage backends (Mooncake, NIXL, UMBP): the host rows the store reads or fills ---------
+# -- zero-copy storage backends (Mooncake, NIXL, UMBP): the host rows the store reads or fills
 
 
 def _zero_copy_call(probe, mode: str, wrapped, args, kwargs):
@@ -475,9 +475,9 @@ def _zero_copy_read(probe, backend, transfers, results) -> None:
 
 
 def make_zero_copy_get_wrapper(runtime):
-    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s, `UMBPStore`'s): the store writes host rows
-    through the addresses ``get_page_buffer_meta`` gave it; the rows it filled are counted
-    (`_zero_copy_read`)."""
+    """``MooncakeStore.batch_get_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s,
+    `UMBPStore`'s): the store writes host rows through the addresses
+    ``get_page_buffer_meta`` gave it; the rows it filled are counted (`_zero_copy_read`)."""
     probe = probe_for(runtime)
 
     def _transfers(transfers, *_a, **_k):
@@ -496,8 +496,9 @@ def make_zero_copy_get_wrapper(runtime):
 
 
 def make_zero_copy_set_wrapper(runtime):
-    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s, `UMBPStore`'s): the store only reads the host
-    rows it is handed, so their kept digests stay (the page-address hook is told)."""
+    """``MooncakeStore.batch_set_v2(transfers, extra_info=None)`` (and `HiCacheNixl`'s,
+    `UMBPStore`'s): the store only reads the host rows it is handed, so their kept digests
+    stay (the page-address hook is told)."""
     probe = probe_for(runtime)
 
     def wrapper(wrapped, instance, args, kwargs):
