@@ -91,6 +91,7 @@ class ServerOptions:
     extra_prefill: tuple[str, ...] = ()
     extra_decode: tuple[str, ...] = ()
     model: str = "v4"  # or "v41": MODEL_CONFIGS
+    prefill_env: tuple[tuple[str, str], ...] = ()  # (name, value) set in prefill's environment
     # topologies (docs/rig.md "Topologies"): each extra rank is a process on the CPU (gloo)
     transfer_backend: str = "nixl"  # or "mooncake" (its TCP transport: MOONCAKE_PROTOCOL=tcp)
     prefill_tp: int = 1
@@ -298,6 +299,8 @@ def server_env(base: dict[str, str], plugin_site: Path, metrics_dir: Path, role:
     })
     if opts.transfer_backend == "mooncake":
         env["MOONCAKE_PROTOCOL"] = "tcp"  # no RDMA device here: Mooncake's TCP transport
+    if role == "prefill":
+        env.update(dict(opts.prefill_env))
     ranks = opts.ranks(role)
     if ranks > 1:  # SGLang's CPU path binds each rank to a NUMA node unless told which cores it gets
         cores = os.cpu_count() or 1
