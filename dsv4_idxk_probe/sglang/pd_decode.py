@@ -291,19 +291,17 @@ def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
         return  # an inactive side counts its rooms in after_commit; that raised, and is counted
-    received = side.monitor.holds(RoomId(room_of(req)))
-    _skipped_unreceived(side, decode_req, "probe error at the commit", received=received)
+    _skipped_unreceived(side, decode_req, "probe error at the commit")
 
 
-def _skipped_unreceived(side: Any, decode_req: Any, reason: str, received: bool = False) -> None:
+def _skipped_unreceived(side: Any, decode_req: Any, reason: str) -> None:
     """A room decode's monitor never took, counted `skipped` with the bytes it received
     (`n_tokens`: its coverage bytes, docs/coverage.md), and marked so that the transfer
-    queue's release of it counts nothing more. `received`: the monitor took it after all,
-    and its receipt counted its bytes: it is retired without a length."""
+    queue's release of it counts nothing more. (One the monitor took after all is retired
+    with its own length: `room_skipped`.)"""
     req = decode_req.req
     setattr(decode_req, ATTR_ACCOUNTED, True)
-    n_tokens = None if received else _received_tokens(req)
-    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=n_tokens)
+    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
 
 
 def _received_tokens(req: Any) -> int | None:

@@ -232,14 +232,16 @@ class DecodeFanOut:
 
     def room_skipped(self, room: Any, reason: str, stage: str = "decode_recv", extra: dict | None = None,
                      n_tokens: int | None = None) -> None:
-        """`n_tokens` comes only with a room that was never received (the hooks pass it
-        for those alone): the unreadable pools' bytes of such a room are counted here,
-        `skipped` with the room's reason; a received room's were counted at its receipt."""
+        """`n_tokens`: the room's length, for a room that was never received. The unreadable
+        pools' bytes of such a room are counted here, `skipped` with the room's reason; a
+        room the C4 monitor holds was received, and its receipt counted them (as every
+        monitor uses a held room's own length, whatever the caller passed)."""
+        never_received = bool(self.unread_per_page and n_tokens) and not self.main.holds(room)
         self.main.room_skipped(room, reason, stage=stage, extra=extra, n_tokens=n_tokens)
         for pool in self.pools:
             safe_invoke("decode.pool_skipped", pool.monitor.room_skipped, room, reason, stage=stage, extra=extra,
                         n_tokens=n_tokens)
-        coverage_reason = skip_reason(reason) if self.unread_per_page and n_tokens else None
+        coverage_reason = skip_reason(reason) if never_received else None
         if coverage_reason is not None:
             safe_invoke("decode.pool_unread", count_unread, self.metrics, self.unread_per_page, self.page_tokens,
                         n_tokens, coverage_reason, "skipped")
