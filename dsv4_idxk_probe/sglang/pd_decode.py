@@ -62,7 +62,7 @@ from .accessors import (
     is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, rid_of, room_of,
     row_slot_plan,
 )
-from .index_k import decode_room_pages
+from .index_k import RoomPages, decode_room_pages
 from .sides import build_side
 
 ATTR_ROOM = "_dsv4_idxk_room"  # on a decode Req: its RoomId while the probe tracks it
@@ -157,7 +157,7 @@ _INACTIVE_COVERAGE_REASON = {"layout_unknown": "layout_unknown", "build_failed":
 _said_metadata_on_device = False
 
 
-def count_inactive_room(runtime: Any, decode_req: Any) -> None:
+def count_inactive_room(runtime: Any, queue: Any, decode_req: Any) -> None:
     """A room lands on a decode side that cannot read its pool: its index-K bytes moved
     unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4).
     As on an active side, rooms that move no index-K (health checks, fake bootstrap hosts)
@@ -174,8 +174,10 @@ def count_inactive_room(runtime: Any, decode_req: Any) -> None:
         outcome, reason = "skipped", skip_reason(why)
         if reason is None:
             return  # moved no index-K
-    n_tokens = origin_len(req) - cache_protected_len(req)
-    pages = -(-max(0, n_tokens) // max(1, int(getattr(side, "page_tokens", 256))))
+    n_tokens = received_tokens(queue, decode_req)
+    if n_tokens is None:
+        raise ValueError("the room's length cannot be read")  # counted as the probe's error
+    pages = -(-n_tokens // max(1, int(getattr(side, "page_tokens", 256))))
     runtime.metrics.count_coverage("pd", outcome, reason, pages * per_page)
 
 
@@ -248,7 +250,7 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     req = decode_req.req
     setattr(decode_req, ATTR_ACCOUNTED, True)
     if side is None:
-        count_inactive_room(runtime, decode_req)
+        count_inactive_room(runtime, transfer_queue, decode_req)
     if side is None or room_of(req) is None:
         return
     room = RoomId(room_of(req))
@@ -257,7 +259,7 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     if reason is None and (dest is None or isinstance(dest, str)):
         reason = dest or "destination pages were not recorded"
     if reason is not None:
-        _skipped_unreceived(side, decode_req, reason)
+        _skipped_unreceived(side, transfer_queue, decode_req, reason)
         return
     digest_slots = seen[0]
     endpoint, whole_room = prefill_endpoint(runtime, side, seen)
@@ -289,25 +291,34 @@ def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     if room_of(req) is None or getattr(req, ATTR_ROOM, None) is not None:
         return  # no room, or tracked and carried: its life goes on as usual
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
-    if side is None:
-        return  # an inactive side counts its rooms in after_commit; that raised, and is counted
-    _skipped_unreceived(side, decode_req, "probe error at the commit")
+    if side is None:  # an inactive side counts its rooms in after_commit, unless the read before it raised
+        if not getattr(decode_req, ATTR_ACCOUNTED, False):
+            setattr(decode_req, ATTR_ACCOUNTED, True)
+            count_inactive_room(runtime, transfer_queue, decode_req)
+        return
+    _skipped_unreceived(side, transfer_queue, decode_req, "probe error at the commit")
 
 
-def _skipped_unreceived(side: Any, decode_req: Any, reason: str) -> None:
+def _skipped_unreceived(side: Any, queue: Any, decode_req: Any, reason: str) -> None:
     """A room decode's monitor never took, counted `skipped` with the bytes it received
     (`n_tokens`: its coverage bytes, docs/coverage.md), and marked so that the transfer
     queue's release of it counts nothing more. (One the monitor took after all is retired
     with its own length: `room_skipped`.)"""
     req = decode_req.req
     setattr(decode_req, ATTR_ACCOUNTED, True)
-    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)}, n_tokens=_received_tokens(req))
+    side.monitor.room_skipped(RoomId(room_of(req)), reason, extra={"rid": rid_of(req)},
+                              n_tokens=received_tokens(queue, decode_req))
 
 
-def _received_tokens(req: Any) -> int | None:
-    """Tokens a room receives (its prompt past decode's prefix); None where unreadable."""
+def received_tokens(queue: Any, decode_req: Any) -> int | None:
+    """Tokens a room receives: those of the pages it published (`_send_kv_metadata`), else
+    its published length past decode's prefix (prompt + outputs for a room rebootstrapped
+    after a retraction, `published_len`); None where unreadable."""
+    dest = getattr(decode_req, ATTR_DEST, None)
+    if isinstance(dest, RoomPages):
+        return dest.n_tokens
     try:
-        return max(0, origin_len(req) - cache_protected_len(req))
+        return max(0, published_len(queue, decode_req.req) - cache_protected_len(decode_req.req))
     except Exception:
         return None
 
@@ -400,7 +411,7 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
     manager = getattr(receiver, "kv_mgr", None)
     records = getattr(manager, "failure_records", None)
     why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
-    _skipped_unreceived(side, decode_req, f"transfer failed: {why}" if why else "transfer failed")
+    _skipped_unreceived(side, transfer_queue, decode_req, f"transfer failed: {why}" if why else "transfer failed")
 
 
 def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
@@ -415,9 +426,10 @@ def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> N
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
         setattr(decode_req, ATTR_ACCOUNTED, True)
-        count_inactive_room(runtime, decode_req)
+        count_inactive_room(runtime, transfer_queue, decode_req)
         return
-    _skipped_unreceived(side, decode_req, decode_skip_reason(req) or "released by the transfer queue before its commit")
+    _skipped_unreceived(side, transfer_queue, decode_req,
+                        decode_skip_reason(req) or "released by the transfer queue before its commit")
 
 
 # %% enforce: what this rank judges (sglang/enforce.py makes the ranks act alike)

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..digest.engine import DigestEngine
+from ..exchange.stages import StageEndpoints
 from ..pd.coverage import skip_reason
 from ..pd.decode import DecodeMonitor
 from ..pd.prefill import PrefillMonitor, RecentRooms
@@ -126,7 +127,7 @@ def build_pool_sides(role: str, pools: Sequence[IndexPool], config: Any, emit: C
             else:
                 monitor = DecodeMonitor(
                     engine, pool_emit, metrics,
-                    fetch_vectors=partial(_fetch_pool, fetch, pool.ratio) if fetch is not None else None,
+                    fetch_vectors=partial(_fetch_pool, fetch, pool) if fetch is not None else None,
                     fetch_always=True,  # nothing in band: only the exchange carries these digests
                     step_interval=config.step_interval, max_rooms=config.exchange.table_size,
                 )
@@ -138,15 +139,19 @@ def build_pool_sides(role: str, pools: Sequence[IndexPool], config: Any, emit: C
     return built
 
 
-def _fetch_pool(fetch: Callable[[str], Any], ratio: int, key: str) -> Any:
-    return fetch(pool_key(key, ratio))
+def _fetch_pool(fetch: Callable[[str, Any], Any], pool: IndexPool, key: str) -> Any:
+    return fetch(pool_key(key, pool.ratio), pool.layout)
 
 
-def fetch_pool_digest(assembly: Any, key: str) -> Any:
-    """Decode's fetch of a pool key: asked of the endpoint remembered for its room."""
+def fetch_pool_digest(assembly: Any, key: str, layout: Any) -> Any:
+    """Decode's fetch of a pool key: asked of the endpoint remembered for its room. A PP
+    prefill's stages (`StageEndpoints`) are remembered with the C4 pool's layout, which
+    their digests of this pool are combined against: they take this pool's `layout`."""
     room_key = key.rpartition("@pool")[0] or key
     with assembly._lock:
         endpoint = assembly.peer_override or assembly._peers.get(room_key)
+    if isinstance(endpoint, StageEndpoints):
+        endpoint = StageEndpoints(endpoint, layout)
     return assembly.client.fetch(endpoint, key, retry_s=assembly._retry_s)
 
 

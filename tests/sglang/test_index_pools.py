@@ -12,6 +12,7 @@ import v41world
 from pd_testkit import collected, make_runtime
 
 from dsv4_idxk_probe.digest import shipped_layouts
+from dsv4_idxk_probe.exchange.stages import StageEndpoints
 from dsv4_idxk_probe.pd import RoomId
 from dsv4_idxk_probe.sglang.index_k import index_pools, indexer_row_buffers, room_pool_pages
 from dsv4_idxk_probe.sglang.pool_sides import fetch_pool_digest, pool_key
@@ -79,10 +80,13 @@ def _sides_r1_unreadable(v41):
         decode_pool.index_pools[1].index_k_page8 = False
 
 
-def _room_flow(prefill, decode):
+def _room_flow(prefill, decode, stages: bool = False):
+    """A room sent and received. `stages`: decode remembers prefill as the stages of a PP
+    prefill (`pd_decode.prefill_endpoint`, with the C4 pool's layout), here one stage."""
     n = v41world.ROOM_TOKENS
     prefill.monitor.room_sent(RoomId(ROOM), v41world.sent_tokens(v41world.PREFILL_PAGES[1:], n), n)
-    decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))
+    endpoint = ("127.0.0.1", prefill.server.port)
+    decode.remember_peer(RoomId(ROOM).key, StageEndpoints([endpoint], decode.layout) if stages else endpoint)
     decode.monitor.room_received(RoomId(ROOM), torch.tensor(v41world.DECODE_PAGES[1:]), n, None, {"rid": "r"})
 
 
@@ -105,7 +109,8 @@ def test_the_prefill_exchange_answers_each_pools_digest(v41):
         sink.wait_for(1, stage="prefill_send", kind="room")
         decode.remember_peer(RoomId(ROOM).key, ("127.0.0.1", prefill.server.port))
         c4 = decode.fetch(RoomId(ROOM).key)
-        r1 = fetch_pool_digest(decode, pool_key(RoomId(ROOM).key, 1))
+        r1_layout = next(p.pool.layout for p in decode.pool_sides if p.ratio == 1)
+        r1 = fetch_pool_digest(decode, pool_key(RoomId(ROOM).key, 1), r1_layout)
         assert (c4.layer_ids, r1.layer_ids) == ((1, 3), (4,))
         assert r1.n_pages == 12  # three full pages, four rows each
     finally:
@@ -139,11 +144,14 @@ def test_a_fault_in_a_low_ratio_pool_is_found_in_that_pool_with_its_cell(v41, ra
     assert (loc["pool"], loc["layers"], loc["pages"], loc["segments"]) == (ratio, [4 if ratio == 1 else 5], [row], [segment])
 
 
-def test_a_clean_v41_room_matches_in_every_pool(v41):
+@pytest.mark.parametrize("stages", [False, True], ids=["one_prefill", "pp_prefill_stages"])
+def test_a_clean_v41_room_matches_in_every_pool(v41, stages):
+    """With a PP prefill each pool's stage digests are combined against that pool's own
+    layout (with the C4 pool's, every low-ratio pool read `not_comparable`)."""
     v41world.transfer(*v41)
     runtime, sink, registry, prefill, decode = _sides(v41)
     try:
-        _room_flow(prefill, decode)
+        _room_flow(prefill, decode, stages)
         records = sink.wait_for(1, stage="decode_recv", kind="room") + sink.wait_for(
             2, stage="decode_recv", kind="index_pool")
         sent = sink.wait_for(2, stage="prefill_send", kind="index_pool")
@@ -238,12 +246,12 @@ def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_un
         req = SimpleNamespace(origin_input_ids=list(range(v41world.PREFIX_TOKENS + n)),
                               kv=SimpleNamespace(cache_protected_len=v41world.PREFIX_TOKENS),
                               cache_protected_len=v41world.PREFIX_TOKENS, bootstrap_room=ROOM)
-        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=req))
+        pd_decode.count_inactive_room(runtime, None, SimpleNamespace(req=req))
         # as on an active side: a health check moves no index-K; an aborted room is skipped
-        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=SimpleNamespace(**{**vars(req), "rid": "HEALTH_CHECK_1"})))
+        pd_decode.count_inactive_room(runtime, None, SimpleNamespace(req=SimpleNamespace(**{**vars(req), "rid": "HEALTH_CHECK_1"})))
         FINISH_ABORT = type("FINISH_ABORT", (), {})
         aborted = SimpleNamespace(**{**vars(req), "finished_reason": FINISH_ABORT()})
-        pd_decode.count_inactive_room(runtime, SimpleNamespace(req=aborted))
+        pd_decode.count_inactive_room(runtime, None, SimpleNamespace(req=aborted))
         counted = _coverage(registry, "unverified", "layout_unknown")
         skipped = _coverage(registry, "skipped", "aborted")
     finally:
@@ -251,6 +259,32 @@ def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_un
     per_page = 2 * 8448 + 4 * 4352 + 2 * 4352  # C4: two layers of one 8448 B row; r1: 4 rows; r2: 2 rows
     assert counted == 3 * per_page
     assert skipped == 3 * per_page
+
+
+@pytest.mark.parametrize("read_fails", [False, True], ids=["commit", "commit_read_fails"])
+def test_an_inactive_side_counts_a_committed_room_even_when_the_probe_s_commit_read_fails(v41, monkeypatch, read_fails):
+    """Through the commit wrapper: an inactive side counts the room at its commit, and still
+    counts it when the probe's own read of the metadata row raised (SGLang's commit goes on,
+    and no release of the queue comes for a committed room)."""
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    runtime, sink, registry = make_runtime(layout="bf16")  # forced: no pool of this rig has bf16 rows
+    try:
+        side = build_side(runtime, "decode", v41[1], v41world.kv_args_of(v41[1]))
+        assert isinstance(side, InactiveSide)
+        if read_fails:
+            monkeypatch.setattr(pd_decode, "before_commit", lambda *a, **k: 1 / 0)
+        n = v41world.ROOM_TOKENS
+        req = SimpleNamespace(origin_input_ids=list(range(v41world.PREFIX_TOKENS + n)),
+                              kv=SimpleNamespace(cache_protected_len=v41world.PREFIX_TOKENS),
+                              bootstrap_room=ROOM, rid="r", finished_reason=None)
+        queue = SimpleNamespace(scheduler=None, metadata_buffers=None)
+        decode_req = SimpleNamespace(req=req, metadata_buffer_index=None, kv_receiver=None)
+        pd_decode.make_commit_transfer_wrapper(runtime)(lambda *a, **k: None, queue, (decode_req,), {})
+        counted = _coverage(registry, "unverified", "layout_unknown")
+    finally:
+        runtime.close()
+    assert counted == 3 * (2 * 8448 + 4 * 4352 + 2 * 4352)  # three pages of every pool, as above
 
 
 def test_an_npu_indexer_is_not_read_as_its_unwritten_packed_rows(v41):

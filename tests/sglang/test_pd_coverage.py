@@ -14,6 +14,7 @@ from pd_testkit import collected
 import test_pd_hooks as hooks
 from test_pd_hooks import patched  # noqa: F401  (the fixture: the pd.* targets patched on SGLang's classes)
 
+from dsv4_idxk_probe.pd.coverage import estimated_bytes
 from dsv4_idxk_probe.sglang import pd_decode
 
 COVERAGE = "dsv4_idxk_probe_coverage_bytes_total"
@@ -139,3 +140,23 @@ def test_a_room_counted_at_its_commit_counts_nothing_more_when_the_queue_release
     pd_decode.on_transfer_release(runtime, queue, dreq)  # what the wrapped `_release_request` runs first
     _settled(runtime)
     assert _coverage(registry) == counted
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA, reason="`_send_kv_metadata` arrives in SGLang 0.5.21")
+def test_a_rebootstrapped_room_whose_transfer_fails_counts_the_tokens_it_published(worlds, patched):  # noqa: F811
+    """A room rebootstrapped after a retraction publishes, and is sent, its prompt and its
+    outputs (SGLang's `_rebootstrap_prefill_len`): a failed transfer counts those bytes
+    `skipped`, not the prompt's alone."""
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    outputs = 100
+    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
+    dreq.req.output_ids = list(range(outputs))
+    published = pdworld.ROOM_TOKENS + outputs
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + published]
+    pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+    pd_decode.on_transfer_failed(runtime, pdworld.transfer_queue(decode), dreq)
+    assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "skipped"
+    _settled(runtime)
+    engine = runtime.sides["decode"].monitor.engine
+    assert _coverage(registry) == {("skipped", "transfer_failed"): estimated_bytes(engine, published)}
