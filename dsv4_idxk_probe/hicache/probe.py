@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from typing import Any, Callable
 
 from ..vocabulary import SCHEMA_VERSION  # one room-log schema for every record kind
@@ -119,6 +120,7 @@ class HiCacheProbe:
         self._pools: dict[int, PoolState] = {}
         self.unusable: dict[int, str] = {}  # id(pool) -> why it could not be registered (tried once)
         self._retired: list[PoolState] = []  # garbage-collected pools with counts still to publish
+        self._dead: deque[tuple[int, PoolState]] = deque()  # pools finalized, not retired yet (`_retire_dead`)
         self._lock = threading.Lock()
         self.checker = (
             IndexChecker(self._on_violations, self._on_index_drop, settings.index_queue_max)
@@ -147,18 +149,22 @@ class HiCacheProbe:
     # -- pools --------------------------------------------------------------------
 
     def state_of(self, pool: Any) -> PoolState | None:
+        if self._dead:  # a pool at this address may be a new one: the dead one's state goes first
+            self._retire_dead()
         return self._pools.get(id(pool))
 
     def register(self, pool: Any, geom: PoolGeometry, views: RowViews | None) -> PoolState:
         """Record a pool once: zero series, info metric, invariants, one log line."""
+        if self._dead:
+            self._retire_dead()
         with self._lock:
             state = self._pools.get(id(pool))
             if state is not None:
                 return state
             state = PoolState(id(pool), geom, views, self.settings.io_backends)
             self._pools[id(pool)] = state
-        try:
-            weakref.finalize(pool, self._retire, id(pool))
+        try:  # the finalizer only queues the pool: see `_retire_dead`
+            weakref.finalize(pool, self._dead.append, (id(pool), state))
         except TypeError:
             pass  # not weak-referenceable: kept for the process lifetime
         self._create_series(state)
@@ -181,14 +187,25 @@ class HiCacheProbe:
         self.emit({"event": "pool", **line, "invariants_failed": dict(state.invariants_failed)})
         return state
 
-    def _retire(self, key: int) -> None:
-        with self._lock:
-            state = self._pools.pop(key, None)
-            if state is not None:
+    def _retire_dead(self) -> None:
+        """Retire the pools that were garbage-collected. Their finalizer only queued them
+        (`_dead`): the cyclic collector runs finalizers at any allocation, on any thread,
+        also one that holds a lock this takes (the store's, this probe's), which would then
+        wait for itself. Called before a pool is looked up or registered (a new pool may
+        have the dead one's address) and by the flusher."""
+        while self._dead:
+            try:
+                key, state = self._dead.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            with self._lock:
+                if self._pools.get(key) is not state:
+                    continue
+                del self._pools[key]
                 state._host_arrays = None  # views of the pool's host memory: it goes with the pool
                 self._retired.append(state)
-        if self.restore is not None:
-            self.restore.forget_pool(key)  # its rows' digests and its engine go with it
+            if self.restore is not None:
+                self.restore.forget_pool(key)  # its rows' digests and its engine go with it
 
     def _create_series(self, state: PoolState) -> None:
         m, geom, pool = self.metrics, state.geom, state.geom.name
@@ -252,7 +269,10 @@ class HiCacheProbe:
                 self.flusher = Flusher(self.flush, self.settings.flush_interval_s).start()
 
     def flush(self) -> None:
-        """What the flusher does: publish the counts, run the queued index checks."""
+        """What the flusher does: retire collected pools, publish the counts, run the queued
+        index checks."""
+        if self._dead:
+            safe_invoke("hicache.retire", self._retire_dead)
         safe_invoke("hicache.publish", self.publish)
         if self.checker is not None:
             self.checker.flush()

@@ -3,8 +3,10 @@ pages a load wrote are compared with what their backup read, with round-trip mod
 
 from __future__ import annotations
 
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,12 +207,46 @@ def test_a_pool_collected_takes_its_restore_engine_with_it(hicache, make_pool):
     del pool
     gc.collect()
     assert gone() is None
+    env.probe.flush()  # what the flusher does each interval (a copy's look-up of a pool does it too)
     assert key not in env.probe.restore._pools
     engine._tickets.put(None)  # closed already: a second stop is harmless
     deadline = time.monotonic() + 10
     while engine._thread is not None and engine._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine._thread is None or not engine._thread.is_alive()
+
+
+def test_a_pool_collected_while_its_thread_holds_the_store_s_lock_does_not_deadlock(hicache, make_pool):
+    """The cyclic collector runs a dead pool's finalizer at whatever allocation comes next, on
+    that thread: here inside the digest store's `put`, which allocates under the store's
+    lock. A finalizer that forgot the pool's digests there took that lock again and waited
+    for itself (and SGLang's copying thread after it); it only queues the pool now."""
+    import gc
+
+    env = hicache()
+    store = env.probe.restore.store
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    settle(env)
+    key = env.probe.state_of(pool).key
+    pool.cycle = pool  # only the cyclic collector frees it
+    del pool
+    put = store.put
+
+    def put_collecting(*args, **kwargs):
+        with store._lock:  # as `put` holds it while it allocates: the collection lands here
+            gc.collect()
+        return put(*args, **kwargs)
+
+    store.put = put_collecting
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (store.put(key, [0], np.zeros((LAYERS, 1, 2), np.uint64)), done.set()),
+                              daemon=True)
+    worker.start()
+    assert done.wait(10), "the thread holding the store's lock waited for it again"
+    store.put = put
+    env.probe.flush()
+    assert key not in env.probe.restore._pools  # retired all the same, by the flusher
 
 
 def test_restore_verification_off_digests_nothing(hicache, make_pool):
