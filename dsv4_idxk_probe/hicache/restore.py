@@ -408,13 +408,20 @@ class RestoreVerifier:
 
         pool.engine.post(store)
 
-    def storage_read(self, state, host_row: int, sidecar, page_version: PageVersion | None) -> bool:
+    def generation(self, state) -> int:
+        """The pool's fences so far: taken before a storage read, for `storage_read`."""
+        return self.store.generations.get(state.key, 0)
+
+    def storage_read(self, state, host_row: int, sidecar, page_version: PageVersion | None,
+                     generation: int | None = None) -> bool:
         """The storage tier filled host row `host_row` from the stored page at `page_version`;
         `sidecar`: the bytes stored beside the page, or None. A sidecar of this pool's shape
         that describes that very page gives the row the digests its backup took, and its load
         is verified; otherwise they are lost (a sidecar of another version describes a page
-        stored before this one: comparing with it would report bytes nobody corrupted). True
-        when carried."""
+        stored before this one: comparing with it would report bytes nobody corrupted).
+        `generation`: the pool's (`generation`) before the read began, so that a fence during
+        the read (a token backup writing into the row) refuses the digests too; None: now.
+        True when carried."""
         if not is_index_k_pool(state.geom.name):
             return False
         pool = self.pool(state)
@@ -427,7 +434,8 @@ class RestoreVerifier:
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
         digests = carried[0]
-        generation = self.store.generations.get(key, 0)  # a fence after this read refuses them (a token backup)
+        if generation is None:
+            generation = self.store.generations.get(key, 0)  # a fence after this refuses them (a token backup)
 
         def keep(_arg) -> None:
             # counted on l3 once a load compares the page (`compared`), or unverified should its

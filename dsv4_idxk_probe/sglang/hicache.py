@@ -308,13 +308,15 @@ def _l3_state(probe, host_pool):
 
 
 def _l3_page_before(probe, backend, pool_name, key, host_pool, *_a, **_k):
-    """Before ``_write_page`` or ``_read_page``: the index-K pool's state, the page's file and
-    its version; None for other pools."""
+    """Before ``_write_page`` or ``_read_page``: the index-K pool's state, the page's file,
+    its version and the pool's fence generation (a read's digests are refused if a fence
+    comes while it runs); None for other pools."""
     state = _l3_state(probe, host_pool)
     if state is None:
         return None
+    generation = probe.restore.generation(state)
     path = l3_files.page_path(backend, pool_name, key)
-    return state, path, l3_files.file_version(path)
+    return state, path, l3_files.file_version(path), generation
 
 
 _OTHER_BYTES_SAID: "weakref.WeakSet" = weakref.WeakSet()  # pool states whose L3 write check found other bytes
@@ -328,7 +330,7 @@ def _l3_wrote(probe, page_before, backend, pool_name, key, host_pool, page_offse
     replaced it right after ``set`` did). Checked here, while SGLang's storage operation
     still holds the host row. A page that was there already (``set`` skips it) keeps
     whatever sidecar its own write left."""
-    state, path, before = page_before
+    state, path, before, _generation = page_before
     if not l3_files.stored_anew(before, l3_files.file_version(path)):
         return
     sidecar = _sidecar_key(backend, pool_name, key)
@@ -361,7 +363,7 @@ def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset
     """After ``_read_page``: the row gets the digests of the page's sidecar if that sidecar
     names the version of the page file the read found, before and after it (a page stored
     anew while it was read may have given the row either version's bytes)."""
-    state, path, before = page_before
+    state, path, before, generation = page_before
     pool = probe.restore.pool(state)
     data = None
     if pool is not None:
@@ -372,7 +374,7 @@ def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset
             record_error("hicache.l3_sidecar")
     row = int(page_offset) // int(host_pool.slot_page_size)
     version = l3_files.file_version(path)
-    probe.restore.storage_read(state, row, data, version if version == before else None)
+    probe.restore.storage_read(state, row, data, version if version == before else None, generation)
 
 
 def _read_sidecar(backend, sidecar: str, nbytes: int):

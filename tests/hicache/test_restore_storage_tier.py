@@ -189,6 +189,23 @@ def test_a_token_backup_after_a_read_refuses_the_read_digests_still_on_their_way
     assert_read_page_never_compared(env, pool)
 
 
+@pytest.mark.skipif(not HAS_BACKUP_TOKENS, reason="backup_tokens_from_device_all_layer arrives in SGLang 0.5.23")
+def test_a_token_backup_while_a_page_is_read_refuses_the_page_s_digests(hicache, make_pool, storage, monkeypatch):
+    """A token backup that writes into the row between the storage read's fill of it and the
+    probe's look at the sidecar: its fence counts from before the read, so the page's digests
+    are refused (else the row's next clean load would read as a mismatch nobody made)."""
+    env, pool = backed_up(hicache, make_pool)
+    get = storage.get
+
+    def token_backup_then_get(key, *args, **kwargs):
+        if str(key).endswith(SIDECAR_SUFFIX):  # the row is filled; the sidecar is being read
+            pool.backup_tokens_from_device_all_layer(torch.arange(73, 83), torch.arange(10))  # into host row 5
+        return get(key, *args, **kwargs)
+
+    store_evict_restore(pool, storage, lambda: (settle(env), monkeypatch.setattr(storage, "get", token_backup_then_get)))
+    assert_read_page_never_compared(env, pool)
+
+
 def test_a_sidecar_whose_read_fails_leaves_its_page_counted_unverified(hicache, make_pool, storage, monkeypatch):
     """`get` of the sidecar raises (HiCacheFile's short read, when the sidecar is replaced
     between its size check and its read): the page counts as one without digests, never
