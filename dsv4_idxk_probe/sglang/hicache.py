@@ -468,8 +468,10 @@ def _zero_copy_read(probe, backend, transfers, results) -> None:
         pool = _zero_copy_pool(backend, transfer.name)
         hits = results.get(transfer.name) if isinstance(results, dict) else None
         state = _l3_state(probe, pool) if pool is not None else None
-        if state is None or not hits or transfer.host_indices is None:
+        if state is None or not hits or not any(hits) or transfer.host_indices is None:
             continue
+        if transfer.host_indices.numel() != len(hits) * state.geom.page_size:
+            continue  # not a page per key: the store refused the transfer itself (NIXL), moving nothing
         rows = page_rows(transfer.host_indices, state.geom.page_size)
         read = [row for row, hit in zip(rows, hits) if hit]
         if read:

@@ -56,3 +56,22 @@ def test_a_page_nixl_does_not_hold_counts_nothing_on_l3(backed_up):
 def test_a_page_only_stored_through_nixl_keeps_its_digests_and_its_load_is_verified(backed_up):
     env, pool, backend = backed_up
     cases.only_stored_keeps_the_rows_digests(env, pool, backend, load, ["p2", "p5"])
+
+
+def test_a_transfer_nixl_refuses_itself_counts_nothing_and_no_error_of_the_probe(hicache, make_pool, tmp_path):
+    """NIXL refuses a zero-copy transfer whose indices are not a page per key (SGLang logs it
+    and returns False for each key, moving nothing): nothing is counted on `l3`, and the probe
+    counts no error of its own (the teardown checks: its alert would fire for nothing)."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backend = nixl_backend(tmp_path, pool)
+    page = pool.slot_page_size
+    one_and_a_half = torch.arange(5 * page, 5 * page + page + page // 2)
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4_INDEXER, host_indices=one_and_a_half,
+                                             keys=["page-5"])])
+    assert got[cases.POOL] == [False]
+    settle(env)
+    assert env.value("coverage_bytes", path="l3", outcome="unverified", reason="digest_lost") is None
