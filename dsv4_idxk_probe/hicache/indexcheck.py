@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..safety import safe_invoke
+from .restore_rows import held
 
 SIDES = ("host", "device")
 CHECKS = ("not_whole_page", "unaligned", "out_of_range")
@@ -124,7 +125,8 @@ class IndexChecker:
             self._slots.append(slot)
         return slot
 
-    # -- caller's thread: no sync, no value reads, no kernel launch on a GPU -------
+    # -- caller's thread: no sync, no value reads, no kernel launch on a GPU (but an inference
+    #    tensor's copy: `held`) --
 
     def submit(self, slot: CheckSlot, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Queue both index tensors of one page-path call for checking."""
@@ -134,9 +136,8 @@ class IndexChecker:
         host = host_indices if host_indices.dim() == 1 else host_indices.reshape(-1)
         device = device_indices if device_indices.dim() == 1 else device_indices.reshape(-1)
         if host.is_cuda or device.is_cuda or not self._snapshot_cpu:
-            self._pending.append(
-                (slot, host, device, host._version, device._version, _stream_of(host), _stream_of(device))
-            )
+            (host, host_v), (device, device_v) = held(host), held(device)
+            self._pending.append((slot, host, device, host_v, device_v, _stream_of(host), _stream_of(device)))
         else:  # CPU indices: a copy costs less than tracking them
             self._pending.append((slot, torch.cat((host, device)), host.numel()))
 
@@ -176,7 +177,8 @@ class IndexChecker:
                 sides, streams, versions = (snap[:n], snap[n:]), (None, None), None
             else:
                 _, host, device, host_v, device_v, host_s, device_s = item
-                if host._version != host_v or device._version != device_v:
+                if (host_v is not None and host._version != host_v) or (
+                        device_v is not None and device._version != device_v):
                     dropped += 2
                     continue
                 sides, streams, versions = (host, device), (host_s, device_s), (host_v, device_v)
@@ -188,7 +190,7 @@ class IndexChecker:
                 batch.parts.append(tensor)
                 batch.streams.add(streams[side])
                 batch.items += 1
-                if versions is not None:
+                if versions is not None and versions[side] is not None:
                     batch.guards.append((tensor, versions[side]))
         return batches, dropped
 

@@ -262,7 +262,10 @@ class RestoreVerifier:
             return
         size = pool.page_size
         n_pages = host_indices.numel() // size
-        version = host_indices._version
+        # no frame of ours more on the copying thread: `restore_rows.held`, inline
+        version = None if host_indices.is_inference() else host_indices._version
+        if version is None:  # an inference tensor keeps no version counter: its rows copied now
+            host_indices = host_indices.clone()
         key = state.key
         generation = self.store.generations.get(key, 0)  # its pool's fenced forgets so far
 
@@ -312,7 +315,12 @@ class RestoreVerifier:
             return
         size = pool.page_size
         n_pages = host_indices.numel() // size
-        version, device_version = host_indices._version, device_indices._version
+        # `restore_rows.held`, inline: an inference tensor (no version counter) is copied now
+        version = None if host_indices.is_inference() else host_indices._version
+        device_version = None if device_indices.is_inference() else device_indices._version
+        if version is None:
+            host_indices = host_indices.clone()
+        device_rows = device_indices.clone() if device_version is None else device_indices
         key = state.key
 
         def compared(result) -> None:
@@ -324,7 +332,7 @@ class RestoreVerifier:
             comparison = compare_load(expected, contents, rows, None, names)
             device_pages = None
             if comparison.mismatch_rows:  # a finding names its device pages: read them now
-                device_pages = read_rows(device_indices, device_version, size)
+                device_pages = read_rows(device_rows, device_version, size)
                 if device_pages is not None:  # else rewritten since: the finding names host rows only
                     comparison = compare_load(expected, contents, rows, device_pages, names)
             if comparison.verified_rows:
@@ -463,7 +471,7 @@ class RestoreVerifier:
         return pool.engine.backlog() < self.queue_max and pool.snapshot.submit(
             pages, n_pages, n_pages * pool.page_tokens, callback)
 
-    def _drop_when_copied(self, pool: PoolRestore, key: int, host, version: int) -> None:
+    def _drop_when_copied(self, pool: PoolRestore, key: int, host, version: int | None) -> None:
         """Forget these host rows' kept digests (their backup was not digested). The rows
         are read by the collector; where the index tensor is on a device, once the stream
         has passed this point (an event recorded here, waited for there): this thread never

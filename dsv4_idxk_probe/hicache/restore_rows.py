@@ -19,7 +19,8 @@ needs three things from them:
   differs from its backup (from the device index tensor, unless it was rewritten since).
 
 A tensor written in place after the copy (its version moved) cannot say which rows the
-copy named: `read_rows` returns None and the caller counts the copy unverified.
+copy named: `read_rows` returns None and the caller counts the copy unverified. One with no
+version counter (an inference tensor) is copied at the copy instead (`held`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ from typing import Any
 
 _sides: dict[tuple[int, int], Any] = {}  # (collector thread, device index) -> its `_SideRead`
 _sides_lock = threading.Lock()
+
+
+def held(tensor) -> tuple[Any, int | None]:
+    """A copy's index tensor as `read_rows` reads it later, and its version counter now. An
+    inference tensor (SGLang's scheduler under `torch.inference_mode`, as
+    SGLANG_ENABLE_TORCH_INFERENCE_MODE runs it) keeps no version counter: it is copied now,
+    in stream order, into a tensor of the probe's own, never written (version None): one
+    device op more per copy, in that mode only."""
+    if tensor.is_inference():
+        return tensor.clone(), None
+    return tensor, tensor._version
 
 
 def read_rows(tensor, version: int | None, page_size: int | None) -> list[int] | None:

@@ -134,6 +134,19 @@ def test_tracked_indices_are_checked_when_untouched():
     assert reports == [{"device_unaligned": 4}] and dropped == []
 
 
+def test_inference_tensors_are_copied_at_the_call_and_checked():
+    """Index tensors made under `torch.inference_mode` (SGLang's scheduler with
+    SGLANG_ENABLE_TORCH_INFERENCE_MODE) keep no version counter to track them by: copied at
+    the call, checked as any, and rewriting the caller's own afterwards changes nothing."""
+    checker, slot, reports, dropped = _tracking_checker()
+    with torch.inference_mode():
+        host, device = torch.arange(8), torch.arange(1, 9)
+        checker.submit(slot, host, device)
+        device.sub_(1)  # the caller reuses its tensor: the check sees what the copy named
+    checker.flush()
+    assert reports == [{"device_unaligned": 2}] and dropped == []  # both page groups of 1..8
+
+
 def test_tracked_indices_modified_before_the_check_are_dropped_not_reported():
     checker, slot, reports, dropped = _tracking_checker()
     table = torch.arange(16)

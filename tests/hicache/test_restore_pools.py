@@ -68,6 +68,24 @@ def test_a_host_row_changed_before_its_load_is_found_at_hicache_load(hicache, ma
     assert env.value("coverage_bytes", path="hicache_backup", outcome="verified", reason="none") == 2 * row
 
 
+def test_copies_made_under_inference_mode_are_verified_and_a_changed_row_is_found(hicache, make_pool):
+    """SGLang's scheduler may run under `torch.inference_mode` (SGLANG_ENABLE_TORCH_INFERENCE_MODE):
+    its index tensors keep no version counter. Their rows are copied at the copy instead, so
+    the backup and the load are verified, and a host row changed between them is found."""
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    with torch.inference_mode():
+        backup(pool)
+        host_row(pool, 5, 1)[64 * 128 + 8] ^= 0x10
+        load(pool, device_rows=[3, 7])
+    settle(env)
+    (found,) = findings(env)
+    assert found["mismatch_rows"] == [5] and [c["device_page"] for c in found["cells"]] == [7]
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_backup", outcome="verified", reason="none") == 2 * row
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == 2 * row
+
+
 def test_clean_backups_and_loads_match_and_count_every_byte_verified(hicache, make_pool):
     env = hicache()
     pool = make_pool("fp8_indexer")

@@ -79,7 +79,7 @@ def test_backup_and_load_read_no_index_value_on_the_serving_thread():
     assert ("hicache_load", "verified", "none", 2 * 2 * 8448) in counted
 
 
-SHAPE_ONLY = {"numel", "dim", "size", "__get__", "__len__"}  # a tensor's shape, not its values
+SHAPE_ONLY = {"numel", "dim", "size", "__get__", "__len__", "is_inference"}  # a tensor's shape and kind, not its values
 COPIES = {"to", "copy_", "cpu", "clone", "contiguous", "pin_memory", "tolist", "numpy", "item"}
 
 
