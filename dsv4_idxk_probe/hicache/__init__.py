@@ -34,6 +34,7 @@ _EXPORTS = {
     "HiCacheProbe": ".probe",
     "forget": ".probe",
     "probe_for": ".probe",
+    "probe_if_made": ".probe",
     "LEGS": ".legs",
     "RestoreVerifier": ".restore",
     "HostPageDigests": ".restore_store",

@@ -506,6 +506,27 @@ class HiCacheProbe:
         if self.restore is not None:
             self.restore.forget_rows(state, host_rows)
 
+    def rows_written_elsewhere(self, token_indices: Any) -> None:
+        """Host slots that a writer the probe does not see will fill (a PD host receive:
+        prefill writes decode's host pool through the transfer engine, not through a wrapped
+        copy): every index-K pool's kept digests of the rows they fall in go, so those rows'
+        next load counts `digest_lost` instead of being compared with what they held before
+        (a finding nobody made). A pool whose rows these indices do not name loses a few
+        digests for nothing, never a finding; indices on a device (their values cannot be
+        read here without a sync) take all of each pool's digests, fenced."""
+        if self.restore is None:
+            return
+        with self._lock:
+            states = [s for s in self._pools.values() if is_index_k_pool(s.geom.name)]
+        if states:
+            import torch
+        for state in states:
+            if getattr(token_indices, "is_cuda", False):
+                self.restore.store.forget_all(state.key, fence=True, cause="other")
+            else:
+                pages = torch.unique(torch.as_tensor(token_indices).reshape(-1) // max(1, state.geom.page_size))
+                self.invalidate_rows(state, pages.tolist())
+
     def storage_wrote(self, state: PoolState, host_rows: list[int]) -> None:
         """The storage tier (L3) filled these host pages: their bytes carry no digest here, so
         they are counted unverified (`digest_lost`) on path l3, and their loads likewise."""
@@ -635,6 +656,12 @@ def probe_for(runtime: Any) -> HiCacheProbe:
                              layer_source=lambda: index_k_layers(runtime))
         _probes[id(runtime)] = (runtime, probe)
         return probe
+
+
+def probe_if_made(runtime: Any) -> HiCacheProbe | None:
+    """The probe of `runtime` if its HiCache wrappers made one; None otherwise (makes none)."""
+    entry = _probes.get(id(runtime))
+    return entry[1] if entry is not None and entry[0] is runtime else None
 
 
 def forget(runtime: Any) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 from ..exchange.endpoint import rebuild_endpoint
 from ..exchange.prefetch import prefetch, prefetched
 from ..exchange.stages import StageEndpoints, describe_endpoint
+from ..hicache.probe import probe_if_made
 from ..pd.coverage import skip_reason
 from ..pd.inband import port_from_slots
 from ..pd import InbandDigest, RoomId
@@ -99,12 +100,17 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
 
 
 def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, kwargs: dict) -> None:
-    if decode_side(runtime, getattr(queue, "scheduler", None)) is None:
-        return
     if is_host_destination(kwargs):
-        # Host-receive: prefill writes this room into decode's HiCache host pool; the
-        # device pages named later by the restore are not known here.
-        setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
+        # Host-receive: prefill writes this room into decode's HiCache host pool, unseen by
+        # the host-pool wrappers: the rows' kept digests go (their restore counts
+        # `digest_lost`); the device pages named later by the restore are not known here.
+        hicache = probe_if_made(runtime)
+        if hicache is not None:
+            hicache.rows_written_elsewhere(kv_indices)
+        if decode_side(runtime, getattr(queue, "scheduler", None)) is not None:
+            setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
+        return
+    if decode_side(runtime, getattr(queue, "scheduler", None)) is None:
         return
     dest = decode_room_pages(kv_indices, page_size, kwargs)
     setattr(decode_req, ATTR_DEST, dest)

@@ -267,6 +267,34 @@ def test_a_pool_collected_while_its_thread_holds_the_store_s_lock_does_not_deadl
     assert key not in env.probe.restore._pools  # retired all the same, by the flusher
 
 
+def test_host_rows_a_pd_host_receive_fills_lose_their_digests_and_their_load_is_no_finding(hicache, make_pool):
+    """Decode's host receive: prefill writes a room into host rows through the transfer engine,
+    which no wrapped copy sees. The digests those rows kept from an earlier backup (a
+    retraction's, a write-through's) no longer say what they hold: they go when decode
+    publishes the rows (`_send_kv_metadata`, destination HOST), and the rows' restore counts
+    `digest_lost`, never a finding."""
+    from types import SimpleNamespace
+
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    env = hicache()
+    env.runtime.sides = {}  # no PD side in this process: its HiCache probe acts alone
+    pool = make_pool("fp8_indexer")
+    backup(pool)  # rows 2 and 5 keep their digests
+    settle(env)
+    host = SimpleNamespace(name="HOST", value="host")  # KVTransferDestination.HOST
+    pd_decode.on_send_metadata(env.runtime, SimpleNamespace(scheduler=None), SimpleNamespace(req=None),
+                               page_indices([5]), 256, {"decode_prefix_len": 0, "destination": host})
+    for layer in range(LAYERS):
+        host_row(pool, 5, layer).add_(1)  # the room prefill wrote there
+    load(pool)
+    settle(env)
+    assert findings(env) == []
+    row = LAYERS * pool.item_bytes
+    assert env.value("coverage_bytes", path="hicache_load", outcome="verified", reason="none") == row  # row 2
+    assert env.value("coverage_bytes", path="hicache_load", outcome="unverified", reason="digest_lost") == row
+
+
 def test_restore_verification_off_digests_nothing(hicache, make_pool):
     env = hicache(restore_verify=False)
     pool = make_pool("fp8_indexer")
