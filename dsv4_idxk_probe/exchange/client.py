@@ -37,6 +37,10 @@ log = logging.getLogger("dsv4_idxk_probe.exchange")
 Endpoint = tuple[str, int]
 RETRIED = frozenset(("timeout", "busy", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
 WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer waited for
+# Peers a client keeps state for (open sessions, backoffs, warnings), each table apart; past
+# it the least recently added (sessions: used) goes. Prefill endpoints change with every
+# restart, so a long-lived decode would otherwise keep one entry (and a socket) per old one.
+MAX_PEERS = 1024
 
 
 class _Deadline(Exception):
@@ -92,7 +96,7 @@ class VectorClient:
         self._strikes: dict[Endpoint, int] = {}  # failures in a row per peer (the backoff doubles with each)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._warned_auth: set[Endpoint] = set()
+        self._warned_auth: dict[Endpoint, None] = {}  # peers whose refusal was logged (once each)
         self._reused = False
         self.failures: dict[str, int] = {}
 
@@ -111,7 +115,12 @@ class VectorClient:
         once, not per room); after "no such room", ask once more `backoff_initial_s`
         later (prefill may not have published it yet)."""
         if isinstance(endpoint, StageEndpoints):  # prefill PP: every stage serves its own layers
-            return self._fetch_stages(endpoint, key, retry_s)
+            try:
+                return self._fetch_stages(endpoint, key, retry_s)
+            except Exception:  # as below: a bug here costs one room's localisation, never the caller
+                log.debug("exchange fetch of %s from its stages failed", key, exc_info=True)
+                self._fail("internal")
+                return None
         give_up = time.monotonic() + max(0.0, float(retry_s))
         asked_again_for_room = False
         while True:
@@ -195,7 +204,7 @@ class VectorClient:
                 self._drop(endpoint)
                 self._mark_down(endpoint, at_once=True)
                 if endpoint not in self._warned_auth:
-                    self._warned_auth.add(endpoint)
+                    _remember(self._warned_auth, endpoint, None)
                     log.warning("dsv4-idxk-probe exchange peer %s:%d: %s", *endpoint, exc)
                 return None, self._fail("auth")
             except ExchangeError as exc:
@@ -210,15 +219,19 @@ class VectorClient:
     def _mark_down(self, endpoint: Endpoint, at_once: bool = False) -> None:
         """Skip the peer for a while: `backoff_initial_s`, doubled with each failure in a
         row, at most `backoff_s` (at once for one that refused our credentials)."""
-        strikes = self._strikes[endpoint] = self._strikes.get(endpoint, 0) + 1
+        strikes = self._strikes.get(endpoint, 0) + 1
+        _remember(self._strikes, endpoint, strikes)
         delay = self.backoff_s if at_once else min(self.backoff_s, self.backoff_initial_s * 2.0 ** min(strikes - 1, 30))
-        self._down_until[endpoint] = time.monotonic() + delay
+        _remember(self._down_until, endpoint, time.monotonic() + delay)
 
     def _request(self, endpoint: Endpoint, key: str, deadline: float) -> RoomDigest | None:
-        session = self._sessions.get(endpoint)
+        session = self._sessions.pop(endpoint, None)  # put back last: the least recently used goes first
         self._reused = session is not None and session.used
         if session is None:
-            session = self._sessions[endpoint] = self._connect(endpoint, deadline)
+            while len(self._sessions) >= MAX_PEERS:
+                self._drop(next(iter(self._sessions)))
+            session = self._connect(endpoint, deadline)
+        self._sessions[endpoint] = session
         session.used = True
         request_id = next(self._ids)
         _send_all(session.sock, session.mac.seal(encode_request(request_id, key)), deadline)
@@ -344,3 +357,10 @@ def raw_request(endpoint: Endpoint, payload: bytes, *, secret: bytes = b"", time
         return None
     finally:
         session.sock.close()
+
+
+def _remember(table: dict, key: Any, value: Any) -> None:
+    """`table[key] = value`, the oldest entry dropped first when a new key would pass `MAX_PEERS`."""
+    if key not in table and len(table) >= MAX_PEERS:
+        del table[next(iter(table))]
+    table[key] = value

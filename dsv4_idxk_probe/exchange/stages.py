@@ -69,11 +69,13 @@ def combine_stage_digests(key: str, digests: Sequence[RoomDigest], layout: Any) 
         and d.n_tokens == first.n_tokens and tuple(d.segments) == tuple(first.segments) and d.n_pages == first.n_pages
         for d in digests
     )
+    n_segments = len(first.segments)
     rows = sorted(((int(layer), d.layer_segment[i]) for d in digests for i, layer in enumerate(d.layer_ids)),
                   key=lambda row: row[0])
     layer_ids = tuple(layer for layer, _ in rows)
     comparable = comparable and len(set(layer_ids)) == len(layer_ids)
-    n_segments = len(first.segments)
+    if not all(np.shape(row) == (n_segments,) for _, row in rows):  # stages of other segments: nothing stacks
+        comparable, rows = False, []
     matrix = (np.stack([row for _, row in rows]).astype(np.uint64) if rows
               else np.zeros((0, n_segments), dtype=np.uint64))
     pages = np.zeros(first.n_pages, dtype=np.uint64)

@@ -14,7 +14,7 @@ import pytest
 from dsv4_idxk_probe.config import ConfigError, parse_config
 from dsv4_idxk_probe.digest import get_layout
 from dsv4_idxk_probe.digest.reference import digest_room
-from dsv4_idxk_probe.digest.result import compare
+from dsv4_idxk_probe.digest.result import RoomDigest, compare
 from dsv4_idxk_probe.exchange.endpoint import pack_endpoint, rebuild_endpoint, rule_port
 from dsv4_idxk_probe.exchange.prefetch import Prefetcher
 from dsv4_idxk_probe.exchange.stages import StageEndpoints, combine_stage_digests, describe_endpoint
@@ -114,7 +114,7 @@ def test_a_corrupt_cell_in_one_stage_is_localised_in_the_combined_digest():
     assert (comparison.layers, comparison.pages) == ([7], [1])
 
 
-@pytest.mark.parametrize("spoil", ["other_layout", "overlap", "tokens", "missing_stage"])
+@pytest.mark.parametrize("spoil", ["other_layout", "overlap", "tokens", "missing_stage", "segments"])
 def test_stages_that_do_not_make_up_the_room_are_not_comparable(spoil):
     buffers = _buffers()
     whole = digest_room(buffers, PAGES, N_TOKENS, LAYOUT, LAYERS, key="9/0")
@@ -126,6 +126,10 @@ def test_stages_that_do_not_make_up_the_room_are_not_comparable(spoil):
         stage1 = digest_room(buffers[1:], PAGES, N_TOKENS, LAYOUT, LAYERS[1:], key="9/0")
     elif spoil == "tokens":
         stage1 = digest_room(buffers[2:], PAGES, N_TOKENS - 4, LAYOUT, LAYERS[2:], key="9/0")
+    elif spoil == "segments":  # a stage digested with other segments: its rows do not stack with stage 0's
+        stage1 = RoomDigest(key="9/0", signature=stage1.signature, n_tokens=stage1.n_tokens,
+                            layer_ids=stage1.layer_ids, segments=stage1.segments[:1],
+                            layer_segment=stage1.layer_segment[:, :1], pages=stage1.pages)
     stages = [stage0] if spoil == "missing_stage" else [stage0, stage1]
     assert compare(combine_stage_digests("9/0", stages, LAYOUT), whole).verdict == "not_comparable"
 

@@ -73,6 +73,51 @@ def test_dead_peer_fails_once_then_is_skipped_until_backoff(client):
     assert second < 0.05
 
 
+def test_a_client_keeps_state_for_a_bounded_number_of_peers(monkeypatch, table):
+    """Prefill endpoints change with every restart: the backoffs of dead ones and the
+    sessions of old ones are kept for the `MAX_PEERS` most recent, the oldest dropped (a
+    session's socket closed), so a long-lived decode holds no entry per endpoint ever seen."""
+    from dsv4_idxk_probe.exchange import client as client_module
+
+    monkeypatch.setattr(client_module, "MAX_PEERS", 3)
+    servers = [VectorServer(table.get, bind="127.0.0.1", port=0) for _ in range(5)]
+    for srv in servers:
+        srv.start()
+    c = VectorClient(timeout_ms=300, backoff_s=0.5)
+    try:
+        for _ in range(5):
+            assert c.fetch(("127.0.0.1", _free_port()), "7/0") is None  # a dead peer each
+        assert len(c._down_until) == len(c._strikes) == 3
+        for srv in servers:
+            assert c.fetch(srv.endpoint, "7/0").key == "7/0"
+        assert list(c._sessions) == [srv.endpoint for srv in servers[2:]]
+        assert c.fetch(servers[0].endpoint, "8/0").key == "8/0"  # asked again: a new session, the oldest goes
+        assert list(c._sessions) == [srv.endpoint for srv in servers[3:]] + [servers[0].endpoint]
+    finally:
+        c.close()
+        for srv in servers:
+            srv.close()
+
+
+def test_a_fetch_from_stages_never_raises(monkeypatch, server):
+    """Whatever goes wrong combining the stages' digests costs the room's verdict, counted,
+    never an exception out of `fetch` (its callers judge rooms on the collector)."""
+    from dsv4_idxk_probe.digest import get_layout
+    from dsv4_idxk_probe.exchange import client as client_module
+    from dsv4_idxk_probe.exchange.stages import StageEndpoints
+
+    def broken(*_a, **_k):
+        raise ValueError("a stage's rows do not stack")
+
+    monkeypatch.setattr(client_module, "combine_stage_digests", broken)
+    c = VectorClient(timeout_ms=300)
+    try:
+        assert c.fetch(StageEndpoints([server.endpoint], get_layout("fp8")), "7/0") is None
+        assert c.failures == {"internal": 1}
+    finally:
+        c.close()
+
+
 def test_silent_peer_times_out_within_the_deadline(client):
     with socket.socket() as silent:  # accepts (the kernel's backlog) and never says a word
         silent.bind(("127.0.0.1", 0))
