@@ -150,8 +150,14 @@ _SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics
 _TOP_KEYS = set(ConfigFile.__struct_fields__)
 
 
-def _resolve_path(base: Path | None, value: str) -> str:
-    path = Path(value).expanduser()
+def _resolve_path(base: Path | None, value: str, source: str, name: str) -> str:
+    """`value` with its ``~`` expanded, relative to `base`. A ``~user`` of no known user (or
+    ``~`` with no home) is the config's error, naming the field: pathlib raises RuntimeError."""
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:
+        raise ConfigError(f"{source}: {name}: {value!r} starts with a '~' whose home directory is unknown here; "
+                          f"write the path in full") from None
     if not path.is_absolute() and base is not None:
         path = base / path
     return str(path)
@@ -173,14 +179,16 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
     values = {name: getattr(parsed, name) for name in ConfigFile.__struct_fields__}
     values["hicache"] = dict(document.get("hicache") or {})
     targets = (parsed.targets,) if isinstance(parsed.targets, str) else parsed.targets
-    values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else _resolve_path(base_dir, t)
-                              for t in targets)
+    values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else
+                              _resolve_path(base_dir, t, source, "targets") for t in targets)
     if parsed.layouts is not None:
-        values["layouts"] = _resolve_path(base_dir, parsed.layouts)
+        values["layouts"] = _resolve_path(base_dir, parsed.layouts, source, "layouts")
     if "roomlog" in document and base_dir is not None:
-        values["roomlog"] = replace(parsed.roomlog, dir=_resolve_path(base_dir, parsed.roomlog.dir))
+        values["roomlog"] = replace(parsed.roomlog,
+                                    dir=_resolve_path(base_dir, parsed.roomlog.dir, source, "roomlog.dir"))
     if parsed.exchange.secret_file:
-        values["exchange"] = replace(parsed.exchange, secret_file=_resolve_path(base_dir, parsed.exchange.secret_file))
+        secret_file = _resolve_path(base_dir, parsed.exchange.secret_file, source, "exchange.secret_file")
+        values["exchange"] = replace(parsed.exchange, secret_file=secret_file)
     config = ProbeConfig(**values, source=source)
     if config.layouts is not None:
         _check_layouts(config)

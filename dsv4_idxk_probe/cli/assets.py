@@ -78,7 +78,11 @@ def with_runbook_base(data: bytes, base: str | None) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
-    root, out = package_root(), Path(args.out).expanduser()
+    root = package_root()
+    try:
+        out = Path(args.out).expanduser()
+    except RuntimeError:  # pathlib's answer to ~user of no known user, or ~ with no home
+        return _fail(f"--out {args.out!r} starts with a '~' whose home directory is unknown here")
     base = getattr(args, "runbook_base_url", None)
     if base is not None and (not base.startswith(("https://", "http://")) or any(c.isspace() or c in "\"'" for c in base)):
         return _fail(f"--runbook-base-url must be an http(s) URL without spaces or quotes, got {base!r}")

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 
+from ..offline.printable import printable
 from .logdir import examine
 from .progress import Progress
 from .width import COLUMNS, wrap
@@ -116,6 +117,9 @@ def _layouts_line() -> str:
 
 
 def _say(text: str, first: str = "", rest: str | None = None, stream=None) -> None:
+    """`text` wrapped, each word `printable`: the config's strings (a path, a target file's
+    name) are the user's and may hold an escape sequence; whitespace still just wraps."""
+    text = " ".join(printable(word) for word in text.split())
     for line in wrap(text, COLUMNS, first, rest):
         print(line, file=stream or sys.stdout)
 
@@ -196,17 +200,19 @@ def main(args: argparse.Namespace) -> int:
             note = "" if sel.tested else (
                 f"; SGLang {sel.release} is not among the releases this table was tested with" if sel.release else "")
             _say(f"table {sel.label} chosen ({sel.source}){note}")
-        width = max((len(r["name"]) for r in rows + absent), default=4)
+        names = {id(r): printable(str(r["name"])) for r in rows + absent}  # a target table's, as written
+        width = max((len(name) for name in names.values()), default=4)
         for r in rows:
             need = "required" if r["required"] else "optional"
-            print(f"{r['status']:<17} {r['name']:<{width}}  {r['kind']:<6} {r['role']:<7} {need}")
+            print(f"{r['status']:<17} {names[id(r)]:<{width}}  {printable(str(r['kind'])):<6} "
+                  f"{printable(str(r['role'])):<7} {need}")
             _say(r["target"], "    ")
             if r["detail"]:
                 _say(r["detail"], "    ")
             if not r["required"]:
                 _say(r["cost"] or "not stated in the table", "    if missing: ", "    ")
         for a in absent:
-            print(f"{'not in release':<17} {a['name']:<{width}}  only SGLang {a['releases']}")
+            print(f"{'not in release':<17} {names[id(a)]:<{width}}  only SGLang {printable(str(a['releases']))}")
             _say(a["cost"], "    costs here: ", "    ")
         ok = sum(r["status"] == "ok" for r in rows)
         print(f"{ok}/{len(rows)} targets resolve; {len(failed)} required target(s) missing or changed")

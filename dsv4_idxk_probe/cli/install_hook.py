@@ -45,7 +45,10 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    site = Path(args.site_packages).expanduser()
+    try:
+        site = Path(args.site_packages).expanduser()
+    except RuntimeError:  # pathlib's answer to ~user of no known user, or ~ with no home
+        return _fail(f"--site-packages {args.site_packages!r} starts with a '~' whose home directory is unknown here")
     if not site.is_dir():
         return _fail(f"{site}: no such directory (pass the site-packages of the serving environment)")
     target = site / PTH_NAME

@@ -25,7 +25,11 @@ class LogDirVerdict:
 
 
 def examine(config) -> LogDirVerdict:
-    raw = Path(config.roomlog.dir).expanduser()
+    try:
+        raw = Path(config.roomlog.dir).expanduser()
+    except RuntimeError:  # pathlib's answer to ~user of no known user, or ~ with no home
+        problem = f"{config.roomlog.dir!r} starts with a '~' whose home directory is unknown here"
+        return LogDirVerdict(Path(os.path.abspath(config.roomlog.dir)), "", problem, None)
     origin = ""
     if not raw.is_absolute():  # no config file, or DSV4_IDXK_PROBE_CONFIG unset: the servers' working directory
         raw = Path.cwd() / raw

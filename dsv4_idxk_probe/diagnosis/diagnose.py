@@ -139,8 +139,9 @@ def _match_elsewhere(diagnosis: CellDiagnosis, index: ContentIndex, d: int, li: 
 
 
 def culprit(events: Sequence[dict]) -> str | None:
-    """The last operation on the page before the bad digest: the first suspect."""
-    return events[-1]["event"] if events else None
+    """The last operation on the page before the bad digest: the first suspect. A logged
+    event's fields are all optional (`offline.validation`), its name too: None when absent."""
+    return events[-1].get("event") if events else None
 
 
 EVENT_PHRASES = {

@@ -31,8 +31,9 @@ def _order(stage: "StageResult") -> tuple[int, int, int]:
 
 
 def room_sort_key(room: str) -> tuple:
-    """Bootstrap rooms are numbers written as text: order them as numbers (9 < 10 < 113)."""
-    return (0, int(room), "") if room.isdigit() else (1, 0, room)
+    """Bootstrap rooms are numbers written as text: order them as numbers (9 < 10 < 113).
+    ASCII digits only: `str.isdigit` also accepts "²" or "①", which `int` refuses."""
+    return (0, int(room), "") if room.isascii() and room.isdigit() else (1, 0, room)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ field, and the join skips that line (the diff lists it with its file:line).
 What passes is plain, bounded data: known stages, verdicts and kinds, sane
 numbers, text any output can carry, and the digest packed (`packed.Packed`).
 
-Runs once per record (millions), hence the flat code and the cached shapes.
+Runs once per record (millions), hence the flat code and the cached shapes. A
+value's type is tested before its membership in a set: a list or an object cannot
+be hashed, and must be a RecordError like any other bad value.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def _checks(value: Any, where: str) -> dict:
             if type(verdict) is not list or len(verdict) > 4096 or any(type(v) is not int for v in verdict):
                 raise RecordError(f"{where}.layers must be a list of layer numbers")
             out[leg] = verdict
-        elif leg not in _LEG_SET or verdict not in _ROUNDTRIP_VERDICTS:
+        elif leg not in _LEG_SET or type(verdict) is not str or verdict not in _ROUNDTRIP_VERDICTS:
             raise RecordError(f"{where} must map d2h, host, h2d to match, mismatch or unverified")
         else:
             out[leg] = verdict
@@ -166,7 +168,7 @@ def roundtrip_diagnosis(rec: dict) -> dict:
     if "pool" not in out or "host_row" not in out or "layer" not in out:
         raise RecordError("roundtrip_diagnosis needs a string pool and integer host_row and layer")
     leg = rec.get("leg")
-    if leg is not None and leg not in _LEG_SET:
+    if leg is not None and (type(leg) is not str or leg not in _LEG_SET):
         raise RecordError("roundtrip_diagnosis.leg must be null or one of d2h, host, h2d")
     out["leg"] = leg
     out["checks"] = _checks(rec.get("checks") or {}, "roundtrip_diagnosis.checks")
@@ -222,7 +224,7 @@ def _diagnosis(cells: Any) -> list[dict]:
     out = []
     for i, cell in enumerate(cells):
         where = f"diagnosis[{i}]"
-        if type(cell) is not dict or cell.get("kind") not in KIND_SET:
+        if type(cell) is not dict or type(cell.get("kind")) is not str or cell["kind"] not in KIND_SET:
             raise RecordError(f"{where}.kind must be one of {', '.join(DIAGNOSIS_KINDS)}")
         if type(cell.get("segment")) is not str or len(cell["segment"]) > MAX_ROOM_CHARS:
             raise RecordError(f"{where}.segment must be a short string")

@@ -283,3 +283,21 @@ def test_a_long_wrong_value_is_shortened_with_its_line(tmp_path):
 def test_a_null_section_is_its_defaults_and_a_null_port_base_is_zero():
     config = parse_config({"exchange": {"port_base": None}, "roomlog": None, "hicache": None}, "probe.yaml")
     assert (config.exchange.port_base, config.roomlog.max_files, config.hicache) == (0, 8, {})
+
+
+NO_SUCH_USER = "~dsv4-no-such-user-zz"
+
+
+@pytest.mark.parametrize("text, field", [
+    (f"roomlog: {{dir: '{NO_SUCH_USER}/logs'}}\n", "roomlog.dir"),
+    (f"layouts: '{NO_SUCH_USER}/layouts.yaml'\n", "layouts"),
+    (f"targets: ['{NO_SUCH_USER}/targets.yaml']\n", "targets"),
+    (f"exchange: {{secret_file: '{NO_SUCH_USER}/secret'}}\n", "exchange.secret_file"),
+])
+def test_a_path_under_the_home_of_an_unknown_user_is_a_named_error(tmp_path, text, field):
+    """pathlib's expanduser raises RuntimeError for ~user of no such user: a config error naming
+    the file and the field, as for any other bad value, never an internal error."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env(tmp_path, text))
+    message = str(info.value)
+    assert f"probe.yaml: {field}: '{NO_SUCH_USER}/" in message and "home directory is unknown" in message

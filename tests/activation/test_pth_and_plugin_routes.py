@@ -163,3 +163,19 @@ def test_plugin_outside_a_scheduler_process_installs_nothing(tmp_path):
         "status = runtime.patcher.verify() if runtime else {}", "status = {}")
     result = run(code, tmp_path, probe="1", extra_path=[str(tmp_path / "site")])
     assert result["loaded"] is False and result["registered"] == []
+
+
+def test_install_hook_into_the_home_of_an_unknown_user_exits_2_naming_the_option(capsys):
+    """pathlib raises RuntimeError for ~user of no such user: a bad --site-packages, said in one
+    line with exit 2 like a missing directory, never an internal error."""
+    import argparse
+
+    from dsv4_idxk_probe.cli import install_hook
+
+    parser = argparse.ArgumentParser()
+    install_hook.add_arguments(parser)
+    args = parser.parse_args(["--site-packages", "~dsv4-no-such-user-zz/site-packages"])
+    assert install_hook.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4-idxk-probe install-hook: --site-packages '~dsv4-no-such-user-zz/site-packages'")
+    assert "home directory" in err

@@ -397,3 +397,68 @@ def test_a_squeezed_line_must_still_match_its_checksum(tmp_path, capsys):
     (tmp_path / "d.jsonl").write_bytes(bytes(line))
     assert run(["diff", str(tmp_path)]) == 2
     assert "d.jsonl:1: line is over 8,388,608 bytes" in capsys.readouterr().err
+
+
+# %% values a hostile log may hold that Python's str and set methods trip over
+
+
+def test_a_room_id_of_non_ascii_digits_joins_and_sorts_as_text(tmp_path, capsys):
+    """"²".isdigit() is True but int("²") raises: such a room must sort as text, not crash the diff."""
+    from dsv4_idxk_probe.offline.results import room_sort_key
+
+    assert sorted(["10", "²", "9", "a", "٣"], key=room_sort_key) == ["9", "10", "a", "²", "٣"]
+    prefill, decode = one_room()
+    for r in prefill + decode:
+        r["room"] = "²"
+    write_lines(tmp_path / "d.jsonl", prefill + decode)
+    out = tmp_path / "d.json"
+    assert run(["diff", str(tmp_path), "--json", str(out)]) == 0, capsys.readouterr().err
+    assert [r["room"] for r in json.loads(out.read_text())["rooms"]] == ["²"]
+    assert run(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    assert "internal error" not in capsys.readouterr().err
+
+
+def test_a_journal_event_without_its_name_is_summarised_without_one(tmp_path, capsys):
+    """Every field of a logged journal event is optional, `event` too: the diagnosis summary of
+    a cell whose last event has no name says what the cell became, without an "after"."""
+    prefill, decode = room_records(RoomPlan(1, fault=Fault(0, 0, 0)))
+    for r in decode:
+        r["localisation"] = {"verdict": "mismatch"}
+        r["diagnosis"] = [{"kind": "zeroed", "segment": "payload", "layer": 0, "page": 0,
+                           "events": [{"t_ns": 1, "page": 0}]}]
+    write_lines(tmp_path / "d.jsonl", prefill + decode)
+    out = tmp_path / "d.json"
+    assert run(["diff", str(tmp_path), "--json", str(out)]) == 1
+    text = capsys.readouterr()
+    assert "diagnosis: 1 cell zeroed" in text.out and "internal error" not in text.err
+    assert run(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    assert "internal error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(leg=["h2d"]), "roundtrip_diagnosis.leg must be null or one of"),
+    (lambda r: r.update(checks={"h2d": ["x"]}), "roundtrip_diagnosis.checks must map"),
+    (lambda r: r["events"][1]["host_row_checks"].update(host={"a": 1}), "events[1].host_row_checks must map"),
+])
+def test_a_round_trip_diagnosis_with_a_list_or_object_value_is_a_named_bad_line(tmp_path, capsys, edit, message):
+    """Unhashable values where a set of names is expected: the field named, never `unhashable type`."""
+    from tests.support.logdata import roundtrip_record
+
+    rec = roundtrip_record()
+    edit(rec)
+    prefill, decode = one_room()
+    write_lines(tmp_path / "d.jsonl", prefill + decode + [rec])
+    assert run(["diff", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "d.jsonl:5:" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("kind", [["zeroed"], {"zeroed": 1}])
+def test_a_diagnosis_kind_that_is_a_list_or_object_is_a_named_bad_line(tmp_path, capsys, kind):
+    prefill, decode = one_room()
+    bad = copy.deepcopy(decode[0])
+    bad["diagnosis"] = [{"kind": kind, "segment": "payload"}]
+    write_lines(tmp_path / "d.jsonl", prefill + decode + [bad])
+    assert run(["diff", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:5: diagnosis[0].kind must be one of" in err and "internal error" not in err

@@ -145,3 +145,10 @@ def test_assets_refuses_a_runbook_base_that_is_not_a_url(tmp_path, capsys):
     assert run_assets(tmp_path, "--runbook-base-url", "wiki/runbooks") == 2
     assert "--runbook-base-url" in capsys.readouterr().err
     assert not (tmp_path / "prometheus").exists()
+
+
+def test_assets_to_the_home_of_an_unknown_user_exits_2_naming_the_option(tmp_path, capsys):
+    """pathlib raises RuntimeError for ~user of no such user: a bad --out, not an internal error."""
+    assert run_assets("~dsv4-no-such-user-zz/assets") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4-idxk-probe assets: --out '~dsv4-no-such-user-zz/assets'") and "home directory" in err

@@ -146,3 +146,49 @@ def test_no_exchange_warning_when_the_host_is_loopback_or_peers_authenticate(tmp
                      SGLANG_HOST_IP="127.0.0.1" if case == "loopback host" else "10.1.2.3")
     assert rc == 0, out.err
     assert "warning: exchange:" not in out.out
+
+
+# %% config text on the terminal, and paths under an unknown user's home
+
+
+def test_check_escapes_control_characters_from_the_config_in_its_messages(tmp_path, capsys, monkeypatch):
+    """A YAML string may hold ESC ("\\e"): an OSC or CSI sequence from the config must reach the
+    terminal escaped, as every log tool prints text from outside, the wrapping unchanged."""
+    rc, out = _check(capsys, monkeypatch, 'roomlog:\n  dir: "/proc/x\\e]0;PWNED\\a\\e[31mRED"\n', tmp_path)
+    assert rc == 2, out.out + out.err
+    assert "\x1b" not in out.err and "\x07" not in out.err
+    assert "roomlog.dir: /proc/x\\x1b]0;PWNED\\x07\\x1b[31mRED cannot be created" in " ".join(out.err.split())
+    assert out.err.startswith("dsv4-idxk-probe check: ") and _wide(out.err) == []
+
+
+def test_check_names_a_room_log_dir_under_the_home_of_an_unknown_user(tmp_path, capsys, monkeypatch):
+    """pathlib raises RuntimeError for ~user of no such user: an invalid config (exit 2), not exit 3."""
+    rc, out = _check(capsys, monkeypatch, "roomlog:\n  dir: ~dsv4-no-such-user-zz/logs\n", tmp_path)
+    assert rc == 2, out.out + out.err
+    said = " ".join(out.err.split())  # as read, across the wrapped lines
+    assert "probe.yaml: roomlog.dir: '~dsv4-no-such-user-zz/logs' starts with a '~'" in said
+    assert "internal error" not in said
+
+
+def test_the_log_dir_check_names_a_dir_under_the_home_of_an_unknown_user():
+    """`examine` expands ~ itself (a config not read from a file keeps roomlog.dir as written)."""
+    from dsv4_idxk_probe.cli.logdir import examine
+    from dsv4_idxk_probe.config import parse_config
+
+    verdict = examine(parse_config({"roomlog": {"dir": "~dsv4-no-such-user-zz/logs"}}))
+    assert verdict.problem is not None and "'~dsv4-no-such-user-zz/logs'" in verdict.problem
+
+
+def test_check_escapes_control_characters_in_a_target_table_s_names(tmp_path, capsys, monkeypatch):
+    """A target table is the user's file too: a name holding ESC reaches the terminal escaped."""
+    table = tmp_path / "targets.yaml"
+    table.write_text('targets:\n  - name: "x.send\\e[31mRED"\n    module: sglang.srt.disaggregation.common.conn\n'
+                     '    qualname: CommonKVSender.send\n    params: [self, kv_indices]\n    kind: before\n'
+                     '    hook: "dsv4_idxk_probe.sglang.pd_prefill:make_sender_send_wrapper"\n'
+                     '    required: false\n    role: prefill\n')
+    for name in ("DSV4_IDXK_PROBE_CONFIG", "DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    check.main(argparse.Namespace(targets=[str(table)], json=False))
+    out = capsys.readouterr()
+    assert "x.send\\x1b[31mRED" in out.out, out.out + out.err
+    assert "\x1b" not in out.out + out.err
