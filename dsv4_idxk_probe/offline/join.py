@@ -11,8 +11,8 @@ Speed: a million rooms must diff in under a minute on one core, so digests stay
 packed (`packed.py`); identical digests (the common case) are a match without
 unpacking, anything else goes through `compare`. Every record costs the same
 whatever its room already holds: a room's stages are indexed by (stage, step,
-transfer) once it has more than a few, so a room of 100,000 records joins in
-linear time (it was quadratic).
+transfer, digest) once it has more than a few, so a room of 100,000 records joins
+in linear time (it was quadratic).
 
 Records of one room id from two clusters are two rooms when their records carry
 a `cluster` (config ``roomlog.cluster``): the key is then (room, attempt, cluster).
@@ -31,7 +31,7 @@ from ..roomlog.reader import read_file
 from .coverage import row_bytes
 from .packed import Packed
 from .printable import clip
-from .results import Analysis, Key, RoomResult, StageResult
+from .results import Analysis, Key, RoomResult, StageResult, room_sort_key
 from .validation import (
     MAX_DIAGNOSED_CELLS,
     RecordError,
@@ -48,6 +48,9 @@ MAX_KIND_CHARS = 64  # record kinds are counted under at most this many characte
 MAX_KINDS = 64  # ...and at most this many distinct ones; the rest as OTHER_KINDS
 OTHER_KINDS = "(other kinds)"
 _READER_LOG = logging.getLogger("dsv4_idxk_probe.roomlog")
+_LOG = logging.getLogger("dsv4_idxk_probe.offline")
+# diagnosis cells the join completes in all (~200 bytes each): rooms past it keep decode's own cells
+MAX_COMPLETED_CELLS = 32 * MAX_DIAGNOSED_CELLS
 _SCAN = 16  # a room's stages are scanned for a duplicate up to this many, then indexed
 
 
@@ -94,7 +97,10 @@ class Joiner:
         self.prefill_skipped: set[Key] = set()
         self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
-        self.stage_index: dict[Key, set] = {}  # rooms of more than _SCAN stages: their (stage, step, transfer)
+        self.stage_index: dict[Key, set] = {}  # rooms of more than _SCAN stages: (stage, step, transfer, digest hash)
+        self.stage_digests: dict[Key, int | list] = {}  # rooms of up to _SCAN stages: their digests' hashes
+        self.to_diagnose: set[Key] = set()  # rooms with a mismatch decode could not localise (`_complete`)
+        self.diagnoses_left_out = 0  # rooms whose diagnosis was not completed: MAX_COMPLETED_CELLS spent
         self._names: dict[str, str] = {}  # instance names, one string each (a million rooms share a few)
         self._row_bytes: dict = {}  # layout name -> its row bytes (None: not a built-in layout)
 
@@ -145,26 +151,44 @@ class Joiner:
             found = self.a.rooms[key] = RoomResult(room, attempt, [], cluster=cluster)
         if rid is not None and found.decode_rid is None:
             found.decode_rid = rid
-        transfer = result.transfer = found.transfer_of(tokens)
-        stages = found.stages
-        if len(stages) < _SCAN:
-            for s in stages:
-                if s.stage == stage and s.step == step and s.transfer == transfer:
-                    self.a.duplicates += 1
-                    return
-        else:
-            seen = self.stage_index.get(key)
-            if seen is None:
-                seen = self.stage_index[key] = {(s.stage, s.step, s.transfer) for s in stages}
-            if (stage, step, transfer) in seen:
-                self.a.duplicates += 1
-                return
-            seen.add((stage, step, transfer))
-        stages.append(result)
+        result.transfer = found.transfer_of(tokens)
+        if self._duplicate(key, found.stages, result, packed):
+            self.a.duplicates += 1
+            return
+        found.stages.append(result)
         if key in self.prefill:
             self._judge(key, found, result, packed)
         else:
             self.deferred.append((key, result, packed))
+
+    def _duplicate(self, key: Key, stages: list[StageResult], result: StageResult, packed: Packed | None) -> bool:
+        """Whether this decode record repeats a kept one: the same stage, step and transfer with
+        the same digest (the same file read under two names: docs/roomlog.md). A record of the same
+        stage with another digest is not a duplicate but a second observation, kept and judged like
+        any stage, so that a mismatch it shows decides the room (it was dropped, and diff said 0).
+        A kept stage's digest is remembered as its hash while the join runs: one int per room while
+        its stages share one digest (the common case), a list of them else, in the index past _SCAN."""
+        stage, step, transfer, digest = result.stage, result.step, result.transfer, hash(packed)
+        seen = self.stage_index.get(key)
+        if seen is None:
+            kept = self.stage_digests.get(key)
+            digests = [kept] * len(stages) if type(kept) is int else kept or []
+            if len(stages) >= _SCAN:
+                seen = self.stage_index[key] = {(s.stage, s.step, s.transfer, d) for s, d in zip(stages, digests)}
+                del self.stage_digests[key]
+            else:
+                for s, d in zip(stages, digests):
+                    if s.stage == stage and s.step == step and s.transfer == transfer and d == digest:
+                        return True
+                if kept is None or kept == digest:
+                    self.stage_digests[key] = digest if kept is None else kept
+                else:
+                    self.stage_digests[key] = [*digests, digest]
+                return False
+        if (stage, step, transfer, digest) in seen:
+            return True
+        seen.add((stage, step, transfer, digest))
+        return False
 
     def _note_meta(self, key: Key, rec: dict, packed: Packed | None, prefill: bool) -> None:
         """What coverage reads of a room (`Analysis.room_meta`): the instance of its first decode
@@ -232,7 +256,7 @@ class Joiner:
             comparison = compare(expected.unpack(name), observed.unpack(name))
             result.verdict, result.reason, result.comparison = comparison.verdict, comparison.reason, comparison
             if result.page_events is not None and comparison.verdict == "mismatch":
-                result.diagnosis = complete_diagnosis(result.diagnosis or [], comparison, result.page_events)
+                self.to_diagnose.add(key)
         live = result.live_verdict
         if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
             self.a.live_disagreements += 1
@@ -241,10 +265,37 @@ class Joiner:
         for key, result, packed in self.deferred:
             self._judge(key, self.a.rooms[key], result, packed)
         self.deferred.clear()
+        self._complete()
         self.stage_index.clear()
+        self.stage_digests.clear()
         self.a.prefill_only_keys = [key for key in self.prefill if key not in self.a.rooms]
         self.a.prefill_only = len(self.a.prefill_only_keys)
         self.a.prefill_only_rids = {k: self.prefill_rids[k] for k in self.a.prefill_only_keys if k in self.prefill_rids}
+
+    def _complete(self) -> None:
+        """Decode's diagnosis of a mismatch it could not localise, completed per cell of the logs'
+        localisation, for each room's first divergence only: the stage the table, the summary and
+        the report read (the room's other stages keep decode's own cells). Completing every such
+        record kept up to 4,096 cells of ~200 bytes for each: a 3 MB log of them took 855 MB. The
+        cells completed in all are capped too (MAX_COMPLETED_CELLS), so memory stays bounded on any
+        input: rooms past the cap, in the table's order, keep decode's cells and a warning counts them."""
+        budget = MAX_COMPLETED_CELLS
+        for key in sorted(self.to_diagnose, key=lambda k: (room_sort_key(k[0]), *k[1:])):
+            first = self.a.rooms[key].first_divergence
+            if first is None or first.page_events is None or first.comparison is None:
+                continue
+            bound = first.comparison
+            cells = min(len(bound.layer_segments) * len(bound.pages), MAX_DIAGNOSED_CELLS)
+            if cells > budget:
+                self.diagnoses_left_out += 1
+                continue
+            first.diagnosis = complete_diagnosis(first.diagnosis or [], bound, first.page_events)
+            budget -= len(first.diagnosis)
+        self.to_diagnose.clear()
+        if self.diagnoses_left_out:
+            _LOG.warning("diagnosis of %d room(s) left as decode logged it, not completed per cell of the "
+                         "localisation (the join completes at most %d cells in all)",
+                         self.diagnoses_left_out, MAX_COMPLETED_CELLS)
 
 
 class _Silent(logging.Filter):

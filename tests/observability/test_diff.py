@@ -340,6 +340,44 @@ def test_duplicates_in_a_long_room_are_still_found(tmp_path):
     assert len(analysis.rooms[("1", 0)].stages) == 100 and analysis.duplicates == 100
 
 
+def test_a_decode_record_with_another_digest_is_judged_not_dropped_as_a_duplicate(tmp_path):
+    """A duplicate is the same record read twice (docs/roomlog.md). A second record of the same
+    decode stage with another digest, here one that mismatches prefill's, was counted as a
+    duplicate and dropped, and diff exited 0: it is judged as a stage of its own."""
+    from tests.support.logdata import room_records
+
+    prefill, decode = room_records(RoomPlan(1))
+    _, corrupt = room_records(RoomPlan(1, fault=Fault(1, 1, 5)))
+    assert corrupt[0]["stage"] == "decode_recv" and corrupt[0]["digest"] != decode[0]["digest"]
+    (tmp_path / "p.jsonl").write_bytes(b"".join(encode_line(r) for r in prefill))
+    (tmp_path / "d.jsonl").write_bytes(b"".join(encode_line(r) for r in decode))
+    (tmp_path / "d-copy.jsonl").write_bytes(b"".join(encode_line(r) for r in decode))  # the same file twice
+    (tmp_path / "d-other.jsonl").write_bytes(encode_line(corrupt[0]))
+    assert diff(tmp_path, json_path=tmp_path / "out.json") == 1
+    report = load(tmp_path / "out.json")
+    assert report["summary"]["duplicate_records"] == len(decode)
+    (room,) = report["rooms"]
+    assert room["verdict"] == "mismatch" and room["first_divergence"]["stage"] == "decode_recv"
+    assert [s["verdict"] for s in room["stages"] if s["stage"] == "decode_recv"] == ["match", "mismatch"]
+
+
+def test_a_decode_record_with_another_digest_in_a_long_room_is_kept_too(tmp_path):
+    """The same past _SCAN stages, where the room's stages are indexed."""
+    from dsv4_idxk_probe.pd.records import room_record
+
+    path = _many_records(tmp_path / "d.jsonl", 100, "steps")
+    (prefill,), _ = room_records_for(RoomPlan(1))
+    other = room_record(role="decode", stage="decode_step", room=1, attempt=0, digest=None,
+                        layout=LAYOUT.name, step=7)
+    other["digest"] = prefill["digest"]  # step 7 again, with a digest this time
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines + lines[1:] + [encode_line(other)] * 2))
+    analysis = analyse([path])
+    stages = analysis.rooms[("1", 0)].stages
+    assert len(stages) == 101 and analysis.duplicates == 101
+    assert [s.verdict for s in stages if s.step == 7] == ["unverified", "match"]
+
+
 def _cluster_logs(tmp_path, labelled):
     """Room 1 in two clusters, each its own (different) index-K bytes and decode steps, both intact."""
     paths = []
@@ -401,3 +439,55 @@ def test_a_prefill_only_room_keeps_its_cluster_in_the_json(tmp_path):
     path.write_bytes(encode_line(prefill[0]))
     diff(path, json_path=tmp_path / "d.json")
     assert load(tmp_path / "d.json")["prefill_only"][0]["cluster"] == "eu-1"
+
+
+def _unlocalised(room, steps, n=64, attempt=0):
+    """Room `room`: a prefill record and one decode_step per step whose digest differs in all
+    n layers x n pages, logged with decode's empty diagnosis and no localisation: the join's
+    bound is n*n cells, each completed as `unknown` (4,096 for n=64)."""
+    def digest(cell, page):
+        return {"key": "x", "signature": "00000000000000aa", "n_tokens": 256, "layer_ids": list(range(n)),
+                "segments": ["k"], "room": "0" * 16, "layer_segment": [[cell]] * n, "pages": [page] * n}
+
+    def rec(stage, step, d, **kw):
+        return {"v": 1, "kind": "room", "ts": 1.7e9, "role": "prefill" if stage == "prefill_send" else "decode",
+                "instance": "h:1", "room": str(room), "attempt": attempt, "stage": stage, "step": step,
+                "layout": "fp8", "digest": d, **kw}
+
+    bad = digest("00000000000000ff", "00000000000000ff")
+    return [encode_line(rec("prefill_send", None, digest("0000000000000001", "0000000000000002")))] + [
+        encode_line(rec("decode_step", step, bad, verdict="mismatch", diagnosis=[])) for step in steps]
+
+
+def test_an_unlocalised_mismatch_is_diagnosed_at_the_first_divergence_only(tmp_path):
+    """Every such record was completed to its bound's cells and all were kept: 1,000 records of
+    3 MB took 855 MB. Only the first divergence (what the table, summary and report read) is."""
+    import tracemalloc
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(_unlocalised(1, range(40, 0, -1))))  # the first divergence is read last
+    tracemalloc.start()
+    try:
+        analysis = analyse([path])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 << 20, f"peak {peak >> 20} MiB"  # was 30 MiB: each completed record ~0.8 MiB
+    room = analysis.rooms[("1", 0)]
+    assert room.first_divergence.step == 1 and len(room.first_divergence.diagnosis) == 4096
+    assert {c["kind"] for c in room.first_divergence.diagnosis} == {"unknown"}
+    assert all(s.diagnosis == [] for s in room.stages if s is not room.first_divergence)
+
+
+def test_the_cells_completed_in_all_are_capped_and_the_rooms_past_the_cap_counted(tmp_path, monkeypatch, caplog):
+    """Many rooms of one such record each: memory stays bounded, rooms past the cap (in the
+    table's order) keep decode's own cells, and a warning says how many."""
+    from dsv4_idxk_probe.offline import join
+
+    monkeypatch.setattr(join, "MAX_COMPLETED_CELLS", 2 * 16 + 8)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(line for room in (3, 1, 2, 10) for line in _unlocalised(room, [5], n=4)))
+    analysis = analyse([path])
+    cells = {k[0]: len(r.first_divergence.diagnosis) for k, r in analysis.rooms.items()}
+    assert cells == {"1": 16, "2": 16, "3": 0, "10": 0}
+    assert "diagnosis of 2 room(s) left as decode logged it" in caplog.text

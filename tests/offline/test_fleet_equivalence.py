@@ -367,3 +367,19 @@ def test_same_coverage_and_sides_with_odd_instances_and_layouts(tmp_path, capsys
     assert {row["instance"] for row in doc["coverage"]} >= {"", "pod-0:1", "pod-1:1"}
     assert sum(row["rooms_of_unknown_size"] for row in doc["coverage"]) >= 2
     assert doc["sides"]["missing"] is None
+
+
+def test_same_findings_on_a_decode_record_with_another_digest(tmp_path, capsys):
+    """Room 1's decode_recv twice, the second with a mismatching digest: a second observation
+    judged on its own, not a duplicate, on every route (the key leaves the fast path: its
+    decode digests differ); room 2's decode file read twice is the duplicates."""
+    root = tmp_path / "logs"
+    p1, d1 = room_records(RoomPlan(1))
+    _, corrupt = room_records(RoomPlan(1, fault=Fault(1, 1, 5)))
+    p2, d2 = room_records(RoomPlan(2))
+    write(root / "prefill-a-1.000001.jsonl", [encode_line(r) for r in p1 + p2])
+    write(root / "decode-b-1.000001.jsonl", [encode_line(r) for r in d1 + d2])
+    write(root / "decode-c-1.000001.jsonl", [encode_line(corrupt[0])] + [encode_line(r) for r in d2])
+    report = assert_same(capsys, tmp_path, root)
+    assert report["summary"]["room_verdicts"] == {"mismatch": 1, "match": 1}
+    assert report["summary"]["duplicate_records"] == len(d2)

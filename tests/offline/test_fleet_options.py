@@ -206,3 +206,32 @@ def _fast(heartbeat):
     def quick(prefix, what):
         return heartbeat(prefix, what, first_s=0.05, every_s=0.1)
     return quick
+
+
+def test_per_instance_keeps_two_clusters_rooms_apart(tmp_path):
+    """Room ids are numbered per cluster: with `cluster` on the records, east's and west's
+    rooms 1 and 2 are four rooms, and only west's pods see west's mismatch (the summary
+    once joined on (room, attempt) and gave every pod all four rooms and the mismatch)."""
+    pre, dec = [], []
+    for cluster in ("east", "west"):
+        for i in (1, 2):
+            bad = cluster == "west" and i == 2
+            p, d = room_records(RoomPlan(i, fault=Fault(1, 1, 5, "decode_finish") if bad else None))
+            for r in p:
+                r["cluster"], r["instance"] = cluster, f"p-{cluster}:1"
+            for r in d:
+                r["cluster"], r["instance"] = cluster, f"d-{cluster}:1"
+            pre += p
+            dec += d
+    p3, d3 = room_records(RoomPlan(3))  # a room of no cluster, judged in SQL where it can be
+    (tmp_path / "prefill-a-1.000001.jsonl").write_bytes(b"".join(encode_line(r) for r in pre + p3))
+    (tmp_path / "decode-b-1.000001.jsonl").write_bytes(b"".join(encode_line(r) for r in dec + d3))
+    status, report = diff_json(tmp_path, tmp_path / "prefill-a-1.000001.jsonl",
+                               tmp_path / "decode-b-1.000001.jsonl", "--per-instance")
+    assert status == 1
+    rows = {(r["instance"], r["role"]): (r["records"], r["rooms"], r["room_verdicts"]) for r in report["instances"]}
+    per_room = len(dec) // 4
+    assert rows[("p-east:1", "prefill")] == (2, 2, {"match": 2})
+    assert rows[("p-west:1", "prefill")] == (2, 2, {"match": 1, "mismatch": 1})
+    assert rows[("d-east:1", "decode")] == (2 * per_room, 2, {"match": 2})
+    assert rows[("d-west:1", "decode")] == (2 * per_room, 2, {"match": 1, "mismatch": 1})

@@ -28,33 +28,41 @@ def clean_coverage(con) -> list:
     """).fetchall()
 
 
+def _cluster(key: tuple) -> str:
+    """A key's cluster: records that name one join on (room, attempt, cluster), "" else."""
+    return key[2] if len(key) > 2 else ""
+
+
 def per_instance(con, analysis, instances_py: Counter) -> list[dict]:
-    """Per writer instance (host:pid): its role, records, keys and their verdicts."""
-    con.execute("CREATE TEMP TABLE verdict_of (room VARCHAR, attempt BIGINT, verdict VARCHAR)")
-    rows = [[k[0], k[1], r.verdict] for k, r in analysis.rooms.items()]
-    rows += [[k[0], k[1], "prefill_only"] for k in analysis.prefill_only_keys]
+    """Per writer instance (host:pid): its role, records, keys and their verdicts. Keys are
+    (room, attempt, cluster) as the join's: two clusters' room 2 are two rooms, each judged
+    on its own (the SQL-judged keys name no cluster, so theirs is "")."""
+    con.execute("CREATE TEMP TABLE verdict_of (room VARCHAR, attempt BIGINT, cluster VARCHAR, verdict VARCHAR)")
+    rows = [[k[0], k[1], _cluster(k), r.verdict] for k, r in analysis.rooms.items()]
+    rows += [[k[0], k[1], _cluster(k), "prefill_only"] for k in analysis.prefill_only_keys]
     if rows:
-        insert_rows(con, "verdict_of", ("room", "attempt", "verdict"), rows)
-    con.execute("CREATE TEMP TABLE inst_py (instance VARCHAR, role VARCHAR, room VARCHAR, attempt BIGINT, n BIGINT)")
+        insert_rows(con, "verdict_of", ("room", "attempt", "cluster", "verdict"), rows)
+    con.execute("CREATE TEMP TABLE inst_py (instance VARCHAR, role VARCHAR, room VARCHAR, attempt BIGINT, "
+                "cluster VARCHAR, n BIGINT)")
     if instances_py:
-        insert_rows(con, "inst_py", ("instance", "role", "room", "attempt", "n"),
-                [[i, role, k[0], k[1], n] for (i, role, k), n in instances_py.items()])
+        insert_rows(con, "inst_py", ("instance", "role", "room", "attempt", "cluster", "n"),
+                    [[i, role, k[0], k[1], _cluster(k), n] for (i, role, k), n in instances_py.items()])
     out = con.execute("""
         WITH v AS (
-            SELECT room, attempt, 'match' AS verdict FROM clean
-            UNION ALL SELECT room, attempt, 'prefill_only' FROM clean_po
-            UNION ALL SELECT room, attempt, verdict FROM verdict_of
+            SELECT room, attempt, '' AS cluster, 'match' AS verdict FROM clean
+            UNION ALL SELECT room, attempt, '', 'prefill_only' FROM clean_po
+            UNION ALL SELECT room, attempt, cluster, verdict FROM verdict_of
         ), r AS (
             SELECT instance, CASE WHEN stage = 'prefill_send' THEN 'prefill' ELSE 'decode' END AS role,
-                   room, attempt, count(*) AS n
+                   room, attempt, '' AS cluster, count(*) AS n
             FROM rec r SEMI JOIN clean_keys USING (room, attempt) WHERE instance IS NOT NULL
             GROUP BY ALL
-            UNION ALL SELECT instance, role, room, attempt, n FROM inst_py
+            UNION ALL SELECT instance, role, room, attempt, cluster, n FROM inst_py
         ), k AS (
-            SELECT instance, role, room, attempt, sum(n) AS n FROM r GROUP BY ALL
+            SELECT instance, role, room, attempt, cluster, sum(n) AS n FROM r GROUP BY ALL
         )
         SELECT k.instance, k.role, coalesce(v.verdict, 'dropped') AS verdict, sum(k.n)::BIGINT, count(*)
-        FROM k LEFT JOIN v USING (room, attempt)
+        FROM k LEFT JOIN v USING (room, attempt, cluster)
         GROUP BY ALL ORDER BY k.role DESC, k.instance
     """).fetchall()
     by: dict = {}
