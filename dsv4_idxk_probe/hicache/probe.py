@@ -516,13 +516,13 @@ class HiCacheProbe:
         read here without a sync) take all of each pool's digests, fenced."""
         if self.restore is None:
             return
+        import torch
+
         with self._lock:
             states = [s for s in self._pools.values() if is_index_k_pool(s.geom.name)]
-        if states:
-            import torch
         for state in states:
             if getattr(token_indices, "is_cuda", False):
-                self.restore.store.forget_all(state.key, fence=True, cause="other")
+                self.restore.forget_all_rows(state)
             else:
                 pages = torch.unique(torch.as_tensor(token_indices).reshape(-1) // max(1, state.geom.page_size))
                 self.invalidate_rows(state, pages.tolist())
@@ -555,11 +555,11 @@ class HiCacheProbe:
     def _restore_token_copy(self, call: Call) -> None:
         """A token-granular copy on an index-K pool: its rows are not whole pages, so its
         bytes are counted unverified (`other`); a backup's also makes the host rows' kept
-        digests stale (`after_token_backup`). Page-path copies go to the verifier (`end`)."""
+        digests stale (`forget_all_rows`). Page-path copies go to the verifier (`end`)."""
         state = call.state
         if is_index_k_pool(state.geom.name):
             if call.direction == "d2h":
-                self.restore.after_token_backup(state)
+                self.restore.forget_all_rows(state)
             path = "hicache_backup" if call.direction == "d2h" else "hicache_load"
             layers = state.geom.layers if call.layer is None else 1
             self._count_on_copy_path(path, "unverified", "other", call.numel * layers * state.geom.item_bytes

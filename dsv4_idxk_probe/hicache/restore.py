@@ -360,12 +360,14 @@ class RestoreVerifier:
         if not ticket:  # the collector is behind: counted, never waited for
             self._count("hicache_load", "unverified", "queue_full", n_pages * pool.page_bytes)
 
-    def after_token_backup(self, state) -> None:
-        """A token-granular backup into an index-K pool wrote parts of host rows (through a
-        kernel whose row geometry need not be this pool's, docs/hicache.md): kept digests no
-        longer say what those rows hold, and a page-path load of one would be compared with
-        them, a mismatch nobody made. All the pool's kept digests go, fenced (those of
-        backups still in flight too): rare copies; the loads after count `digest_lost`."""
+    def forget_all_rows(self, state) -> None:
+        """Host rows of an index-K pool were written, and which ones cannot be told here: a
+        token-granular backup wrote parts of rows through a kernel whose row geometry need not
+        be this pool's (docs/hicache.md), or a writer the wrappers do not see named its rows
+        in a device tensor (a PD host receive). Kept digests no longer say what those rows
+        hold, and a page-path load of one would be compared with them, a mismatch nobody
+        made. All the pool's kept digests go, fenced (those of backups still in flight too):
+        rare copies; the loads after count `digest_lost`."""
         self.store.forget_all(state.key, fence=True, cause="other")
 
     def _submit_page_ids(self, pool: PoolRestore, key: str, device_indices, n_pages: int, callback):
@@ -420,16 +422,15 @@ class RestoreVerifier:
         """The pool's fences so far: taken before a storage read, for `storage_read`."""
         return self.store.generations.get(state.key, 0)
 
-    def storage_read(self, state, host_row: int, sidecar, page_version: PageVersion | None,
-                     generation: int | None = None) -> bool:
+    def storage_read(self, state, host_row: int, sidecar, page_version: PageVersion | None, generation: int) -> bool:
         """The storage tier filled host row `host_row` from the stored page at `page_version`;
         `sidecar`: the bytes stored beside the page, or None. A sidecar of this pool's shape
         that describes that very page gives the row the digests its backup took, and its load
         is verified; otherwise they are lost (a sidecar of another version describes a page
         stored before this one: comparing with it would report bytes nobody corrupted).
         `generation`: the pool's (`generation`) before the read began, so that a fence during
-        the read (a token backup writing into the row) refuses the digests too; None: now.
-        True when carried."""
+        the read (a token backup writing into the row) refuses the digests too. True when
+        carried."""
         if not is_index_k_pool(state.geom.name):
             return False
         pool = self.pool(state)
@@ -442,8 +443,6 @@ class RestoreVerifier:
             self._count("l3", "unverified", "digest_lost", nbytes)
             return False
         digests = carried[0]
-        if generation is None:
-            generation = self.store.generations.get(key, 0)  # a fence after this refuses them (a token backup)
 
         def keep(_arg) -> None:
             # counted on l3 once a load compares the page (`compared`), or unverified should its
