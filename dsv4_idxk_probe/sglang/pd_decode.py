@@ -100,6 +100,7 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
 
 
 def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, kwargs: dict) -> None:
+    side = decode_side(runtime, getattr(queue, "scheduler", None))
     if is_host_destination(kwargs):
         # Host-receive: prefill writes this room into decode's HiCache host pool, unseen by
         # the host-pool wrappers: the rows' kept digests go (their restore counts
@@ -107,10 +108,10 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
         hicache = probe_if_made(runtime)
         if hicache is not None:
             hicache.rows_written_elsewhere(kv_indices)
-        if decode_side(runtime, getattr(queue, "scheduler", None)) is not None:
+        if side is not None:
             setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
         return
-    if decode_side(runtime, getattr(queue, "scheduler", None)) is None:
+    if side is None:
         return
     dest = decode_room_pages(kv_indices, page_size, kwargs)
     setattr(decode_req, ATTR_DEST, dest)
@@ -167,7 +168,9 @@ def count_inactive_room(runtime: Any, queue: Any, decode_req: Any) -> None:
     """A room lands on a decode side that cannot read its pool: its index-K bytes moved
     unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4).
     As on an active side, rooms that move no index-K (health checks, fake bootstrap hosts)
-    are not counted, and an aborted one is `skipped` (`aborted`)."""
+    are not counted, and an aborted one is `skipped` (`aborted`). Marked accounted, as
+    `_skipped_unreceived` marks its rooms, so a later hook counts nothing more."""
+    setattr(decode_req, ATTR_ACCOUNTED, True)
     side = runtime.sides.get("decode")
     req = getattr(decode_req, "req", None)
     per_page = getattr(side, "bytes_per_page", 0)
@@ -299,7 +302,6 @@ def commit_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:  # an inactive side counts its rooms in after_commit, unless the read before it raised
         if not getattr(decode_req, ATTR_ACCOUNTED, False):
-            setattr(decode_req, ATTR_ACCOUNTED, True)
             count_inactive_room(runtime, transfer_queue, decode_req)
         return
     _skipped_unreceived(side, transfer_queue, decode_req, "probe error at the commit")
@@ -431,7 +433,6 @@ def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> N
         return
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     if side is None:
-        setattr(decode_req, ATTR_ACCOUNTED, True)
         count_inactive_room(runtime, transfer_queue, decode_req)
         return
     _skipped_unreceived(side, transfer_queue, decode_req,
