@@ -183,8 +183,20 @@ def decode_skip_reason(req: Any) -> str | None:
     if is_fake_transfer(req):
         return "fake bootstrap host"
     if is_aborted(req):
-        return "aborted"
+        return "transfer failed (SGLang aborted the room)" if _aborted_for_a_failed_transfer(req) else "aborted"
     return None
+
+
+#: How SGLang's decode words the abort of a room whose transfer failed (0.5.18-0.5.23).
+_TRANSFER_FAILED_ABORT = "Decode transfer failed"
+
+
+def _aborted_for_a_failed_transfer(req: Any) -> bool:
+    """Before 0.5.22 SGLang aborts a room whose transfer failed and releases it with no hook
+    of its own (`_abort_failed_transfer` came then): its abort's message is what tells it
+    from a client's abort."""
+    message = getattr(getattr(req, "finished_reason", None), "message", None)
+    return isinstance(message, str) and message.startswith(_TRANSFER_FAILED_ABORT)
 
 
 def prefill_attempt(req: Any) -> int:

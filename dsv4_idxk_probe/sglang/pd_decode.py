@@ -108,8 +108,7 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
         hicache = probe_if_made(runtime)
         if hicache is not None:
             hicache.rows_written_elsewhere(kv_indices)
-        if side is not None:
-            setattr(decode_req, ATTR_DEST, HOST_RECEIVE)
+        setattr(decode_req, ATTR_DEST, HOST_RECEIVE)  # an inactive side counts it `host_dest` too
         return
     if side is None:
         return
@@ -168,7 +167,8 @@ def count_inactive_room(runtime: Any, queue: Any, decode_req: Any) -> None:
     """A room lands on a decode side that cannot read its pool: its index-K bytes moved
     unverified, counted with the side's reason (none for a pool that is not DeepSeek-V4).
     As on an active side, rooms that move no index-K (health checks, fake bootstrap hosts)
-    are not counted, and an aborted one is `skipped` (`aborted`). Marked accounted, as
+    are not counted, an aborted one is `skipped` (`aborted`) and a host-received one
+    `skipped` (`host_dest`). Marked accounted, as
     `_skipped_unreceived` marks its rooms, so a later hook counts nothing more."""
     setattr(decode_req, ATTR_ACCOUNTED, True)
     side = runtime.sides.get("decode")
@@ -177,6 +177,8 @@ def count_inactive_room(runtime: Any, queue: Any, decode_req: Any) -> None:
     if side is None or side.active or not per_page or req is None or runtime.metrics is None:
         return
     why = decode_skip_reason(req)
+    if why is None and getattr(decode_req, ATTR_DEST, None) == HOST_RECEIVE:
+        why = HOST_RECEIVE  # as an active side counts it: the path's reason before the side's
     if why is None:
         outcome, reason = "unverified", _INACTIVE_COVERAGE_REASON.get(getattr(side, "code", ""), "other")
     else:

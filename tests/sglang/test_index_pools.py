@@ -252,13 +252,20 @@ def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_un
         FINISH_ABORT = type("FINISH_ABORT", (), {})
         aborted = SimpleNamespace(**{**vars(req), "finished_reason": FINISH_ABORT()})
         pd_decode.count_inactive_room(runtime, None, SimpleNamespace(req=aborted))
+        # a room decode published host rows for (host receive): `host_dest`, as an active side says
+        host_received = SimpleNamespace(req=req)
+        pd_decode.on_send_metadata(runtime, SimpleNamespace(scheduler=None), host_received, None, 256,
+                                   {"destination": SimpleNamespace(name="HOST", value="host")})
+        pd_decode.count_inactive_room(runtime, None, host_received)
         counted = _coverage(registry, "unverified", "layout_unknown")
         skipped = _coverage(registry, "skipped", "aborted")
+        host_dest = _coverage(registry, "skipped", "host_dest")
     finally:
         runtime.close()
     per_page = 2 * 8448 + 4 * 4352 + 2 * 4352  # C4: two layers of one 8448 B row; r1: 4 rows; r2: 2 rows
     assert counted == 3 * per_page
     assert skipped == 3 * per_page
+    assert host_dest == 3 * per_page
 
 
 @pytest.mark.parametrize("read_fails", [False, True], ids=["commit", "commit_read_fails"])

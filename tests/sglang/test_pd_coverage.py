@@ -160,3 +160,30 @@ def test_a_rebootstrapped_room_whose_transfer_fails_counts_the_tokens_it_publish
     _settled(runtime)
     engine = runtime.sides["decode"].monitor.engine
     assert _coverage(registry) == {("skipped", "transfer_failed"): estimated_bytes(engine, published)}
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA, reason="`_release_request` arrives in SGLang 0.5.21")
+@pytest.mark.parametrize("message, reason", [
+    ("Decode transfer failed for request rank=0 decode_req.req.rid='r' with exception boom", "transfer_failed"),
+    ("client gone", "aborted"),
+])
+def test_a_room_sglang_aborts_and_releases_for_a_failed_transfer_is_counted_transfer_failed(worlds, patched, message,
+                                                                                            reason):  # noqa: F811
+    """Before 0.5.22 SGLang aborts a room whose transfer failed and its transfer queue releases
+    it, with no hook of the failure's own: the abort's message names the failure, and the
+    room's bytes are counted `transfer_failed`, a client's abort `aborted`."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+    dreq.req.finished_reason = FINISH_ABORT(message)
+    pd_decode.on_transfer_release(runtime, pdworld.transfer_queue(decode), dreq)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert record["verdict"] == "skipped" and record["reason"].startswith(
+        "transfer failed" if reason == "transfer_failed" else "aborted"), record["reason"]
+    _settled(runtime)
+    engine = runtime.sides["decode"].monitor.engine
+    assert _coverage(registry) == {("skipped", reason): estimated_bytes(engine, pdworld.ROOM_TOKENS)}
