@@ -10,8 +10,9 @@ only looks at where it stands (`prefetched`): done, or still in flight (the
 room is then held for a later batch: sglang/enforce.py). The scheduler
 thread never waits on the network.
 
-The table is bounded (the oldest entries go first); a room is forgotten once
-its answer has been read.
+The table is bounded (the oldest entries go first, their fetches cancelled if
+not yet started, so the workers' queue holds no more live work than the table);
+a room is forgotten once its answer has been read.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Prefetcher:
                 return
             self._futures[key] = self._pool.submit(self._fetch, key)
             while len(self._futures) > self._cap:
-                self._futures.popitem(last=False)
+                self._futures.popitem(last=False)[1].cancel()  # not started: its fetch never runs
 
     def poll(self, key: str) -> tuple[bool, Any]:
         """(done, digest or None). Not started: (False, None) after starting it now.

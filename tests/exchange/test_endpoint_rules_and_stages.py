@@ -180,3 +180,25 @@ def test_the_prefetch_table_is_bounded():
     finally:
         gate.set()
         prefetcher.close()
+
+
+def test_fetches_the_bounded_table_let_go_of_never_run():
+    """Rooms landing faster than the workers fetch: those the table dropped before their
+    fetch began are cancelled, so the workers run at most the table's worth, not every room."""
+    gate, calls = threading.Event(), []
+
+    def fetch(key):
+        calls.append(key)
+        gate.wait(5)
+
+    prefetcher = Prefetcher(fetch, cap=4, workers=1)
+    try:
+        for n in range(100):
+            prefetcher.start(str(n))
+        gate.set()
+        prefetcher._pool.shutdown(wait=True)  # every queued fetch that is still live runs
+    finally:
+        gate.set()
+        prefetcher.close()
+    assert calls[0] == "0" and len(calls) <= 1 + 4, calls
+    assert set(calls[1:]) <= {"96", "97", "98", "99"}
