@@ -1,6 +1,8 @@
 """Decode side: ask a prefill rank for a room's vectors, with a deadline.
 
-One TCP connection per peer, authenticated once (`auth`) and reused. A
+One idle TCP connection per peer, authenticated once (`auth`) and reused; a
+request takes it out of the table while it runs (two at once to one peer open a
+second, closed after), so a silent peer holds up only the threads asking it. A
 request not answered in `timeout_ms` closes that connection (so a late answer
 is never mistaken for a later request's) and marks the peer down: requests to
 it return None at once until then. The first failure marks it down for
@@ -63,7 +65,6 @@ class _Session:
     def __init__(self, sock: socket.socket, mac: auth.FrameMac):
         self.sock = sock
         self.mac = mac
-        self.used = False
 
 
 class VectorClient:
@@ -95,9 +96,9 @@ class VectorClient:
         self._down_until: dict[Endpoint, float] = {}
         self._strikes: dict[Endpoint, int] = {}  # failures in a row per peer (the backoff doubles with each)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables only: no request runs under it
         self._warned_auth: dict[Endpoint, None] = {}  # peers whose refusal was logged (once each)
-        self._reused = False
+        self._closed = False
         self.failures: dict[str, int] = {}
 
     @classmethod
@@ -169,7 +170,9 @@ class VectorClient:
         return max(0.0, until - time.monotonic())
 
     def _fetch(self, endpoint: Endpoint | None, key: str) -> tuple[RoomDigest | None, str | None]:
-        """(digest, None) on an answer, else (None, the failure counted)."""
+        """(digest, None) on an answer, else (None, the failure counted). The peer's session is
+        checked out of the table for the request, so the lock guards the tables only and a
+        silent peer holds up the threads asking it, not those asking others."""
         if endpoint is None:
             return None, self._fail("no_endpoint")
         if self._secret_error is not None:
@@ -177,62 +180,90 @@ class VectorClient:
         endpoint = _peer(endpoint)
         with self._lock:
             if self._down_until.get(endpoint, 0.0) > time.monotonic():
-                return None, self._fail("peer_down")
-            deadline = time.monotonic() + self.timeout_ms / 1000.0
+                down = True
+            else:
+                down, session = False, self._sessions.pop(endpoint, None)
+        if down:
+            return None, self._fail("peer_down")
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        try:
             try:
-                try:
-                    answer = self._request(endpoint, key, deadline)
-                except (_Closed, ConnectionError):
-                    if not self._reused:
-                        raise
-                    self._drop(endpoint)  # the peer dropped an idle connection: once more, on a new one
-                    answer = self._request(endpoint, key, deadline)
+                if session is None:
+                    session = self._connect(endpoint, deadline)
+                    reused = False
+                else:
+                    reused = True
+                answer = self._request(session, key, deadline)
+            except (_Closed, ConnectionError):
+                if session is None or not reused:
+                    raise
+                session.sock.close()  # the peer dropped an idle connection: once more, on a new one
+                session = None
+                session = self._connect(endpoint, deadline)
+                answer = self._request(session, key, deadline)
+            self._check_in(endpoint, session)
+            with self._lock:
                 self._strikes.pop(endpoint, None)  # it answered: the next failure starts the backoff afresh
-                return (answer, None) if answer is not None else (None, self._fail("not_found"))
-            except _Busy:
-                # Full (a flood, or more peers than it takes): not our secret's fault; ask again soon.
-                log.debug("exchange peer %s:%d is busy", *endpoint)
-                self._drop(endpoint)
-                self._mark_down(endpoint)
-                return None, self._fail("busy")
-            except (_Deadline, _Closed, ConnectionError, socket.timeout):
-                # Refused, reset or silent: the peer did not answer in time.
-                self._drop(endpoint)
-                self._mark_down(endpoint)
-                return None, self._fail("timeout")
-            except _Refused as exc:
-                self._drop(endpoint)
-                self._mark_down(endpoint, at_once=True)
-                if endpoint not in self._warned_auth:
+            return (answer, None) if answer is not None else (None, self._fail("not_found"))
+        except BaseException as exc:
+            if session is not None:
+                session.sock.close()
+            return None, self._failed(endpoint, exc)
+
+    def _failed(self, endpoint: Endpoint, exc: BaseException) -> str:
+        """The failure `exc` of a request to `endpoint` (its session closed), counted; what
+        it makes of the peer's backoff. Anything else is raised again (`fetch` counts it)."""
+        if isinstance(exc, _Busy):
+            # Full (a flood, or more peers than it takes): not our secret's fault; ask again soon.
+            log.debug("exchange peer %s:%d is busy", *endpoint)
+            self._mark_down(endpoint)
+            return self._fail("busy")
+        if isinstance(exc, (_Deadline, _Closed, ConnectionError, socket.timeout)):
+            # Refused, reset or silent: the peer did not answer in time.
+            self._mark_down(endpoint)
+            return self._fail("timeout")
+        if isinstance(exc, _Refused):
+            self._mark_down(endpoint, at_once=True)
+            with self._lock:
+                warn = endpoint not in self._warned_auth
+                if warn:
                     _remember(self._warned_auth, endpoint, None)
-                    log.warning("dsv4-idxk-probe exchange peer %s:%d: %s", *endpoint, exc)
-                return None, self._fail("auth")
-            except ExchangeError as exc:
-                log.debug("exchange answer from %s: %s", endpoint, exc)
-                self._drop(endpoint)
-                return None, self._fail("protocol")
-            except OSError:
-                log.debug("exchange request to %s failed", endpoint, exc_info=True)
-                self._drop(endpoint)
-                return None, self._fail("transport")
+            if warn:
+                log.warning("dsv4-idxk-probe exchange peer %s:%d: %s", *endpoint, exc)
+            return self._fail("auth")
+        if isinstance(exc, ExchangeError):
+            log.debug("exchange answer from %s: %s", endpoint, exc)
+            return self._fail("protocol")
+        if isinstance(exc, OSError):
+            log.debug("exchange request to %s failed", endpoint, exc_info=exc)
+            return self._fail("transport")
+        raise exc
 
     def _mark_down(self, endpoint: Endpoint, at_once: bool = False) -> None:
         """Skip the peer for a while: `backoff_initial_s`, doubled with each failure in a
         row, at most `backoff_s` (at once for one that refused our credentials)."""
-        strikes = self._strikes.get(endpoint, 0) + 1
-        _remember(self._strikes, endpoint, strikes)
-        delay = self.backoff_s if at_once else min(self.backoff_s, self.backoff_initial_s * 2.0 ** min(strikes - 1, 30))
-        _remember(self._down_until, endpoint, time.monotonic() + delay)
+        with self._lock:
+            strikes = self._strikes.get(endpoint, 0) + 1
+            _remember(self._strikes, endpoint, strikes)
+            delay = self.backoff_s if at_once else min(self.backoff_s, self.backoff_initial_s * 2.0 ** min(strikes - 1, 30))
+            _remember(self._down_until, endpoint, time.monotonic() + delay)
 
-    def _request(self, endpoint: Endpoint, key: str, deadline: float) -> RoomDigest | None:
-        session = self._sessions.pop(endpoint, None)  # put back last: the least recently used goes first
-        self._reused = session is not None and session.used
-        if session is None:
+    def _check_in(self, endpoint: Endpoint, session: _Session) -> None:
+        """Put a session that answered back in the table, most recently used last (the least
+        recently used goes first past MAX_PEERS); one another thread put there meanwhile, or
+        any after `close`, is closed."""
+        with self._lock:
+            old = self._sessions.pop(endpoint, None)
+            if old is not None:
+                old.sock.close()
+            if self._closed:
+                session.sock.close()
+                return
             while len(self._sessions) >= MAX_PEERS:
                 self._drop(next(iter(self._sessions)))
-            session = self._connect(endpoint, deadline)
-        self._sessions[endpoint] = session
-        session.used = True
+            self._sessions[endpoint] = session
+
+    def _request(self, session: _Session, key: str, deadline: float) -> RoomDigest | None:
         request_id = next(self._ids)
         _send_all(session.sock, session.mac.seal(encode_request(request_id, key)), deadline)
         (size,) = auth.HEADER.unpack(_recv_exact(session.sock, auth.HEADER.size, deadline))
@@ -281,7 +312,8 @@ class VectorClient:
             session.sock.close()
 
     def _fail(self, kind: str) -> str:
-        self.failures[kind] = self.failures.get(kind, 0) + 1
+        with self._lock:
+            self.failures[kind] = self.failures.get(kind, 0) + 1
         if self.metrics is not None:
             try:
                 self.metrics.exchange_errors.labels(kind=kind).inc()
@@ -291,6 +323,7 @@ class VectorClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for endpoint in list(self._sessions):
                 self._drop(endpoint)
 

@@ -323,3 +323,35 @@ def test_a_client_from_the_config_takes_its_timeouts_backoff_and_secret(tmp_path
     client = VectorClient.from_config(exchange, metrics="m")
     assert (client.timeout_ms, client.backoff_s, client.backoff_initial_s, client.metrics) == (77, 9.0, 0.5, "m")
     assert client.secret == b"s" * 32
+
+
+def test_a_silent_peer_holds_up_only_the_fetches_that_ask_it(server, table):
+    """Decode fetches from many prefill ranks on several threads (the prefetch workers, the
+    collector): one whose peer accepted the connection and says nothing waits out its own
+    deadline, while a fetch from another peer started meanwhile is answered at once."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts (the kernel does), never greets
+    c = VectorClient(timeout_ms=20_000, backoff_s=0.5)
+    stuck_done = threading.Event()
+
+    def ask_the_silent_one():
+        c.fetch(silent.getsockname(), "7/0")
+        stuck_done.set()
+
+    stuck = threading.Thread(target=ask_the_silent_one, daemon=True)
+    conn = None
+    try:
+        stuck.start()
+        silent.settimeout(20)
+        conn, _ = silent.accept()  # its fetch has connected and waits for the greeting
+        assert c.fetch(server.endpoint, "8/0").key == "8/0"
+        # answered while the other fetch still waited: its timeout is not counted yet
+        assert not stuck_done.is_set() and "timeout" not in c.failures, c.failures
+    finally:
+        for sock in (conn, silent):
+            if sock is not None:
+                sock.close()
+        stuck_done.wait(25)
+        c.close()
+    assert stuck_done.is_set() and c.failures == {"timeout": 1}
