@@ -43,6 +43,10 @@ WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer w
 # it the least recently added (sessions: used) goes. Prefill endpoints change with every
 # restart, so a long-lived decode would otherwise keep one entry (and a socket) per old one.
 MAX_PEERS = 1024
+#: The failures `_fail` counts, each created at zero with a client that has metrics (so that
+#: an alert's `increase()` sees the first of each kind, as the server's SERVER_KINDS).
+CLIENT_KINDS = ("no_endpoint", "auth", "peer_down", "timeout", "busy", "not_found", "protocol", "transport",
+                "internal")
 
 
 class _Deadline(Exception):
@@ -100,6 +104,8 @@ class VectorClient:
         self._warned_auth: dict[Endpoint, None] = {}  # peers whose refusal was logged (once each)
         self._closed = False
         self.failures: dict[str, int] = {}
+        for kind in CLIENT_KINDS if metrics is not None else ():
+            self._count(kind, 0)
 
     @classmethod
     def from_config(cls, exchange: Any, metrics: Any = None) -> "VectorClient":
@@ -314,12 +320,15 @@ class VectorClient:
     def _fail(self, kind: str) -> str:
         with self._lock:
             self.failures[kind] = self.failures.get(kind, 0) + 1
+        self._count(kind, 1)
+        return kind
+
+    def _count(self, kind: str, n: int) -> None:
         if self.metrics is not None:
             try:
-                self.metrics.exchange_errors.labels(kind=kind).inc()
+                self.metrics.exchange_errors.labels(kind=kind).inc(n)
             except Exception:
                 pass
-        return kind
 
     def close(self) -> None:
         with self._lock:

@@ -355,3 +355,31 @@ def test_a_silent_peer_holds_up_only_the_fetches_that_ask_it(server, table):
         stuck_done.wait(25)
         c.close()
     assert stuck_done.is_set() and c.failures == {"timeout": 1}
+
+
+def test_every_failure_kind_of_a_client_is_created_at_zero_with_it():
+    """An alert reads `increase(exchange_errors_total[10m])`, which cannot see a series' first
+    value: each kind the client counts exists at zero from the start, and no kind is counted
+    that was not created so."""
+    import inspect
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from dsv4_idxk_probe.exchange import client as client_module
+    from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+
+    counted = set(re.findall(r'_fail\("([a-z_]+)"\)', inspect.getsource(client_module)))
+    assert counted and counted <= set(client_module.CLIENT_KINDS), counted - set(client_module.CLIENT_KINDS)
+    registry = CollectorRegistry()
+    c = VectorClient(timeout_ms=300, metrics=ProbeMetrics(registry, role="decode"))
+    try:
+        series = {s.labels["kind"]: s.value for f in registry.collect() for s in f.samples
+                  if s.name == "dsv4_idxk_probe_exchange_errors_total"}
+        assert {k: series.get(k) for k in client_module.CLIENT_KINDS} == dict.fromkeys(client_module.CLIENT_KINDS, 0.0)
+        assert c.fetch(None, "7/0") is None
+        series = {s.labels["kind"]: s.value for f in registry.collect() for s in f.samples
+                  if s.name == "dsv4_idxk_probe_exchange_errors_total"}
+        assert series["no_endpoint"] == 1.0
+    finally:
+        c.close()
