@@ -163,6 +163,21 @@ def _owner_entry(target: Target) -> Any:
     return getattr(owner, "__dict__", {}).get(attribute)
 
 
+def _rebind(wrapper: Any, original: Any) -> None:
+    """Every module attribute that holds `wrapper` holds `original` again (the undoing of
+    SGLang's `_propagate_patch`, which rebinds `from X import f` copies of a patched f)."""
+    for module in list(sys.modules.values()):
+        try:
+            names = [name for name, value in vars(module).items() if value is wrapper]
+        except TypeError:
+            continue
+        for name in names:
+            try:
+                setattr(module, name, original)
+            except (AttributeError, TypeError):
+                pass
+
+
 def _registry():
     """SGLang's HookRegistry when we run inside its plugin loader, else None."""
     module = sys.modules.get("sglang.srt.plugins.hook_registry")
@@ -180,6 +195,7 @@ class Applied:
     route: str  # "wrapt" | "registry"
     resolution: Resolution
     handle: Any  # wrapt FunctionWrapper, or the registry adapter
+    shared: bool = False  # registry: the hook another target registered on the same function serves it
 
 
 class Patcher:
@@ -262,6 +278,16 @@ class Patcher:
         hook = GuardedHook(self, target)
         registry = _registry() if self.route in ("auto", "registry") else None
         if registry is not None:
+            first = self._registered_on(resolution.original, target.hook)
+            if first is not None:
+                # SGLang's registry rebinds every module holding this function to the first
+                # target's wrapper (`_propagate_patch`): a second registration would run the
+                # same hook twice on every call, and stay after uninstall
+                self.applied[(target.module, target.qualname)] = Applied(target, "registry", resolution,
+                                                                         first.handle, shared=True)
+                self.verified = False
+                self.set_status(target, "pending", f"served by the hook registered on {first.target.path}")
+                return
             adapter = _registry_adapter(hook)
             registry.HookRegistry.register(target.path, adapter, registry.HookType.AROUND)
             self.applied[(target.module, target.qualname)] = Applied(target, "registry", resolution, adapter)
@@ -271,6 +297,14 @@ class Patcher:
         handle = wrapt.wrap_function_wrapper(target.module, target.qualname, hook)
         self.applied[(target.module, target.qualname)] = Applied(target, "wrapt", resolution, handle)
         self.set_status(target, "patched")
+
+    def _registered_on(self, original: Any, hook: str) -> Applied | None:
+        """The registry hook of the same factory already registered on `original`, if any."""
+        for applied in self.applied.values():
+            if (applied.route == "registry" and not applied.shared and applied.resolution.original is original
+                    and applied.target.hook == hook):
+                return applied
+        return None
 
     # %% verify
 
@@ -325,7 +359,7 @@ class Patcher:
                 try:
                     if applied.route == "wrapt":
                         wrapt.unwrap_object(target.module, target.qualname, applied.handle, missing_ok=True)
-                    else:
+                    elif not applied.shared:  # a shared one goes with the target that registered it
                         self._unregister(applied)
                 except Exception:
                     log.warning("dsv4-idxk-probe: could not remove the hook on %s; it stays inert", target.path,
@@ -346,10 +380,13 @@ class Patcher:
         hooks[:] = [entry for entry in hooks if entry[1] is not applied.handle]
         raw = _owner_entry(applied.target)
         if not hooks and _chain_holds(raw, applied.handle) and raw.__wrapped__ is applied.resolution.original:
-            # ours was the only hook on this target: put the original entry back
+            # ours was the only hook on this target: put the original entry back, in every
+            # module SGLang's registry rebound to the wrapper too (module-level functions)
             owner = sys.modules[applied.target.module]
-            *path, attribute = applied.target.qualname.split(".")
-            for part in path:
+            *parents, attribute = applied.target.qualname.split(".")
+            for part in parents:
                 owner = getattr(owner, part)
             setattr(owner, attribute, applied.resolution.original)
+            if not parents:
+                _rebind(raw, applied.resolution.original)
             registry._patched.discard(path)

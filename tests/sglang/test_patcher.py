@@ -211,3 +211,60 @@ def test_registry_that_did_not_apply_is_reported(loader_context):
     finally:
         patcher.unpatch()
         runtime.close()
+
+
+def test_registry_route_patches_again_after_an_unpatch(loader_context):
+    """Uninstall takes the target out of SGLang's registry too (its `_patched` set), so a
+    second install in the same process hooks the target again."""
+    registry = loader_context
+    for cycle in range(2):
+        runtime, _, _ = make_runtime()
+        patcher = Patcher(runtime, TABLE[:1])
+        try:
+            patcher.patch()
+            registry.apply_hooks()
+            host.calls.clear()
+            assert host.Host().add(2) == 3
+            assert host.calls == [("Host", (2,))], cycle
+            assert patcher.status["t.add"][0] == "patched", cycle
+        finally:
+            patcher.unpatch()
+            runtime.close()
+        assert f"{MODULE}.Host.add" not in registry._patched
+
+
+def test_targets_naming_one_function_in_several_modules_share_one_registry_hook(loader_context, tmp_path,
+                                                                                monkeypatch):
+    """SGLang's registry rebinds every module holding a patched function (`from X import f`
+    copies) to its wrapper: targets that name the same function in several modules with the
+    same hook (the table's four `release_kv_cache`) register it once, each call runs the hook
+    once, every module is verified, and uninstall puts the original back in every module."""
+    registry = loader_context
+    (tmp_path / "shared_fn_home.py").write_text("def release(x):\n    return x + 1\n")
+    (tmp_path / "shared_fn_user.py").write_text("from shared_fn_home import release\n")
+    (tmp_path / "shared_fn_bystander.py").write_text("from shared_fn_home import release\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shared_fn_bystander
+    import shared_fn_home
+    import shared_fn_user
+
+    original = shared_fn_home.release
+    targets = [Target(f"t.{m}", m, "release", ("x",), "around", f"{MODULE}:make_counting_wrapper", True, "any", "test")
+               for m in ("shared_fn_home", "shared_fn_user")]
+    runtime, _, _ = make_runtime()
+    patcher = Patcher(runtime, targets)
+    try:
+        patcher.patch()
+        registry.apply_hooks()
+        host.calls.clear()
+        assert shared_fn_user.release(1) == 2
+        assert host.calls == [("NoneType", (1,))]  # once, not once per target
+        assert {name: s[0] for name, s in patcher.verify().items()} == {
+            "t.shared_fn_home": "patched", "t.shared_fn_user": "patched"}
+    finally:
+        patcher.unpatch()
+        runtime.close()
+        for m in ("shared_fn_home", "shared_fn_user", "shared_fn_bystander"):
+            sys.modules.pop(m, None)
+    assert shared_fn_home.release is original and shared_fn_user.release is original
+    assert shared_fn_bystander.release is original  # a module the table never named, rebound by SGLang
