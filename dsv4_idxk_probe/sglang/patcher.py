@@ -98,7 +98,10 @@ class GuardedHook:
         if not runtime.enabled or self._broken:
             return wrapped(*args, **kwargs)
         if not self.patcher.verified:
-            self.patcher.verify()
+            try:
+                self.patcher.verify()
+            except Exception:  # a failed check of the hooks is the probe's, never SGLang's call's
+                record_error("patch.verify")
         hook = self._hook or self._build()
         if hook is None:
             return wrapped(*args, **kwargs)
@@ -312,9 +315,9 @@ class Patcher:
         """Check every applied hook is in place (the registry only logs a failure)."""
         import wrapt
 
+        self.verified = True  # first: a check that raises is not retried on every hooked call
+        self._check_pending()  # outside the lock: find_spec may import, and post-import hooks take it
         with self._lock:
-            self.verified = True
-            self._check_pending()
             for key, applied in list(self.applied.items()):
                 raw = _owner_entry(applied.target)
                 if applied.route == "registry":
@@ -334,7 +337,7 @@ class Patcher:
         """A target still waiting for its module: is there such a module at all?"""
         import importlib.util
 
-        applied = {t.name for t in (a.target for a in self.applied.values())}
+        applied = {a.target.name for a in list(self.applied.values())}
         for target in self.targets:
             if target.name in applied or self.status.get(target.name, ("",))[0] != "pending":
                 continue

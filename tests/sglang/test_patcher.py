@@ -268,3 +268,33 @@ def test_targets_naming_one_function_in_several_modules_share_one_registry_hook(
             sys.modules.pop(m, None)
     assert shared_fn_home.release is original and shared_fn_user.release is original
     assert shared_fn_bystander.release is original  # a module the table never named, rebound by SGLang
+
+
+def test_a_check_of_the_hooks_that_fails_at_the_first_call_leaves_sglang_s_call_alone(loader_context, tmp_path,
+                                                                                       monkeypatch):
+    """The registry route checks its hooks at the first hooked call; a check that raises (here
+    the target's module has gone from sys.modules) is the probe's failure, counted, and the
+    call runs and returns as it would have."""
+    registry = loader_context
+    (tmp_path / "verify_host.py").write_text("class Box:\n    def add(self, x, y=1):\n        return x + y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import verify_host
+
+    box = Target("t.box", "verify_host", "Box.add", ("self", "x"), "around", f"{MODULE}:make_counting_wrapper",
+                 True, "any", "test")
+    runtime, _, _ = make_runtime()
+    patcher = Patcher(runtime, [box])
+    try:
+        patcher.patch()
+        registry.apply_hooks()
+        del sys.modules["verify_host"]
+        before = errors("patch.verify")
+        assert verify_host.Box().add(2) == 3
+        assert errors("patch.verify") == before + 1
+        assert verify_host.Box().add(3) == 4  # checked once: not again at every call
+        assert errors("patch.verify") == before + 1
+    finally:
+        sys.modules["verify_host"] = verify_host
+        patcher.unpatch()
+        runtime.close()
+        sys.modules.pop("verify_host", None)
