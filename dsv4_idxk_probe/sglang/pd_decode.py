@@ -146,15 +146,21 @@ def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:
 
 def published_len(queue: Any, req: Any) -> int:
     """Where the pages `pop_preallocated` published end: SGLang's own
-    `_rebootstrap_prefill_len` (0.5.18-0.5.20: prompt + outputs for a room being
-    rebootstrapped after a retraction, which prefill sends again whole; else the
-    prompt), or the prompt where the queue has no such method."""
+    `_rebootstrap_prefill_len` (prompt + outputs for a room being rebootstrapped after a
+    retraction, which prefill sends again whole; else the prompt), a static method of the
+    prealloc queue, looked up there when `queue` is the transfer queue (which has none);
+    where neither is at hand, the same rule (0.5.18-0.5.23) read off the request."""
     measure = getattr(queue, "_rebootstrap_prefill_len", None)
+    if measure is None:
+        prealloc = getattr(getattr(queue, "scheduler", None), "disagg_decode_prealloc_queue", None)
+        measure = getattr(prealloc, "_rebootstrap_prefill_len", None)
     if measure is not None:
         try:
             return int(measure(req))
         except Exception:
             pass
+    if getattr(req, "pd_rebootstrap_in_progress", False):
+        return origin_len(req) + len(getattr(req, "output_ids", None) or ())
     return origin_len(req)
 
 

@@ -294,6 +294,38 @@ def test_an_inactive_side_counts_a_committed_room_even_when_the_probe_s_commit_r
     assert counted == 3 * (2 * 8448 + 4 * 4352 + 2 * 4352)  # three pages of every pool, as above
 
 
+@pytest.mark.parametrize("scheduler", [False, True], ids=["rule", "prealloc_queue"])
+def test_an_inactive_side_counts_every_token_a_rebootstrapped_room_published(v41, scheduler):
+    """SGLang 0.5.23 rebootstraps every retracted DeepSeek-V4 room and publishes its prompt and
+    outputs; the commit hands the probe the transfer queue, which has no
+    `_rebootstrap_prefill_len`: the prealloc queue's (through the scheduler), or the same rule,
+    sizes the room, not the prompt alone."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+
+    from dsv4_idxk_probe.sglang import pd_decode
+
+    runtime, sink, registry = make_runtime(layout="bf16")  # forced: no pool of this rig has bf16 rows
+    try:
+        side = build_side(runtime, "decode", v41[1], v41world.kv_args_of(v41[1]))
+        assert isinstance(side, InactiveSide)
+        prompt, outputs = 300, 600
+        req = SimpleNamespace(origin_input_ids=list(range(prompt)), output_ids=list(range(outputs)),
+                              pd_rebootstrap_in_progress=True, kv=SimpleNamespace(cache_protected_len=0),
+                              bootstrap_room=ROOM, rid="r", finished_reason=None)
+        queue = DecodeTransferQueue.__new__(DecodeTransferQueue)  # the instance the commit wrapper gets
+        prealloc = DecodePreallocQueue.__new__(DecodePreallocQueue)
+        queue.__dict__.update(metadata_buffers=None,
+                              scheduler=SimpleNamespace(disagg_decode_prealloc_queue=prealloc) if scheduler else None)
+        decode_req = SimpleNamespace(req=req, metadata_buffer_index=None, kv_receiver=None)
+        pd_decode.make_commit_transfer_wrapper(runtime)(lambda *a, **k: None, queue, (decode_req,), {})
+        counted = _coverage(registry, "unverified", "layout_unknown")
+    finally:
+        runtime.close()
+    published = DecodePreallocQueue._rebootstrap_prefill_len(req)
+    assert published == prompt + outputs
+    assert counted == -(-published // 256) * side.bytes_per_page  # four pages of every pool, not two
+
+
 def test_an_npu_indexer_is_not_read_as_its_unwritten_packed_rows(v41):
     """NPU writes index-K to its own PA_ND buffers; the packed rows the transfer registers
     stay zero on both sides: digesting them would say match and verify nothing."""
