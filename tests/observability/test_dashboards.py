@@ -34,7 +34,7 @@ ALERTS_SHIPPED = {
     "Dsv4IdxkProbeRecordsDropped", "Dsv4IdxkProbeOffByError", "Dsv4IdxkProbeMetricsAbsent", "Dsv4IdxkProbeErrors",
     "Dsv4IdxkProbeExchangeErrors", "Dsv4IdxkProbeUnverifiedRatioHigh", "Dsv4IdxkProbeDecodeVerifiesNone",
     "Dsv4IdxkProbeCoverageLow", "Dsv4IdxkProbeMismatchUnlocalised",
-    "Dsv4IdxkProbeHiCacheRestoreMismatch",
+    "Dsv4IdxkProbeHiCacheRestoreMismatch", "Dsv4IdxkProbeSideInactive",
 }
 # dcgm-exporter's fields the GPU row reads (its etc/default-counters.csv; the ECC ones are
 # commented out there by default).

@@ -8,7 +8,8 @@ Exporters on loopback, scraped every second:
   series, then see what a bad night looks like: matching and mismatching rooms (real
   digests, real `compare`), a room with no prefill digest, a layout change, drops from a
   full room-log queue, a token-path copy on the indexer pool, a missing required patch
-  target, a caught error, an exchange error, a failed KV transfer;
+  target, a caught error, an exchange error, a failed KV transfer; the prefill server's
+  rank 1 publishes a side that failed to build (state inactive);
 - a process where the real activation met a broken config (its probe stays off, says so);
 - an SGLang decode server with no probe at all;
 - an "idle" decode server without HiCache whose probe is on and sees no transfer while
@@ -42,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dsv4_idxk_probe.digest.result import RoomDigest, compare
-from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+from dsv4_idxk_probe.metrics.definitions import ProbeInfo, ProbeMetrics
 from dsv4_idxk_probe.metrics.serving import start_exporter
 from dsv4_idxk_probe.roomlog import RoomLogWriter
 from dsv4_idxk_probe.vocabulary import HICACHE_BRANCHES
@@ -58,6 +59,9 @@ DECODE_NODE = "gpu-node-7"  # the decode target's `node` label; its DCGM GPUs ca
 PLANS = [RoomPlan(1), RoomPlan(2), RoomPlan(3, fault=Fault(2, 1, 7, "decode_step")), RoomPlan(4, fault=Fault(0, 2, 8200)),
          RoomPlan(5, prefill=False), RoomPlan(6, signature_drift=True), *(RoomPlan(n) for n in range(7, 11))]
 CORRUPT_ROOMS = 2  # rooms 3 and 4; room 3 mismatches at decode_step and decode_finish, room 4 at every stage
+# Index-K bytes decode counts per room for coverage: a 4k-token room of DeepSeek-V4 (16 pages x 30 C4
+# layers x 8448 B rows), so the ten rooms move more than Dsv4IdxkProbeCoverageLow's 32 MiB minimum.
+ROOM_INDEX_K_BYTES = 16 * 30 * 8448
 # docs/observability.md's join as it stood: nothing on Prometheus 2.x with an escaping client,
 # a many-to-many error as soon as two pods of one model publish sglang:context_len.
 OLD_DOC_JOIN = "dsv4_idxk_probe_rooms_verified_total * on (model_name, tp_rank) group_left sglang:context_len"
@@ -145,6 +149,8 @@ def start_probe(role: str, *, hicache: bool = True, text: bool = False):
         if role == "prefill":  # restore verification's load verdicts (docs/hicache.md), at zero from the start
             for verdict in ("match", "mismatch"):
                 metrics.rooms_verified.labels(stage="hicache_load", verdict=verdict)
+    if role == "prefill" and hicache:  # rank 1 of this server: its prefill side failed to build (sglang/sides.py)
+        ProbeInfo(registry, sglang_labels("prefill", tp_rank=1)).set("inactive", "build_failed")
     metrics.set_patch_target("pd.decode_recv", "patched", required=True)
     metrics.set_patch_target("hicache.backup_tokens", "missing" if role == "decode" and hicache else "patched", required=True)
     sglang = SGLangMetrics(registry, role)
@@ -179,13 +185,13 @@ def drive_decode(metrics: ProbeMetrics, sglang: SGLangMetrics, plans: list[RoomP
             if expected is None:
                 metrics.rooms_verified.labels(stage=stage, verdict="unverified").inc()
                 if stage == "decode_recv":  # coverage: once per room (pd/coverage.py)
-                    metrics.count_coverage("pd", "unverified", "no_exchange", 4 * 3 * 8448)
+                    metrics.count_coverage("pd", "unverified", "no_exchange", ROOM_INDEX_K_BYTES)
                 continue
             c = compare(expected, observed)
             if stage == "decode_recv":
                 verified = c.verdict in ("match", "mismatch")
                 metrics.count_coverage("pd", "verified" if verified else c.verdict,
-                                       "none" if verified else "layout_differs", 4 * 3 * 8448)
+                                       "none" if verified else "layout_differs", ROOM_INDEX_K_BYTES)
             metrics.rooms_verified.labels(stage=stage, verdict=c.verdict).inc()
             if c.verdict == "mismatch":
                 for segment in c.segments:
@@ -427,7 +433,7 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
                     ("Dsv4IdxkProbeErrors", "firing"), ("Dsv4IdxkProbeExchangeErrors", "firing"),
                     ("Dsv4IdxkProbeUnverifiedRatioHigh", "pending"), ("Dsv4IdxkProbeDecodeVerifiesNone", "pending"),
                     ("Dsv4IdxkProbeCoverageLow", "pending"), ("Dsv4IdxkProbeMismatchUnlocalised", "firing"),
-                    ("Dsv4IdxkProbeHiCacheRestoreMismatch", "firing")}
+                    ("Dsv4IdxkProbeHiCacheRestoreMismatch", "firing"), ("Dsv4IdxkProbeSideInactive", "firing")}
         wait_for(f"alerts {sorted(expected)}", lambda: expected <= alert_states(), timeout=15)
         alerts = prom.get("/api/v1/alerts")["data"]["alerts"]
         mine = lambda name: [a for a in alerts if a["labels"]["alertname"] == name]
@@ -436,6 +442,9 @@ def test_dashboard_alert_and_doc_queries_return_data_from_a_real_prometheus(prom
         assert sorted((a["labels"]["stage"], a["labels"]["corrupt_rooms"]) for a in mine("Dsv4IdxkProbeIndexKMismatch")) \
             == [("decode_recv", "1"), ("decode_step", "1")]
         (broken,) = mine("Dsv4IdxkProbeOffByError")
+        (inactive,) = mine("Dsv4IdxkProbeSideInactive")
+        assert (inactive["labels"]["instance"], inactive["labels"]["tp_rank"], inactive["labels"]["reason"]) \
+            == (at["prefill"], "1", "build_failed")
         assert broken["labels"]["reason"] == "config_error" and broken["labels"]["tp_rank"] == "1"
         (absent,) = mine("Dsv4IdxkProbeMetricsAbsent")
         assert absent["labels"]["instance"] == at["sglang"]
