@@ -33,6 +33,13 @@ NO_MISMATCH = "no mismatches in range"
 NO_HICACHE = "no HiCache pools on the selected servers"
 NO_SGLANG = "no SGLang PD metrics on the selected servers"
 NO_DCGM = "no DCGM metrics for the probed nodes (see docs/observability.md)"
+# SGLang's rank labels (metrics/definitions.py, PROCESS_LABELS). Every attention-TP rank of a server
+# gives its own verdict for the same room (and restores its own copy in the same HiCache load;
+# docs/coverage.md), and with PP each stage digests its layers of it: a sum over these labels counts
+# one room once per rank (TP 2 read 200% coverage, twice the verified rooms). Room counts are taken
+# once per server (once_per_server). dp_rank is not among them: each attention-DP group serves rooms
+# of its own, and they add up.
+RANKS = ("tp_rank", "pp_rank", "moe_ep_rank")
 
 
 def matchers(names=VARIABLES) -> list[str]:
@@ -63,15 +70,41 @@ def increase(metric: str, by: str, *extra: str, window: str = "$__rate_interval"
     return f"sum by ({by}) (increase({P}{metric}{sel(*extra)}[{window}]))"
 
 
-def count_in_range(metric: str, *extra: str) -> str:
-    """Events over the dashboard's range, as a whole number.
+def once_per_server(expr: str, merge: str = "") -> str:
+    """`expr` (one series per rank: room counts or rates) with each room once per server.
+
+    The ranks of a server each count the same room (RANKS), so the ranks are not added up: the
+    rank that counted most stands for the server (``max without`` the rank labels, which keeps
+    instance, dp_rank and every other label). `merge` names the labels that split one room's
+    count within a rank (its verdicts, its stages); they are added up first, so a room one rank
+    judged match and another mismatch counts once, not once per verdict. Two ranks that each
+    found a different corrupt room read 1: the room logs (`dsv4-idxk-probe report`) list rooms.
+    """
+    if merge:
+        expr = f"sum without ({merge}) ({expr})"
+    return f"max without ({', '.join(RANKS)}) ({expr})"
+
+
+def room_rate(metric: str, by: str, *extra: str, merge: str = "") -> str:
+    """Rooms per second by `by`, each room once per server (once_per_server)."""
+    return f"sum by ({by}) ({once_per_server(f'rate({P}{metric}{sel(*extra)}[$__rate_interval])', merge)})"
+
+
+def room_increase(metric: str, by: str, *extra: str) -> str:
+    """Rooms (or pages) per rate interval by `by`, each once per server (once_per_server)."""
+    return f"sum by ({by}) ({once_per_server(f'increase({P}{metric}{sel(*extra)}[$__rate_interval])')})"
+
+
+def count_in_range(metric: str, *extra: str, merge: str = "") -> str:
+    """Rooms over the dashboard's range, as a whole number, each room once per server
+    (once_per_server; `merge` as there).
 
     increase() extrapolates to the window's edges (11 events can read 11.3); it never
     reads below the events between the window's first and last samples, so flooring
     each series gives that count exactly while the extrapolation adds less than one
     event per series (a series scraped every 15 s over 1 h: fewer than 240 events).
     """
-    return f"sum(floor(increase({P}{metric}{sel(*extra)}[$__range])))"
+    return f"sum({once_per_server(f'floor(increase({P}{metric}{sel(*extra)}[$__range]))', merge)})"
 
 
 def quantile(q: float, metric: str) -> str:
@@ -204,9 +237,10 @@ def panels() -> list[dict]:
         panel(
             "heatmap",
             f"Localisation heat: {what}",
-            f"Mismatches per {what} over time (counter {P}{metric}). Page heat is by power-of-two page "
-            "bucket (labels never carry a page); exact (layer, page) cells are in `dsv4-idxk-probe report`.",
-            [target(increase(metric, label), f"{{{{{label}}}}}", format="time_series")],
+            f"Mismatches per {what} over time (counter {P}{metric}), each once per server however many of "
+            "its ranks saw it. Page heat is by power-of-two page bucket (labels never carry a page); exact "
+            "(layer, page) cells are in `dsv4-idxk-probe report`.",
+            [target(room_increase(metric, label), f"{{{{{label}}}}}", format="time_series")],
             12,
             fieldConfig={"defaults": {"noValue": NO_MISMATCH}, "overrides": []},
             options={"calculate": False, "yAxis": {"axisLabel": what}, "rowsFrame": {"layout": "auto"},
@@ -219,40 +253,70 @@ def panels() -> list[dict]:
     decode_requests = sg("num_requests_total", 'engine_type="decode"')
 
     row("Verification (prefill -> decode)")
+    once = ("Each room counts once per server, however many of its TP ranks verified it (each gives its own "
+            "verdict).")
+    mismatching_rooms = count_in_range("first_divergence_total", merge="stage")
+    verified_count = count_in_range("rooms_verified_total", *verified_rooms, merge="verdict")
     panel("stat", "Mismatching rooms",
           "Corrupt rooms over the dashboard range: rooms whose decode digest differed from prefill's, each counted "
           f"once, at the first decode stage that saw it ({P}first_divergence_total, what the mismatch alert reads; "
-          "a room still corrupt at later stages is not counted again). Counted per TP rank that verified the room. "
+          f"a room still corrupt at later stages is not counted again). {once} A corrupt HiCache load is not "
+          "counted here (prefill sends the restored bytes, so every PD stage matches): see HiCache corrupt loads. "
           "Red above zero.",
-          [target(count_in_range("first_divergence_total") + ZERO, "rooms", instant=True)], 5, 5, **stat(RED))
+          [target(mismatching_rooms + ZERO, "rooms", instant=True)], 4, 5, **stat(RED))
+    # The other corruption the probe finds: a HiCache load that wrote index-K differing from what its
+    # backup read (the Dsv4IdxkProbeHiCacheRestoreMismatch alert). Prefill digests the restored bytes
+    # and sends them, so every PD stage matches and "Mismatching rooms" reads 0 while that critical
+    # alert fires. It gets a red stat of its own beside it rather than being added in: a load is not
+    # a PD room (the mismatch ratio is per verified PD room), and its culprit and runbook differ (the
+    # host pool, not the transfer). Its title starts with "HiCache", as the HiCache row's, so checks
+    # of a server without host pools (the demo rig) leave it out as they leave that row out.
+    panel("stat", "HiCache corrupt loads",
+          "HiCache loads (host pool to device) over the range that wrote index-K differing from what their backup "
+          f"read ({P}rooms_verified_total{{stage=\"hicache_load\", verdict=\"mismatch\"}}, what the "
+          "Dsv4IdxkProbeHiCacheRestoreMismatch alert reads). Prefill then digests and sends the corrupt bytes, so "
+          "Mismatching rooms stays 0. Each load counts once per server, however many of its TP ranks restored "
+          "it. The prefill room log's restore_mismatch records localise it. Red above zero.",
+          [target(count_in_range("rooms_verified_total", 'stage="hicache_load"', 'verdict="mismatch"') + ZERO,
+                  "loads", instant=True)], 4, 5, **stat(RED))
     panel("stat", "Mismatch ratio",
           "Mismatching rooms / verified rooms over the range. Verified: rooms whose decode_recv digest was compared "
-          "with prefill's (match or mismatch). Red above zero.",
-          [target(f"({count_in_range('first_divergence_total')} / clamp_min({count_in_range('rooms_verified_total', *verified_rooms)}, 1))"
-                  + ZERO, "ratio", instant=True)], 5, 5, **stat(RED, unit="percentunit"))
-    panel("stat", "Verified rooms", "Rooms whose decode_recv digest was compared with prefill's (match or mismatch), over the range.",
-          [target(count_in_range("rooms_verified_total", *verified_rooms) + ZERO, "rooms", instant=True)], 5, 5, **stat(graph="area"))
+          f"with prefill's (match or mismatch). {once} Red above zero.",
+          [target(f"({mismatching_rooms} / clamp_min({verified_count}, 1))" + ZERO, "ratio", instant=True)],
+          4, 5, **stat(RED, unit="percentunit"))
+    panel("stat", "Verified rooms", "Rooms whose decode_recv digest was compared with prefill's (match or mismatch), "
+          f"over the range. {once}",
+          [target(verified_count + ZERO, "rooms", instant=True)], 4, 5, **stat(graph="area"))
     panel("stat", "Unverified or not comparable",
-          "Room-stages with no prefill digest in time, or with a different layout signature, over the range.",
-          [target(count_in_range("rooms_verified_total", 'verdict=~"unverified|not_comparable"') + ZERO, "room-stages", instant=True)],
-          5, 5, **stat(ORANGE))
-    panel("stat", "Rooms digested on prefill", "Rooms whose index-K prefill digested as it left, over the range.",
-          [target(count_in_range("rooms_digested_total", 'stage="prefill_send"') + ZERO, "rooms", instant=True)], 4, 5, **stat(graph="area"))
-    panel("timeseries", "Verified rooms by stage and verdict", "Decode-stage verdicts per second.",
-          [target(rate("rooms_verified_total", "stage, verdict"), "{{stage}} {{verdict}}")], 12,
+          "Room-stages with no prefill digest in time, or with a different layout signature, over the range (each "
+          "once per server, however many of its ranks gave that verdict).",
+          [target(count_in_range("rooms_verified_total", 'verdict=~"unverified|not_comparable"', merge="verdict") + ZERO,
+                  "room-stages", instant=True)],
+          4, 5, **stat(ORANGE))
+    panel("stat", "Rooms digested on prefill", "Rooms whose index-K prefill digested as it left, over the range "
+          "(each once per server, however many of its ranks digested it).",
+          [target(count_in_range("rooms_digested_total", 'stage="prefill_send"') + ZERO, "rooms", instant=True)], 4, 5,
+          **stat(graph="area"))
+    panel("timeseries", "Verified rooms by stage and verdict", "Decode-stage (and HiCache load) verdicts per second, "
+          "each room once per server however many of its ranks verified it.",
+          [target(room_rate("rooms_verified_total", "stage, verdict"), "{{stage}} {{verdict}}")], 12,
           **series("ops", [colour_override(by_regexp("/.* mismatch/"), RED), colour_override(by_regexp("/.* not_comparable/"), ORANGE),
                            colour_override(by_regexp("/.* unverified/"), GREY)], stack=True))
     panel("bargauge", "First-divergence stage", "Mismatching rooms by the earliest decode stage whose digest differed "
-          "(decode_recv: corrupt in transfer; decode_step/finish: corrupted after receipt), over the range.",
-          [target(f"sum by (stage) (floor(increase({P}first_divergence_total{sel()}[$__range])))", "{{stage}}", instant=True)], 6,
+          "(decode_recv: corrupt in transfer; decode_step/finish: corrupted after receipt), over the range, each "
+          "room once per server.",
+          [target(f"sum by (stage) ({once_per_server(f'floor(increase({P}first_divergence_total{sel()}[$__range]))')})",
+                  "{{stage}}", instant=True)], 6,
           options={"orientation": "horizontal", "displayMode": "basic", "reduceOptions": {"calcs": ["lastNotNull"]}},
           fieldConfig={"defaults": {"color": {"mode": "fixed", "fixedColor": RED}, "unit": "short", "noValue": NO_MISMATCH}, "overrides": []})
     panel("timeseries", "Mismatching cells by segment", "Differing (layer, page) cells per second, by row segment (payload, scale, ...).",
           [target(rate("mismatch_cells_total", "stage, segment"), "{{stage}} {{segment}}")], 6, **series("ops", no_value=NO_MISMATCH))
     heat("layer", "mismatch_layer_hits_total", "layer")
     heat("page_bucket", "mismatch_page_bucket_hits_total", "page bucket")
-    panel("timeseries", "Unverified and not-comparable rooms", "Unverified: no prefill digest in time. Not comparable: layout signatures differ (a rolling upgrade, not corruption).",
-          [target(rate("rooms_verified_total", "stage, verdict", 'verdict=~"unverified|not_comparable"'), "{{stage}} {{verdict}}")], 12,
+    panel("timeseries", "Unverified and not-comparable rooms", "Unverified: no prefill digest in time. Not comparable: "
+          "layout signatures differ (a rolling upgrade, not corruption). Each room once per server.",
+          [target(room_rate("rooms_verified_total", "stage, verdict", 'verdict=~"unverified|not_comparable"'),
+                  "{{stage}} {{verdict}}")], 12,
           **series("ops", [colour_override(by_regexp("/.* not_comparable/"), ORANGE)]))
     panel("timeseries", "Verify latency p99", "From a decode digest's enqueue to its verdict.",
           [target(quantile(0.99, "verify_latency_seconds"), "p99 {{stage}}")], 12, **series("s", no_value="no decode digests in range"))
@@ -282,15 +346,18 @@ def panels() -> list[dict]:
     row("SGLang PD (SGLang's own metrics, beside the probe's)")
     panel("timeseries", "Decode requests and verified rooms",
           "Requests SGLang's decode servers finished (sglang:num_requests_total, engine_type decode) next to the rooms "
-          "the probe verified there at decode_recv (any verdict but skipped). Verified falling below requests means "
-          "rooms going unchecked (the Dsv4IdxkProbeDecodeVerifiesNone alert).",
+          "the probe verified there at decode_recv (any verdict but skipped), each room once per server however many "
+          "of its TP ranks verified it. Verified falling below requests means rooms going unchecked (the "
+          "Dsv4IdxkProbeDecodeVerifiesNone alert).",
           [target(f"sum by (instance) (rate({decode_requests}[$__rate_interval]))", "{{instance}} SGLang decode requests"),
-           target(rate("rooms_verified_total", "instance", *checked_rooms), "{{instance}} rooms verified", "B")],
+           target(room_rate("rooms_verified_total", "instance", *checked_rooms, merge="verdict"), "{{instance}} rooms verified", "B")],
           10, **series("ops", no_value=NO_SGLANG))
     panel("stat", "Verification coverage",
           "Rooms the probe verified at decode_recv (any verdict but skipped) per request SGLang's decode servers "
-          "finished, over the range.",
-          [target(f"{count_in_range('rooms_verified_total', *checked_rooms)} / sum(floor(increase({decode_requests}[$__range])))",
+          "finished, over the range. Each room counts once per server, however many of its TP ranks verified it "
+          "(SGLang counts a request once, on its tokenizer, with no rank).",
+          [target(f"{count_in_range('rooms_verified_total', *checked_rooms, merge='verdict')} "
+                  f"/ sum(floor(increase({decode_requests}[$__range])))",
                   "coverage", instant=True)],
           4, 8, fieldConfig={"defaults": {"unit": "percentunit", "noValue": NO_SGLANG, "color": {"mode": "thresholds"},
                                           "thresholds": thresholds((ORANGE, None), (GREEN, 0.99))}, "overrides": []},
