@@ -126,7 +126,10 @@ def _segment_digest(w, OFFSET: tl.constexpr, TILE: tl.constexpr):
     mod 2^32, so each row multiplies once, not once per word (less integer work;
     no change measured on the H200, bench/RESULTS.md)."""
     x = w ^ _salt(OFFSET, TILE)[None, :]
-    a = x * _MIX_A
+    a = x ^ (x >> 16)  # lane A: fmix32(x), MurmurHash3's 32-bit finaliser
+    a = a * _MIX_A
+    a = a ^ (a >> 13)
+    a = a * _MIX_B
     a = a ^ (a >> 16)
     sum_a = tl.sum(a, axis=1)  # uint32: mod 2^32, as the definition sums
     sum_b = tl.sum(x ^ (x >> 15), axis=1) * _MIX_B

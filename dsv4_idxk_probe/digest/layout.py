@@ -21,7 +21,7 @@ from .. import safeyaml
 from ..boundedfile import read_bounded_text
 
 #: Bumped whenever the digest arithmetic in docs/digest.md changes.
-DIGEST_VERSION = 1
+DIGEST_VERSION = 2
 #: A layouts file holds a few entries; a bigger one is a mistake (or an attack).
 MAX_LAYOUTS_BYTES = 1 << 20
 

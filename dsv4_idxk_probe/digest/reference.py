@@ -72,7 +72,10 @@ def segment_digests(rows, frozen_slots, layout: RowLayout) -> np.ndarray:
         j = np.arange(seg.word_offset, seg.word_offset + n_words, dtype=np.uint32)
         salt = j * np.uint32(SALT_MUL) + np.uint32(SALT_ADD)
         x = words[:, seg.word_offset : seg.word_offset + n_words] ^ salt
-        a = x * np.uint32(MIX_A)
+        a = x ^ (x >> np.uint32(16))  # lane A: fmix32(x)
+        a *= np.uint32(MIX_A)
+        a ^= a >> np.uint32(13)
+        a *= np.uint32(MIX_B)
         a ^= a >> np.uint32(16)
         b = (x ^ (x >> np.uint32(15))) * np.uint32(MIX_B)
         if partial.size:

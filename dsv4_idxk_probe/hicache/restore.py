@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..digest.collector import DEFER_ROUNDS
-from ..digest.layout import RowLayout, Segment, shipped_layouts
+from ..digest.layout import DIGEST_VERSION, RowLayout, Segment, shipped_layouts
 from ..safety import record_error
 from ..vocabulary import HICACHE_STAGES
 from .restore_compare import LoadComparison, compare_load
@@ -52,10 +52,14 @@ STAGE = HICACHE_STAGES[0]  # "hicache_load"
 #: A stored page's digests travel beside it under the page's storage key plus this suffix
 #: (a sidecar key in the storage backend's own key space; docs/hicache.md, "The storage tier").
 SIDECAR_SUFFIX = ".dsv4-idxk-digest"
-#: First word of a sidecar: "dsv4idx2" as a little-endian uint64 (the second format: the first,
-#: "dsv4idxk", carried no page version and reads as no sidecar), then layers, segments, the
-#: stored page's version (VERSION_WORDS words), digests.
-SIDECAR_MAGIC = int.from_bytes(b"dsv4idx2", "little")
+#: First word of a sidecar, as a little-endian uint64: its format and the digest version of the
+#: digests it holds ("dsv4idx2": digest version 1, "dsv4idx3": version 2; the first format,
+#: "dsv4idxk", carried no page version), then layers, segments, the stored page's version
+#: (VERSION_WORDS words), digests. Stored pages outlive the process that stored them: a sidecar
+#: of another word (written by a probe of another digest version) reads as none, never as
+#: digests to compare with this version's.
+_SIDECAR_MAGIC_OF_DIGEST_VERSION = {1: b"dsv4idx2", 2: b"dsv4idx3"}
+SIDECAR_MAGIC = int.from_bytes(_SIDECAR_MAGIC_OF_DIGEST_VERSION[DIGEST_VERSION], "little")
 EARLIER_SIDECAR_HEAD = b"dsv4idxk"  # the first format's first word
 #: Which stored page a sidecar describes, as the storage backend tells one file from another
 #: (HiCacheFile: inode, its generation, size, modification time in ns): opaque integers here.

@@ -192,6 +192,29 @@ def test_kernel_localises_a_flipped_bit_like_the_reference(seed, flip_layer, fli
     assert result.exact and result.layer_segments == [([10, 20][flip_layer], segment)] and result.pages == [flip_page]
 
 
+@pytest.mark.parametrize("bit", [31, 30])
+def test_kernel_finds_the_same_high_bit_flipped_in_two_words_of_a_row(bit):
+    """Digest version 1 let such a pair cancel in both lane sums a quarter of the time (bit 31)
+    (docs/digest.md, "Words"): the kernel, like the reference, finds every one of these."""
+    layout = get_layout("fp8")
+    g = torch.Generator().manual_seed(bit)
+    pages = 16
+    buffers = [torch.randint(0, 256, (pages, layout.row_bytes), dtype=torch.uint8, generator=g)]
+    rooms = [RoomRequest(f"r{page}", torch.tensor([page], device=DEVICE), 256) for page in range(pages)]
+    kernel, _ = _engines(layout, [10], buffers)
+    before = kernel.digest_now(rooms)
+    words = kernel.buffers[0].view(torch.int32)
+    first = torch.randint(0, 2048, (pages,), generator=g)  # payload words (bytes 0-8191)
+    pairs = zip(first.tolist(), ((first + torch.randint(1, 2048, (pages,), generator=g)) % 2048).tolist())
+    for page, (first, second) in enumerate(pairs):
+        words[page, first] ^= -(1 << 31) if bit == 31 else 1 << bit
+        words[page, second] ^= -(1 << 31) if bit == 31 else 1 << bit
+    after = kernel.digest_now(rooms)
+    for b, a in zip(before, after, strict=True):
+        result = compare(b, a)
+        assert result.verdict == "mismatch" and result.layer_segments == [(10, "payload")], result
+
+
 def test_kernel_stores_every_cell_of_every_room_once(random_buffers):
     """Called directly: each (layer, page, segment) cell the kernel stores equals
     reference.room_cells, for int32 and int64 page tables in one launch, and no cell

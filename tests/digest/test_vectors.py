@@ -78,7 +78,10 @@ def test_zero_cell_content_by_the_words_definition_written_out():
         sum_a = sum_b = 0
         for j in range(seg.word_offset, seg.word_offset + 7 * seg.slot_words):
             x = (j * 0x9E3779B1 + 0x7F4A7C15) & m  # 0 XOR the position salt
-            a = (x * 0x85EBCA6B) & m
+            a = x ^ (x >> 16)  # fmix32
+            a = (a * 0x85EBCA6B) & m
+            a ^= a >> 13
+            a = (a * 0xC2B2AE35) & m
             sum_a += a ^ (a >> 16)
             sum_b += ((x ^ (x >> 15)) * 0xC2B2AE35) & m
         assert f"{((sum_b & m) << 32) | (sum_a & m):016x}" == v[seg.name], seg.name

@@ -467,6 +467,22 @@ def test_a_sidecar_of_the_earlier_format_reads_as_none_and_is_taken_away(hicache
     assert_load_unverified(env, pool)  # and the fixture: no probe error counted
 
 
+def test_a_sidecar_of_another_digest_version_reads_as_none(hicache, make_pool, storage):
+    """Stored pages outlive the probe that stored them: a sidecar written by a probe of digest
+    version 1 (magic "dsv4idx2", the same size) holds digests of another definition. It is no
+    sidecar: the restore counts unverified, and no mismatch is found."""
+    env, pool = backed_up(hicache, make_pool)
+
+    def written_by_digest_version_1():
+        settle(env)
+        words = np.fromfile(sidecar_file(storage, "page-5"), dtype=np.uint64)
+        words[0] = int.from_bytes(b"dsv4idx2", "little")
+        words.tofile(sidecar_file(storage, "page-5"))
+
+    store_evict_restore(pool, storage, written_by_digest_version_1)
+    assert_load_unverified(env, pool)  # and the fixture: no probe error counted
+
+
 def test_a_file_stored_again_on_a_reused_inode_is_another_version(storage):
     """ext4 hands a freed inode number out again at once, and the kernel's file clock moves in
     ticks: the inode's generation tells the two files apart where their number, size and
