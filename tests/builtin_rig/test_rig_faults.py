@@ -169,3 +169,33 @@ def test_probe_agrees_with_the_byte_level_oracle_everywhere(matrix):
     assert check.oracle_checked == 2 * rooms + result.stats["decode"]["step_digests"]
     assert check.oracle_disagreements == [] and check.unexplained == []
     assert check.ok, dump([c.__dict__ for c in check.checks if not c.ok])
+
+
+def test_a_live_verdict_the_digests_do_not_back_fails_the_verification(matrix, tmp_path):
+    """The checks above judge the diff's verdicts, recomputed from both sides' digests; what
+    decode said live (its log, metrics, alerts) must be the same: the matrix's decode records
+    rewritten as a probe whose live comparison always said match (digests left alone, lines
+    re-encoded) fail the verification, where the real ones pass."""
+    import shutil
+
+    from dsv4_idxk_probe.roomlog.lineformat import decode_line, encode_line
+
+    result, _, _, _, _, tmp = matrix
+    logs = tmp_path / "logs"
+    shutil.copytree(tmp / "logs", logs)
+    rewritten = 0
+    for path in logs.glob("decode-*.jsonl"):
+        lines = []
+        for line in path.read_bytes().splitlines(keepends=True):
+            rec = decode_line(line)
+            if rec.get("kind") == "room" and rec.get("verdict") == "mismatch":
+                rec.pop("h", None)
+                rec["verdict"], rec["reason"] = "match", ""
+                rewritten += 1
+                line = encode_line(rec)
+            lines.append(line)
+        path.write_bytes(b"".join(lines))
+    assert rewritten
+    check = verify(logs, result.faults, result.oracle, sorted(result.finished))
+    assert len(check.live_disagreements) == rewritten and not check.ok, check.live_disagreements[:3]
+    assert verify(tmp / "logs", result.faults, result.oracle, sorted(result.finished)).live_disagreements == []

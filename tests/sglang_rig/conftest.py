@@ -51,10 +51,12 @@ def describe(phase: Phase) -> str:
     lines += [f"wrong output: {rid}" for rid in phase.wrong_outputs[:10]]
     lines += [f"lost by SGLang's router before decode, sent again: {rid}" for rid in phase.router_lost]
     lines += [f"unrecorded fault: {u}" for u in phase.unrecorded_faults[:10]]
+    lines += [f"missing step digest: {m}" for m in phase.missing_step_digests[:10]]
     if v is not None:
         lines += [f"fault {c.label} room {c.record.get('rig_room')}: {c.note or c.seen}" for c in v.checks if not c.ok]
         lines += [f"unexplained: {u}" for u in v.unexplained[:10]]
         lines += [f"oracle disagrees: {d}" for d in v.oracle_disagreements[:10]]
+        lines += [f"live verdict disagrees: {d}" for d in v.live_disagreements[:10]]
         lines += [f"unfinished room: {r}" for r in v.unfinished[:10]]
         lines.append(f"verdicts {v.verdicts}; oracle points {v.oracle_checked}")
     return "\n".join(lines)

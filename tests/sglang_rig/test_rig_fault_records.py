@@ -240,3 +240,26 @@ def test_the_demo_refuses_a_spec_the_model_cannot_take_before_any_server_starts(
     with pytest.raises(FaultSpecError, match=r"room 30 is not in this phase \(rooms 1..8\)"):
         demo.run_sglang_demo(demo.SGLangDemoOptions(rooms=8, faults=str(spec), log_dir=str(tmp_path / "logs")),
                              io.StringIO())
+
+
+# %% the step digests the probe owed, whatever it recorded
+
+
+def test_a_room_decoded_over_two_step_intervals_without_a_step_digest_is_named():
+    """The oracle reads bytes only where the probe digests, so a probe that skipped its
+    decode_step digests would move every fault to decode_finish unnoticed: a room with
+    2 x interval decode batches or more (outputs less prefill's one) and no decode_step point
+    is named; shorter rooms, aborted ones and rooms with one are not."""
+    from dsv4_idxk_probe.testbed.sglang.workload import Outcome, Request
+
+    def outcome(number, outputs, aborted=False):
+        request = Request(number, f"t-{number}", (1, 2, 3), outputs, abort_after_s=1.0 if aborted else None)
+        return Outcome(request, 200, list(range(outputs)))
+
+    outcomes = [outcome(1, 9), outcome(2, 8), outcome(3, 40), outcome(4, 40, aborted=True), outcome(5, 12)]
+    rooms = {f"t-{n}": 100 + n for n in range(1, 6)}
+    oracle = [{"room": 103, "stage": "decode_step"}, {"room": 105, "stage": "decode_recv"},
+              {"room": 101, "stage": "decode_finish"}]
+    missing = run.missing_step_digests(outcomes, rooms, oracle, interval=4)
+    assert [m.split(":")[0] for m in missing] == ["t-1", "t-5"]
+    assert run.missing_step_digests(outcomes, rooms, oracle, interval=0) == []  # no step digests configured

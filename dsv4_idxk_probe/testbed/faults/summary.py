@@ -69,7 +69,9 @@ def render(check: Verification, n_applied: int, out: TextIO) -> None:
     print(file=out)
     for line in _wrapped(tally, "", "  "):
         print(line, file=out)
-    for problem in (check.unexplained + check.oracle_disagreements)[:20]:
+    if check.live_disagreements:
+        tally += f"; decode's own verdict differs from its digests' at {len(check.live_disagreements)} point(s)"
+    for problem in (check.unexplained + check.oracle_disagreements + check.live_disagreements)[:20]:
         for line in _wrapped(problem, "  ! ", "    "):
             print(line, file=out)
     if check.unfinished:

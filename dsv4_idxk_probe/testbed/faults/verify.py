@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...offline.diff_output import exit_status, write_json
-from ...offline.join import analyse
+from ...offline.join import DECISIVE, analyse
 from ...roomlog.reader import expand_inputs
 
 STAGE_RANK = {"decode_recv": 0, "decode_step": 1, "decode_finish": 2}
@@ -69,11 +69,15 @@ class Verification:
     oracle_disagreements: list[str] = field(default_factory=list)
     unfinished: list[int] = field(default_factory=list)  # planned rooms without a decode_finish verdict
     verdicts: dict = field(default_factory=dict)
+    # digest points where decode's own verdict (what its log, metrics and alerts said) is not the
+    # one the diff recomputes from both sides' digests: the checks above judge the diff's
+    live_disagreements: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         applied = [c for c in self.checks if c.record["applied"]]
-        return all(c.ok for c in applied) and not (self.unexplained or self.oracle_disagreements or self.unfinished)
+        return all(c.ok for c in applied) and not (self.unexplained or self.oracle_disagreements or self.unfinished
+                                                   or self.live_disagreements)
 
 
 def run_diff(log_dir: Path) -> tuple[int, dict]:
@@ -113,6 +117,11 @@ def verify(log_dir: Path, faults: list[dict], oracle: list[dict], planned: list[
     result.unfinished = sorted(
         room for room in planned if not any(k[1:] == stage_key("decode_finish", None)[1:] for k in stages.get(room, {}))
     )
+    result.live_disagreements = [
+        f"room {room} {s['stage']} step {s['step']}: decode said {s['live_verdict']}, the digests say {s['verdict']}"
+        for room, r in sorted(rooms.items()) for s in r["stages"]
+        if s.get("live_verdict") in DECISIVE and s["verdict"] in DECISIVE and s["live_verdict"] != s["verdict"]
+    ]
     return result
 
 

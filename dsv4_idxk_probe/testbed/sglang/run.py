@@ -52,11 +52,13 @@ class Phase:
     seconds: float = 0.0
     # rids SGLang's router lost on one leg, each sent again as "<rid>-resent" (router_loss)
     router_lost: list[str] = field(default_factory=list)
+    # rooms the probe's step rule owed a decode_step digest that got none (`missing_step_digests`)
+    missing_step_digests: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (bool(self.verification and self.verification.ok) and not self.wrong_outputs
-                and not self.failed_requests and not self.unrecorded_faults)
+                and not self.failed_requests and not self.unrecorded_faults and not self.missing_step_digests)
 
 
 class RigSession:
@@ -157,8 +159,15 @@ class RigSession:
         phase.unrecorded_faults = unrecorded(owed, faults_seen)
         phase.faults = expectations(faults_seen, oracle)
         phase.verification = verify(self.log_dir, phase.faults, oracle, planned, only_rooms=set(phase.rooms.values()))
+        phase.missing_step_digests = missing_step_digests(outcomes, phase.rooms, oracle, self.step_interval())
         phase.seconds = time.monotonic() - t0
         return phase
+
+    def step_interval(self) -> int:
+        """The probe config's `step_interval` (0: no step digests)."""
+        from ...config import load_file
+
+        return int(load_file(self.config_path).step_interval)
 
     def _resend_router_lost(self, requests: list[Request], outcomes: list[Outcome], concurrency: int,
                             plan: dict[str, Any]) -> tuple[list[Request], list[Outcome], list[str]]:
@@ -242,6 +251,24 @@ class RigSession:
 
     def oracle(self, rids: set[str]) -> list[dict]:
         return [o for o in self._read("oracle") if o.get("rid") in rids]
+
+
+def missing_step_digests(outcomes: list[Outcome], rooms: dict[str, int], oracle: list[dict],
+                         interval: int) -> list[str]:
+    """Rooms that decoded through two step intervals or more with no `decode_step` digest.
+    The oracle reads bytes only where the probe digests, and a fault's expected stage is the
+    first of those points that saw it: a probe that skipped its step digests would move every
+    fault to `decode_finish` unnoticed. Its rule (a step digest of every running room on every
+    `interval`-th decode batch; a room finishing in that batch gets its finish instead) owes a
+    room decoded over 2 x interval batches (its outputs less the one prefill gave) at least one,
+    whatever the probe recorded."""
+    if interval <= 0:
+        return []
+    stepped = {o.get("room") for o in oracle if o.get("stage") == "decode_step"}
+    return [f"{o.request.rid}: {len(o.output_ids)} outputs and no decode_step digest"
+            for o in outcomes
+            if o.status == 200 and not o.request.aborted and o.request.rid in rooms
+            and len(o.output_ids) - 1 >= 2 * interval and rooms[o.request.rid] not in stepped]
 
 
 def expected_output(request: Request) -> list[int]:
