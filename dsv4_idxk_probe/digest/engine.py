@@ -183,6 +183,8 @@ class DigestEngine(Launcher, Collector):
                 )
             if not buf.is_contiguous():
                 raise ValueError(f"buffer {i} (layer {layer_ids[i]}) is not contiguous")
+            if buf.data_ptr() % 4:  # the kernel reads whole words: it would start before the buffer
+                raise ValueError(f"buffer {i} (layer {layer_ids[i]}) does not start on a 4-byte boundary")
         self.layout = layout
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.signature = layout_signature(layout, self.layer_ids)

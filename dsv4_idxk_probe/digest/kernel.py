@@ -343,11 +343,12 @@ def layout_constants(layout, base_align: int) -> dict:
 
 
 def _alignment(values) -> int:
-    """The largest of 16, 8, 4 that every value is a multiple of."""
-    for align in (16, 8):
+    """The largest of 16, 8, 4 that every value is a multiple of (ValueError if not even 4:
+    the kernel reads whole words and would read before such a buffer)."""
+    for align in (16, 8, 4):
         if all(int(v) % align == 0 for v in values):
             return align
-    return 4
+    raise ValueError("a buffer does not start a whole number of 4-byte words from the layer table")
 
 
 def layer_table(buffers, layer_ids, device) -> tuple[torch.Tensor, int]:

@@ -386,3 +386,18 @@ def test_a_dropped_batchs_staging_buffer_is_held_from_the_allocator(engine, monk
         return
     gc.collect()
     assert all(ref() is not None for ref in stagings), "a dropped batch's staging buffer was freed"
+
+
+def test_a_buffer_that_does_not_start_on_a_word_boundary_is_refused():
+    """The kernel reads whole 4-byte words from each buffer's distance to the layer table: a
+    buffer 2 bytes past a word boundary was read from 2 bytes before its start (every cell a
+    mismatch, and bytes outside it read). Refused at registration, and by the layer table."""
+    from dsv4_idxk_probe.digest.kernel import layer_table
+
+    layout = get_layout("fp4")
+    big = torch.zeros(3 * layout.row_bytes + 16, dtype=torch.uint8)
+    shifted = big[2 : 2 + 3 * layout.row_bytes].view(3, layout.row_bytes)
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        DigestEngine(layout, [0], [shifted], backend="reference")
+    with pytest.raises(ValueError, match="4-byte words"):
+        layer_table([big[: 3 * layout.row_bytes].view(3, -1), shifted], [0, 1], "cpu")
