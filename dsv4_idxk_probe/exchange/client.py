@@ -192,19 +192,16 @@ class VectorClient:
         if down:
             return None, self._fail("peer_down")
         deadline = time.monotonic() + self.timeout_ms / 1000.0
+        reused = session is not None
         try:
             try:
                 if session is None:
                     session = self._connect(endpoint, deadline)
-                    reused = False
-                else:
-                    reused = True
                 answer = self._request(session, key, deadline)
             except (_Closed, ConnectionError):
-                if session is None or not reused:
+                if not reused:
                     raise
                 session.sock.close()  # the peer dropped an idle connection: once more, on a new one
-                session = None
                 session = self._connect(endpoint, deadline)
                 answer = self._request(session, key, deadline)
             self._check_in(endpoint, session)
