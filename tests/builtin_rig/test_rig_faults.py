@@ -198,4 +198,12 @@ def test_a_live_verdict_the_digests_do_not_back_fails_the_verification(matrix, t
     assert rewritten
     check = verify(logs, result.faults, result.oracle, sorted(result.finished))
     assert len(check.live_disagreements) == rewritten and not check.ok, check.live_disagreements[:3]
+    import io
+
+    from dsv4_idxk_probe.testbed.faults.summary import render
+
+    out = io.StringIO()
+    render(check, sum(1 for f in result.faults if f["applied"]), out)
+    assert f"decode's own verdict differs from its digests' at {rewritten} point(s)" in out.getvalue()
+    assert "the probe MISSED or INVENTED something" in out.getvalue()
     assert verify(tmp / "logs", result.faults, result.oracle, sorted(result.finished)).live_disagreements == []

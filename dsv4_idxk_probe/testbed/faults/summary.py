@@ -66,11 +66,11 @@ def render(check: Verification, n_applied: int, out: TextIO) -> None:
     tally = (f"found where and when expected: {found}/{n_applied}; mismatches no fault explains: "
              f"{len(check.unexplained)}; probe vs byte-level oracle: "
              f"{check.oracle_checked - len(check.oracle_disagreements)}/{check.oracle_checked} digest points agree")
+    if check.live_disagreements:
+        tally += f"; decode's own verdict differs from its digests' at {len(check.live_disagreements)} point(s)"
     print(file=out)
     for line in _wrapped(tally, "", "  "):
         print(line, file=out)
-    if check.live_disagreements:
-        tally += f"; decode's own verdict differs from its digests' at {len(check.live_disagreements)} point(s)"
     for problem in (check.unexplained + check.oracle_disagreements + check.live_disagreements)[:20]:
         for line in _wrapped(problem, "  ! ", "    "):
             print(line, file=out)
