@@ -100,7 +100,7 @@ def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
 
 
 def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, kwargs: dict) -> None:
-    side = decode_side(runtime, getattr(queue, "scheduler", None))
+    side = decode_side(runtime, getattr(queue, "scheduler", None))  # first: it may build the side, host receive or not
     if is_host_destination(kwargs):
         # Host-receive: prefill writes this room into decode's HiCache host pool, unseen by
         # the host-pool wrappers: the rows' kept digests go (their restore counts
