@@ -381,13 +381,34 @@ def prefill_room_pages(scheduler: Any, req: Any, end_idx: int | None) -> RoomPag
     return RoomPages(tokens, end - start, start, page_size)
 
 
-def decode_room_pages(kv_indices: Any, page_size: int, metadata_kwargs: Mapping[str, Any]) -> RoomPages | str:
-    """The destination pages decode publishes in `_send_kv_metadata`."""
+def decode_room_pages(kv_indices: Any, page_size: int, metadata_kwargs: Mapping[str, Any],
+                      room_end: int | None = None, device_page_size: int | None = None) -> RoomPages | str:
+    """The destination pages decode publishes in `_send_kv_metadata`.
+
+    With HiSparse (`device_kv_indices` given) `kv_indices` are the host rows of the C4 KV,
+    a quarter of the room's tokens, and index-K goes to the device pages named beside them,
+    one per logical page of ``[decode prefix, room_end)``: the room's length is `room_end`
+    (where the pages it published end), never `len(kv_indices)`."""
     start = int(metadata_kwargs.get("decode_prefix_len", 0) or 0)
+    device_pages = metadata_kwargs.get("device_kv_indices")
+    if device_pages is not None:
+        return _hisparse_room_pages(device_pages, start, room_end, device_page_size)
     n_tokens = len(kv_indices)
     if n_tokens <= 0:
         return "nothing to receive"
-    device_pages = metadata_kwargs.get("device_kv_indices")
-    if device_pages is not None:  # HiSparse: KV goes to host rows, index-K stays in device pages
-        return RoomPages(device_pages, n_tokens, start)
     return RoomPages(page_ids_of(kv_indices, page_size), n_tokens, start)
+
+
+def _hisparse_room_pages(device_pages: Any, start: int, room_end: int | None,
+                         device_page_size: int | None) -> RoomPages | str:
+    """HiSparse's index-K destination, or why it cannot be digested: its device pages must
+    be exactly those of the room's tokens past the decode prefix (else the pages and the
+    length would name different bytes: skipped, with this reason, never judged)."""
+    if room_end is None or not device_page_size:
+        return "HiSparse room length not readable"
+    n_tokens = room_end - start
+    if n_tokens <= 0:
+        return "nothing to receive"
+    if len(device_pages) != -(-n_tokens // device_page_size):
+        return f"HiSparse device pages ({len(device_pages)}) do not cover the room's {n_tokens} tokens"
+    return RoomPages(device_pages, n_tokens, start)

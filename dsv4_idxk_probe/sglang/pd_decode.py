@@ -112,11 +112,23 @@ def on_send_metadata(runtime: Any, queue: Any, decode_req: Any, kv_indices: Any,
         return
     if side is None:
         return
-    dest = decode_room_pages(kv_indices, page_size, kwargs)
+    dest = decode_room_pages(kv_indices, page_size, kwargs, *_hisparse_extent(queue, decode_req, kwargs))
     setattr(decode_req, ATTR_DEST, dest)
     room = room_of(getattr(decode_req, "req", None))
     if not isinstance(dest, str) and room is not None:  # diagnosis: a journal event, the pages' bytes before
         runtime.sides["decode"].monitor.room_allocated(RoomId(room), dest.pages, dest.n_tokens)
+
+
+def _hisparse_extent(queue: Any, decode_req: Any, kwargs: dict) -> tuple[int | None, int | None]:
+    """Where a HiSparse room's published pages end and the device page size, read only where
+    decode named device pages (`device_kv_indices`): SGLang sends the host rows of the C4 KV
+    as `kv_indices` then, which say nothing of the room's length."""
+    if kwargs.get("device_kv_indices") is None:
+        return None, None
+    try:
+        return published_len(queue, decode_req.req), int(queue.token_to_kv_pool_allocator.page_size)
+    except Exception:
+        return None, None  # the room is skipped with the reason, not judged at a wrong length
 
 
 def on_preallocated(runtime: Any, queue: Any, preallocated: Any) -> None:

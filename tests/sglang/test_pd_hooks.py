@@ -636,6 +636,40 @@ def test_host_received_room_is_not_digested_at_host_page_ids(worlds, patched):
     assert runtime.sides["decode"].monitor.tracked() == 0
 
 
+def _hisparse_room(worlds, patched, device_pages):
+    """Decode publishes a room as SGLang does under HiSparse (decode.py, the prealloc queue's
+    publish): `kv_indices` are host rows of the C4 KV, a quarter of the room's tokens at the
+    C4 page size, and index-K goes to `device_kv_indices`, the room's logical device pages."""
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    send_room(prefill)
+    pdworld.transfer_index_k(prefill, decode)
+    dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+    host_rows = torch.arange(64 * 40, 64 * 40 + pdworld.ROOM_TOKENS // 4, dtype=torch.int64)
+    pdworld.prealloc_queue(decode)._send_kv_metadata(
+        dreq, host_rows, 64, None, decode_prefix_len=pdworld.PREFIX_TOKENS,
+        device_kv_indices=np.array(device_pages, dtype=np.int32))
+    pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+    pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+    return sink.wait_for(1, stage="decode_recv")[0], registry
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,
+                    reason="before 0.5.21 the probe reads a room's pages off req_to_token (HiSparse's logical pages)")
+def test_a_hisparse_room_is_digested_over_its_whole_length_at_its_device_pages(worlds, patched):
+    """HiSparse's `kv_indices` say nothing of the room's length: taken as its length, decode
+    digested a quarter of the room and judged every room not_comparable."""
+    record, registry = _hisparse_room(worlds, patched, pdworld.DECODE_PAGES[1:])
+    assert (record["verdict"], record["digest"]["n_tokens"]) == ("match", pdworld.ROOM_TOKENS), record
+
+
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA,
+                    reason="before 0.5.21 the probe reads a room's pages off req_to_token (HiSparse's logical pages)")
+def test_hisparse_device_pages_that_do_not_cover_the_room_are_skipped_with_the_reason(worlds, patched):
+    record, _ = _hisparse_room(worlds, patched, pdworld.DECODE_PAGES[1:3])
+    assert record["verdict"] == "skipped" and record["reason"].startswith("HiSparse device pages (2)"), record
+
+
 def test_finish_digest_is_taken_before_release_frees_the_pages(worlds, patched):
     """Finding 2: `decode_finish` is enqueued in a before-hook on release_kv_cache,
     so a writer of the freed pages (a reused page's transfer) cannot change it."""
