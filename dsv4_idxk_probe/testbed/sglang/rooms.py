@@ -44,6 +44,19 @@ class Track:
     transfer: int = 0  # which transfer of the room this is (a retracted room is sent again)
 
 
+@dataclass(frozen=True)
+class LowRatioPool:
+    """A V4.1 ratio-1 or ratio-2 index pool, as the stand-in writes it: one buffer per
+    kv_source layer, rows of `slots` fp4 slots of `ratio` tokens, so full page p is rows
+    p * rows_per_page .. p * rows_per_page + rows_per_page - 1."""
+
+    ratio: int
+    buffers: list[torch.Tensor]
+    layer_ids: list[int]  # kv_source layer of each buffer (SGLang's sources_by_ratio)
+    slots: int  # slots per row (SGLang's index page size)
+    rows_per_page: int
+
+
 class Rooms:
     """The rooms this server tracks and the index-K buffers their pages live in."""
 
@@ -61,6 +74,7 @@ class Rooms:
         self.by_pool_idx: dict[int, Track] = {}
         self.buffers: list[torch.Tensor] = []
         self.layer_ids: list[int] = []
+        self.low_pools: list[LowRatioPool] = []  # V4.1 only: the oracle checks these too
         self.lock = threading.Lock()
         Rooms.live = self
 
@@ -72,6 +86,13 @@ class Rooms:
         self.buffers = list(indexer.index_k_with_scale_buffer)
         ratios = list(pool.compression_ratios)
         self.layer_ids = [layer for layer, ratio in enumerate(ratios) if ratio == C4]
+        for ratio in (1, 2):
+            low = (getattr(pool, "index_pools", None) or {}).get(ratio)
+            if low is not None:
+                slots = int(low.page_size)
+                self.low_pools.append(LowRatioPool(
+                    ratio, list(low.index_k_with_scale_buffer), [int(x) for x in pool.sources_by_ratio[ratio]],
+                    slots, int(pool.page_size) // (ratio * slots)))
 
     def rows(self, page: int, layers: list[int] | None = None) -> list[np.ndarray]:
         idx = range(len(self.buffers)) if layers is None else layers
