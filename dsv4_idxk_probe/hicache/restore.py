@@ -107,8 +107,9 @@ _UNKNOWN = object()  # a pool not looked up yet (`RestoreVerifier.pool` makes it
 
 
 def is_index_k_pool(name: str) -> bool:
-    """SGLang names its index-K host pools ``deepseek_v4_c{1,2,4}_indexer`` (and
-    ``draft_indexer``): the pools whose bytes this verifies and counts."""
+    """SGLang names its index-K host pools ``deepseek_v4_c{1,2,4}_indexer``: the pools whose
+    bytes this verifies and counts. (Its ``draft_indexer`` is a DSA or QSA draft's; a
+    DeepSeek-V4 draft layer is uncompressed and has no index-K: docs/coverage.md.)"""
     return "indexer" in str(name)
 
 
