@@ -429,10 +429,15 @@ def on_retract(runtime: Any, retracted: Any) -> None:
 def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:
     """SGLang found the room's transfer Failed and aborts it: a `skipped` record at
     `decode_recv` whose reason says the transfer failed (and why, where SGLang recorded
-    it), so the room's prefill record does not stand alone in the logs."""
+    it), so the room's prefill record does not stand alone in the logs. With decode
+    HiCache (0.5.23) SGLang also fails a room whose transfer completed when the local
+    restore of the prefix it promised prefill failed: `aborted`, with that reason."""
     side = decode_side(runtime, getattr(transfer_queue, "scheduler", None))
     req = getattr(decode_req, "req", None)
     if side is None or room_of(req) is None:
+        return
+    if restore_failed(decode_req):
+        _skipped_unreceived(side, transfer_queue, decode_req, HICACHE_RESTORE_FAILED)
         return
     room = room_of(req)
     receiver = getattr(decode_req, "kv_receiver", None)
@@ -440,6 +445,17 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
     records = getattr(manager, "failure_records", None)
     why = records.get(room) if isinstance(records, dict) else None  # read, not taken: SGLang pops it next
     _skipped_unreceived(side, transfer_queue, decode_req, f"transfer failed: {why}" if why else "transfer failed")
+
+
+#: A room SGLang aborts because decode's HiCache could not restore the prefix it promised
+#: prefill (`decode_prefix_len`): the transfer itself may have completed (coverage `aborted`).
+HICACHE_RESTORE_FAILED = "aborted: decode's HiCache restore of the promised prefix failed"
+
+
+def restore_failed(decode_req: Any) -> bool:
+    """SGLang's `HiCacheRestoreResult.FAILED` on the room (decode HiCache, 0.5.23)."""
+    status = getattr(decode_req, "hicache_restore_status", None)
+    return getattr(status, "value", None) == "failed"
 
 
 def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:

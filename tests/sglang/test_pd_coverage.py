@@ -162,6 +162,26 @@ def test_a_rebootstrapped_room_whose_transfer_fails_counts_the_tokens_it_publish
     assert _coverage(registry) == {("skipped", "transfer_failed"): estimated_bytes(engine, published)}
 
 
+@pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA, reason="decode HiCache's restore status arrives in SGLang 0.5.23")
+def test_a_room_failed_for_its_decode_hicache_restore_is_counted_aborted_with_that_reason(worlds, patched):  # noqa: F811
+    """SGLang turns a completed transfer into a failed one when decode's HiCache could not
+    restore the prefix it promised prefill (its restore status FAILED): the reason says so,
+    not "transfer failed" (no failure record says why then)."""
+    mixin = pytest.importorskip("sglang.srt.disaggregation.decode_hicache_mixin")
+    prefill, decode = worlds
+    runtime, sink, registry = patched
+    dreq = hooks._with_receiver(pdworld.decode_req(hooks.ROOM, hooks.DECODE_ROW))
+    kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+    pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+    dreq.hicache_restore_status = mixin.HiCacheRestoreResult.FAILED
+    pd_decode.on_transfer_failed(runtime, pdworld.transfer_queue(decode), dreq)
+    record = sink.wait_for(1, stage="decode_recv")[0]
+    assert record["verdict"] == "skipped" and "HiCache restore" in record["reason"], record
+    _settled(runtime)
+    engine = runtime.sides["decode"].monitor.engine
+    assert _coverage(registry) == {("skipped", "aborted"): estimated_bytes(engine, pdworld.ROOM_TOKENS)}
+
+
 @pytest.mark.skipif(not pdworld.HAS_SEND_KV_METADATA, reason="`_release_request` arrives in SGLang 0.5.21")
 @pytest.mark.parametrize("message, reason", [
     ("Decode transfer failed for request rank=0 decode_req.req.rid='r' with exception boom", "transfer_failed"),
