@@ -258,8 +258,27 @@ def test_a_room_decoded_over_two_step_intervals_without_a_step_digest_is_named()
 
     outcomes = [outcome(1, 9), outcome(2, 8), outcome(3, 40), outcome(4, 40, aborted=True), outcome(5, 12)]
     rooms = {f"t-{n}": 100 + n for n in range(1, 6)}
-    oracle = [{"room": 103, "stage": "decode_step"}, {"room": 105, "stage": "decode_recv"},
-              {"room": 101, "stage": "decode_finish"}]
+    # room 103: 39 decode batches, interval 4: owed 39 // 4 - 2 = 7 step digests
+    oracle = [{"room": 103, "stage": "decode_step", "step": 4 * k} for k in range(1, 8)]
+    oracle += [{"room": 105, "stage": "decode_recv"}, {"room": 101, "stage": "decode_finish"}]
     missing = run.missing_step_digests(outcomes, rooms, oracle, interval=4)
     assert [m.split(":")[0] for m in missing] == ["t-1", "t-5"]
     assert run.missing_step_digests(outcomes, rooms, oracle, interval=0) == []  # no step digests configured
+
+
+def test_a_room_stepped_more_rarely_than_the_rule_is_named_unless_it_was_sent_again():
+    """A probe that took its step digests at half its rule's rate moved faults to later stages
+    unnoticed: a room sent once is owed B // interval - 2 of them (B: its decode batches). The
+    same point reported twice (a V4.1 pair's pool monitors) counts once; a retracted room sent
+    again is owed one only (its batches around the retraction are not known here)."""
+    from dsv4_idxk_probe.testbed.sglang.workload import Outcome, Request
+
+    outcomes = [Outcome(Request(n, f"t-{n}", (1, 2, 3), 41), 200, list(range(41))) for n in (1, 2)]
+    rooms = {"t-1": 101, "t-2": 102}
+    halved = [{"room": r, "stage": "decode_step", "step": 8 * k} for r in (101, 102) for k in range(1, 6)]
+    halved += halved[:5]  # the same points again
+    resent = [{"room": 102, "stage": "decode_recv", "transfer": 1}]
+    missing = run.missing_step_digests(outcomes, rooms, halved + resent, interval=4)
+    assert [m.split(":")[0] for m in missing] == ["t-1"] and "5 decode_step digest(s), 8 owed" in missing[0], missing
+    full = [{"room": 101, "stage": "decode_step", "step": 4 * k} for k in range(1, 9)]
+    assert run.missing_step_digests(outcomes[:1], {"t-1": 101}, full, interval=4) == []

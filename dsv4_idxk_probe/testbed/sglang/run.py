@@ -255,20 +255,37 @@ class RigSession:
 
 def missing_step_digests(outcomes: list[Outcome], rooms: dict[str, int], oracle: list[dict],
                          interval: int) -> list[str]:
-    """Rooms that decoded through two step intervals or more with no `decode_step` digest.
+    """Rooms with fewer `decode_step` digests than the probe's rule owes them.
     The oracle reads bytes only where the probe digests, and a fault's expected stage is the
-    first of those points that saw it: a probe that skipped its step digests would move every
-    fault to `decode_finish` unnoticed. Its rule (a step digest of every running room on every
-    `interval`-th decode batch; a room finishing in that batch gets its finish instead) owes a
-    room decoded over 2 x interval batches (its outputs less the one prefill gave) at least one,
-    whatever the probe recorded."""
+    first of those points that saw it: a probe that skipped its step digests, or took them
+    more rarely than its rule, would move faults to later stages unnoticed. Its rule (a step
+    digest of every running room on every `interval`-th decode batch; a room finishing in that
+    batch gets its finish instead) owes a room decoded over B batches (its outputs less the one
+    prefill gave) at least one where B >= 2 x interval and, sent once (no retraction), at least
+    B // interval - 2, whatever the probe recorded (distinct (transfer, step) points: a V4.1
+    pair's pool monitors report each point again)."""
     if interval <= 0:
         return []
-    stepped = {o.get("room") for o in oracle if o.get("stage") == "decode_step"}
-    return [f"{o.request.rid}: {len(o.output_ids)} outputs and no decode_step digest"
-            for o in outcomes
-            if o.status == 200 and not o.request.aborted and o.request.rid in rooms
-            and len(o.output_ids) - 1 >= 2 * interval and rooms[o.request.rid] not in stepped]
+    steps: dict = {}
+    resent = {o.get("room") for o in oracle if o.get("transfer", 0)}
+    for o in oracle:
+        if o.get("stage") == "decode_step":
+            steps.setdefault(o.get("room"), set()).add((o.get("transfer", 0), o.get("step")))
+    missing = []
+    for o in outcomes:
+        if o.status != 200 or o.request.aborted or o.request.rid not in rooms:
+            continue
+        room, batches = rooms[o.request.rid], len(o.output_ids) - 1
+        taken = len(steps.get(room, ()))
+        # in one transfer, every interval-th batch steps the room: one off at each end (its
+        # finish batch takes a finish digest instead, and where its batches start) at most
+        owed = 1 if batches >= 2 * interval else 0
+        if room not in resent:
+            owed = max(owed, batches // interval - 2)
+        if taken < owed:
+            missing.append(f"{o.request.rid}: {len(o.output_ids)} outputs and {taken} decode_step digest(s), "
+                           f"{owed} owed")
+    return missing
 
 
 def expected_output(request: Request) -> list[int]:
