@@ -297,3 +297,11 @@ def identity() -> dict[str, str]:
     except Exception:
         pass
     return out
+
+
+def dcp_size(manager: Any) -> int:
+    """The KV manager's decode context parallel size (`attn_dcp_size`; 1 where it has none)."""
+    try:
+        return max(1, int(getattr(manager, "dcp_size", 1) or 1))
+    except (TypeError, ValueError):
+        return 1

@@ -59,7 +59,7 @@ from ..pd import InbandDigest, RoomId
 from ..safety import safe_invoke
 from . import enforce
 from .accessors import (
-    ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, cache_protected_len, decode_skip_reason,
+    ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, cache_protected_len, dcp_size, decode_skip_reason,
     is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, rid_of, room_of,
     row_slot_plan,
 )
@@ -80,7 +80,7 @@ def decode_side(runtime: Any, scheduler: Any = None):
         if queue is None or manager is None:
             runtime.not_applicable("decode.side", "the scheduler has no decode prealloc queue with a KV manager")
             return None
-        side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+        side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args, dcp_size=dcp_size(manager))
         if runtime.config.enforce and getattr(side, "active", False) and not hasattr(side, "enforce_agreement"):
             # built here, the agreement never ran: enforce only where there is no one to agree with
             side.enforce_agreed = enforce.single_rank(getattr(scheduler, "attn_tp_cpu_group", None))
@@ -89,7 +89,7 @@ def decode_side(runtime: Any, scheduler: Any = None):
 
 
 def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
-    side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args)
+    side = build_side(runtime, "decode", queue.token_to_kv_pool, manager.kv_args, dcp_size=dcp_size(manager))
     if runtime.config.enforce and side.active:
         scheduler = getattr(queue, "scheduler", None)
         agreed, why = enforce.agree_on_enforce(getattr(scheduler, "attn_tp_cpu_group", None))

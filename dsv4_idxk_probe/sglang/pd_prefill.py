@@ -33,7 +33,7 @@ from ..pd import InbandDigest, RoomId
 from ..pd.inband import endpoint_only_slots
 from ..safety import safe_invoke
 from .accessors import (
-    ATTR_INBAND, ATTR_SENT, metadata_row, prefill_attempt, prefill_skip_reason, rid_of, room_of,
+    ATTR_INBAND, ATTR_SENT, dcp_size, metadata_row, prefill_attempt, prefill_skip_reason, rid_of, room_of,
     row_slot_plan, sender_is_last_send,
 )
 from .index_k import prefill_room_pages
@@ -69,14 +69,15 @@ def prefill_side(runtime: Any, scheduler: Any):
             return None
         side = build_side(runtime, "prefill", scheduler.token_to_kv_pool_allocator, manager.kv_args,
                           host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None),
-                          rank_port=getattr(manager, "rank_port", None))
+                          rank_port=getattr(manager, "rank_port", None), dcp_size=dcp_size(manager))
     return side if side.active else None
 
 
 def on_queue_init(runtime: Any, queue: Any, manager: Any) -> None:
     build_side(runtime, "prefill", queue.token_to_kv_pool, manager.kv_args,
                host=getattr(manager, "local_ip", None), gpu_id=getattr(queue, "gpu_id", None),
-               rank_port=getattr(manager, "rank_port", None))  # the port_offset rule (exchange/endpoint.py)
+               rank_port=getattr(manager, "rank_port", None),  # the port_offset rule (exchange/endpoint.py)
+               dcp_size=dcp_size(manager))
 
 
 def on_last_chunk(runtime: Any, scheduler: Any, req: Any, end_idx: int | None) -> None:

@@ -137,16 +137,18 @@ def _layouts(config: Any) -> dict:
 
 
 def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host: str | None = None,
-               gpu_id: int | None = None, rank_port: int | None = None) -> Any:
+               gpu_id: int | None = None, rank_port: int | None = None, dcp_size: int = 1) -> Any:
     """Build and attach `role`'s side once; later calls return the same object, a failed
-    build's `InactiveSide` too (one attempt per process: see the module's docstring)."""
+    build's `InactiveSide` too (one attempt per process: see the module's docstring).
+    `dcp_size`: the KV manager's decode context parallel size (its ranks share each page's
+    tokens, a layout the probe does not read: inactive, `layout_unknown`)."""
     with _build_lock:
         existing = runtime.sides.get(role)
         if existing is not None:
             return existing
         set_cluster(getattr(runtime.config.roomlog, "cluster", ""))  # before the side's first record
         try:
-            side = _make(runtime, role, pool, kv_args, host, gpu_id, rank_port)
+            side = _make(runtime, role, pool, kv_args, host, gpu_id, rank_port, dcp_size)
         except Exception as exc:
             record_error(f"{role}.build")  # counted; logged with its traceback the first time
             reason = f"the {role} side failed to build: {type(exc).__name__}: {exc}"
@@ -172,7 +174,7 @@ def _publish_inactive(runtime: Any, side: Any) -> None:
         log.debug("dsv4-idxk-probe: the inactive state could not be published", exc_info=True)
 
 
-def _make(runtime, role, pool, kv_args, host, gpu_id, rank_port=None):
+def _make(runtime, role, pool, kv_args, host, gpu_id, rank_port=None, dcp_size=1):
     pools: list = []
     try:
         pool = dsv4_pool(pool)
@@ -180,6 +182,9 @@ def _make(runtime, role, pool, kv_args, host, gpu_id, rank_port=None):
             raise IndexKError("the KV pool is not a DeepSeek-V4 pool", code="not_dsv4")
         layouts = _layouts(runtime.config)
         pools = list_index_pools(pool, layouts, kv_args, runtime.config.layout)
+        if dcp_size > 1:  # SGLang lays a page's tokens out over the DCP ranks (or relays them so)
+            raise IndexKError(f"decode context parallel over {dcp_size} ranks shares each page's tokens among "
+                              "them; the probe digests whole pages", code="layout_unknown")
         geometry = index_k_geometry(pool)
         if kv_args is not None:
             try:

@@ -268,6 +268,27 @@ def test_a_side_with_a_layout_it_cannot_read_is_inactive_and_counts_each_room_un
     assert host_dest == 3 * per_page
 
 
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_side_whose_kv_manager_shares_pages_over_dcp_ranks_is_inactive_with_the_reason(v41, role):
+    """With decode context parallel (the KV manager's `dcp_size` > 1) SGLang spreads each page's
+    tokens over the DCP ranks, or relays prefill's pages so: the probe's whole-page digests would
+    differ between the sides, a false mismatch. The side is inactive (`layout_unknown`) instead."""
+    from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
+
+    runtime, sink, registry = make_runtime()
+    try:
+        manager = SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=2, local_ip="127.0.0.1",
+                                  rank_port=None)
+        queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
+        (pd_decode if role == "decode" else pd_prefill).on_queue_init(runtime, queue, manager)
+        side = runtime.sides[role]
+        assert isinstance(side, InactiveSide) and side.code == "layout_unknown", side
+        assert "context parallel over 2 ranks" in side.reason
+        assert _info(registry, "inactive", "layout_unknown") == 1
+    finally:
+        runtime.close()
+
+
 @pytest.mark.parametrize("read_fails", [False, True], ids=["commit", "commit_read_fails"])
 def test_an_inactive_side_counts_a_committed_room_even_when_the_probe_s_commit_read_fails(v41, monkeypatch, read_fails):
     """Through the commit wrapper: an inactive side counts the room at its commit, and still
