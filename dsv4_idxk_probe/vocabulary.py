@@ -67,6 +67,8 @@ COVERAGE_REASONS = (
     # SGLang retracted, aborted or whose transfer failed before any verdict; rooms pushed
     # out of decode's tracking table before any verdict.
     "layout_differs", "length_differs", "retracted", "aborted", "transfer_failed", "evicted",
+    # index-K SGLang's direct external linker loads from storage into device pages (no host pool)
+    "direct_linker",
 )
 
 # --- DeepSeek-V4 index-K geometry ------------------------------------------
