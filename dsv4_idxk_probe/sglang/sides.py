@@ -145,6 +145,7 @@ def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host:
     with _build_lock:
         existing = runtime.sides.get(role)
         if existing is not None:
+            _publish_state(runtime, existing)  # a queue init again: SGLang's PD role switch came back
             return existing
         set_cluster(getattr(runtime.config.roomlog, "cluster", ""))  # before the side's first record
         try:
@@ -155,23 +156,27 @@ def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host:
             log.error("dsv4-idxk-probe: %s; its hooks call straight through from now on (not retried)", reason)
             side = InactiveSide(role, reason, failed=True)
         runtime.attach(role, side)
-        if not side.active:
-            _publish_inactive(runtime, side)
+        _publish_state(runtime, side)
         patcher = getattr(runtime, "patcher", None)
         if patcher is not None:
             patcher.verify()
         return side
 
 
-def _publish_inactive(runtime: Any, side: Any) -> None:
-    """The status metric says `inactive` with the reason: a side that verifies nothing
-    must not read as on/running."""
+def _publish_state(runtime: Any, side: Any) -> None:
+    """The status metric says the state of the side of the role the server runs now:
+    `inactive` with the reason for a side that verifies nothing (it must not read as
+    on/running), `on` for one that verifies. A server that switched roles (SGLang's PD role
+    switch builds the new role's queues, and the probe its side) reads the new role's."""
     try:
         metrics = runtime.metrics
         if metrics is not None:
-            metrics.info.set("inactive", side.code, runtime.mode)
+            if side.active:
+                metrics.info.set("on", "running", runtime.mode)
+            else:
+                metrics.info.set("inactive", side.code, runtime.mode)
     except Exception:
-        log.debug("dsv4-idxk-probe: the inactive state could not be published", exc_info=True)
+        log.debug("dsv4-idxk-probe: the side's state could not be published", exc_info=True)
 
 
 def _make(runtime, role, pool, kv_args, host, gpu_id, rank_port=None, dcp_size=1):

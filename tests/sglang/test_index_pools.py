@@ -289,6 +289,30 @@ def test_a_side_whose_kv_manager_shares_pages_over_dcp_ranks_is_inactive_with_th
         runtime.close()
 
 
+def test_after_a_role_switch_the_status_metric_reads_the_new_roles_side(v41):
+    """SGLang's PD role switch tears the old role's queues down and builds the new role's
+    (each queue's init hook runs again): the status metric follows the role the server runs,
+    an inactive decode side's state does not stay on a prefill that verifies, nor the reverse."""
+    from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
+
+    runtime, sink, registry = make_runtime()
+    try:
+        queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
+
+        def manager(dcp):
+            return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=dcp, local_ip="127.0.0.1",
+                                   rank_port=None)
+
+        pd_decode.on_queue_init(runtime, queue, manager(2))  # decode cannot read its pages: inactive
+        assert (_info(registry, "inactive", "layout_unknown"), _info(registry, "on", "running")) == (1, 0)
+        pd_prefill.on_queue_init(runtime, queue, manager(1))  # switched to prefill, which verifies
+        assert (_info(registry, "inactive", "layout_unknown"), _info(registry, "on", "running")) == (0, 1)
+        pd_decode.on_queue_init(runtime, queue, manager(2))  # and back: the kept decode side's state
+        assert (_info(registry, "inactive", "layout_unknown"), _info(registry, "on", "running")) == (1, 0)
+    finally:
+        runtime.close()
+
+
 @pytest.mark.parametrize("read_fails", [False, True], ids=["commit", "commit_read_fails"])
 def test_an_inactive_side_counts_a_committed_room_even_when_the_probe_s_commit_read_fails(v41, monkeypatch, read_fails):
     """Through the commit wrapper: an inactive side counts the room at its commit, and still
