@@ -1,5 +1,5 @@
-"""Hooks on SGLang's direct external linker (``--enable-unified-cache-external-linker``,
-0.5.23: Mooncake or UMBP).
+"""Hooks on SGLang's direct external linker (``--enable-unified-cache-external-linker``:
+Mooncake from 0.5.19, UMBP from 0.5.20).
 
 In that mode index-K moves straight between device pages and the storage tier, with no
 HiCache host pool between them: none of the host-pool hooks sees it, and no digest
