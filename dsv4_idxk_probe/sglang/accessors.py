@@ -187,6 +187,13 @@ def decode_skip_reason(req: Any) -> str | None:
     return None
 
 
+def restore_failed(decode_req: Any) -> bool:
+    """SGLang's `HiCacheRestoreResult.FAILED` on the room (decode HiCache, 0.5.23): decode
+    could not restore the prefix it promised prefill."""
+    status = getattr(decode_req, "hicache_restore_status", None)
+    return getattr(status, "value", None) == "failed"
+
+
 #: How SGLang's decode words the abort of a room whose transfer failed (0.5.18-0.5.23).
 _TRANSFER_FAILED_ABORT = "Decode transfer failed"
 

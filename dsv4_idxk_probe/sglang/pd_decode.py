@@ -60,8 +60,8 @@ from ..safety import safe_invoke
 from . import enforce
 from .accessors import (
     ATTR_DEST, ATTR_RECV, ATTR_STEPS, HOST_RECEIVE, cache_protected_len, dcp_size, decode_skip_reason,
-    is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, rid_of, room_of,
-    row_slot_plan,
+    is_host_destination, metadata_row, origin_len, prefill_peer_host, req_pool_idx, restore_failed, rid_of,
+    room_of, row_slot_plan,
 )
 from .index_k import RoomPages, decode_room_pages
 from .sides import build_side
@@ -450,12 +450,6 @@ def on_transfer_failed(runtime: Any, transfer_queue: Any, decode_req: Any) -> No
 #: A room SGLang aborts because decode's HiCache could not restore the prefix it promised
 #: prefill (`decode_prefix_len`): the transfer itself may have completed (coverage `aborted`).
 HICACHE_RESTORE_FAILED = "aborted: decode's HiCache restore of the promised prefix failed"
-
-
-def restore_failed(decode_req: Any) -> bool:
-    """SGLang's `HiCacheRestoreResult.FAILED` on the room (decode HiCache, 0.5.23)."""
-    status = getattr(decode_req, "hicache_restore_status", None)
-    return getattr(status, "value", None) == "failed"
 
 
 def on_transfer_release(runtime: Any, transfer_queue: Any, decode_req: Any) -> None:

@@ -52,7 +52,7 @@ class Phase:
     seconds: float = 0.0
     # rids SGLang's router lost on one leg, each sent again as "<rid>-resent" (router_loss)
     router_lost: list[str] = field(default_factory=list)
-    # rooms the probe's step rule owed a decode_step digest that got none (`missing_step_digests`)
+    # rooms with fewer decode_step digests than the probe's step rule owes them (`missing_step_digests`)
     missing_step_digests: list[str] = field(default_factory=list)
 
     @property
