@@ -92,10 +92,12 @@ class PrefillAssembly:
         self.monitor = PrefillMonitor(self.engine, emit, metrics, table_size=ex.table_size)
         self.server = None  # exchange.VectorServer when the exchange is on
         self.endpoint_slot = 0  # the metadata-row value that tells decode where to ask (0: nowhere)
+        self._exchange_at = (ex, metrics, bind)  # what a move (`move_exchange`) starts the server with
         if ex.enabled and bind:
-            self._start_exchange(ex, metrics, bind, port, require_exchange)
+            self._serve(self._start_exchange(ex, metrics, bind, port, require_exchange), bind)
 
-    def _start_exchange(self, ex: Any, metrics: Any, bind: str, port: int, required: bool) -> None:
+    def _start_exchange(self, ex: Any, metrics: Any, bind: str, port: int, required: bool) -> Any:
+        """A started exchange server on `bind`:`port`, or None (logged) when it cannot bind."""
         from ..exchange import VectorServer  # msgspec and the server load only where one runs
 
         server = VectorServer(
@@ -109,9 +111,27 @@ class PrefillAssembly:
                 raise
             log.error("dsv4-idxk-probe: exchange cannot bind %s:%s (%s); decode can match rooms but not localise",
                       bind, port, exc)
+            return None
+        return server
+
+    def _serve(self, server: Any, bind: str) -> None:
+        if server is not None:
+            self.server = server
+            self.endpoint_slot = pack_endpoint(bind, server.port)
+
+    def move_exchange(self, port: int) -> None:
+        """Serve the exchange on `port` from now on: the transport's port moved (SGLang's PD
+        role switch makes a new KV manager), and a decode that rebuilds the exchange's port
+        from it (``port_offset``) asks there. The old server closes once the new one
+        listens; one that cannot bind leaves the old one serving (logged)."""
+        old = self.server
+        if old is None or not port or port == old.port:
             return
-        self.server = server
-        self.endpoint_slot = pack_endpoint(bind, server.port)
+        ex, metrics, bind = self._exchange_at
+        self._serve(self._start_exchange(ex, metrics, bind, port, False), bind)
+        if self.server is not old:
+            log.info("dsv4-idxk-probe: exchange moved from port %s to %s (the transport's port moved)", old.port, port)
+            old.close()
 
     def close(self) -> None:
         """Deliver the digests still in flight, then stop serving them."""

@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 from ..digest.layout import load_layouts, shipped_layouts
+from ..exchange.endpoint import rule_port
 from ..pd.assembly import DecodeAssembly, PrefillAssembly, exchange_bind, exchange_port
 from ..pd.records import set_cluster
 from ..safety import record_error
@@ -144,8 +145,10 @@ def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host:
     tokens, a layout the probe does not read: inactive, `layout_unknown`)."""
     with _build_lock:
         existing = runtime.sides.get(role)
-        if existing is not None:
-            _publish_state(runtime, existing)  # a queue init again: SGLang's PD role switch came back
+        if existing is not None:  # a queue init again: SGLang's PD role switch came back
+            _publish_state(runtime, existing)
+            if role == "prefill":
+                _follow_rank_port(runtime, existing, rank_port)
             return existing
         set_cluster(getattr(runtime.config.roomlog, "cluster", ""))  # before the side's first record
         try:
@@ -161,6 +164,16 @@ def build_side(runtime: Any, role: str, pool: Any, kv_args: Any = None, *, host:
         if patcher is not None:
             patcher.verify()
         return side
+
+
+def _follow_rank_port(runtime: Any, side: Any, rank_port: int | None) -> None:
+    """A kept prefill side's exchange follows the ``port_offset`` rule to the new KV manager's
+    port: decode rebuilds the exchange's port from the port the bootstrap server reports,
+    which is the new manager's (exchange/endpoint.py, `rule_port`)."""
+    port = rule_port(rank_port, getattr(runtime.config.exchange, "port_offset", 0))
+    move = getattr(side, "move_exchange", None)  # an InactiveSide serves nothing
+    if port and move is not None:
+        move(port)
 
 
 def _publish_state(runtime: Any, side: Any) -> None:

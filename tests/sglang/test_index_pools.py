@@ -4,6 +4,7 @@ probe cannot read are counted unverified and a side that reads nothing says so."
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import v41world
 from pd_testkit import collected, make_runtime
 
 from dsv4_idxk_probe.digest import shipped_layouts
+from dsv4_idxk_probe.exchange.endpoint import pack_endpoint
 from dsv4_idxk_probe.exchange.stages import StageEndpoints
 from dsv4_idxk_probe.pd import RoomId
 from dsv4_idxk_probe.sglang.index_k import index_pools, indexer_row_buffers, room_pool_pages
@@ -310,6 +312,75 @@ def test_after_a_role_switch_the_status_metric_reads_the_new_roles_side(v41):
         pd_decode.on_queue_init(runtime, queue, manager(2))  # and back: the kept decode side's state
         assert (_info(registry, "inactive", "layout_unknown"), _info(registry, "on", "running")) == (1, 0)
     finally:
+        runtime.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_after_a_role_switch_the_prefill_exchange_follows_the_port_rule_to_the_new_transport_port(v41):
+    """Each PD role switch makes a new KV manager on a new port, and decode rebuilds the
+    exchange's port from it (``port_offset``): the kept prefill side's exchange moves there
+    (it stayed on the first manager's port, and a decode with only the rule could not fetch)."""
+    from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
+
+    offset = 1000
+    first, second = _free_port(), _free_port()  # the exchange's ports; the managers' are these - offset
+    runtime, sink, registry = make_runtime(exchange={"bind": "127.0.0.1", "timeout_ms": 200, "port_offset": offset})
+    try:
+        queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
+
+        def manager(exchange_port):
+            return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=1, local_ip="127.0.0.1",
+                                   rank_port=exchange_port - offset)
+
+        pd_prefill.on_queue_init(runtime, queue, manager(first))
+        side = runtime.sides["prefill"]
+        assert _listens(first)
+        pd_decode.on_queue_init(runtime, queue, manager(_free_port()))  # switched to decode
+        pd_prefill.on_queue_init(runtime, queue, manager(second))  # and back, on a new manager
+        assert runtime.sides["prefill"] is side
+        assert (side.server.port, _listens(second), _listens(first)) == (second, True, False)
+        assert side.endpoint_slot == pack_endpoint("127.0.0.1", second)
+    finally:
+        runtime.close()
+
+
+def test_a_prefill_exchange_that_cannot_bind_the_new_port_keeps_serving_on_the_old(v41):
+    """The move starts the new server before it closes the old: a taken port leaves the
+    exchange where decodes that read the endpoint slot still find it (logged), not gone."""
+    from dsv4_idxk_probe.sglang import pd_prefill
+
+    offset = 1000
+    first = _free_port()
+    runtime, sink, registry = make_runtime(exchange={"bind": "127.0.0.1", "timeout_ms": 200, "port_offset": offset})
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
+
+        def manager(exchange_port):
+            return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=1, local_ip="127.0.0.1",
+                                   rank_port=exchange_port - offset)
+
+        pd_prefill.on_queue_init(runtime, queue, manager(first))
+        side = runtime.sides["prefill"]
+        pd_prefill.on_queue_init(runtime, queue, manager(taken.getsockname()[1]))
+        assert (side.server.port, _listens(first), side.endpoint_slot) == (first, True, pack_endpoint("127.0.0.1", first))
+    finally:
+        taken.close()
         runtime.close()
 
 
