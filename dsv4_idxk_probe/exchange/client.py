@@ -46,7 +46,7 @@ MAX_PEERS = 1024
 #: The failures `_fail` counts, each created at zero with a client that has metrics (so that
 #: an alert's `increase()` sees the first of each kind, as the server's SERVER_KINDS).
 CLIENT_KINDS = ("no_endpoint", "auth", "peer_down", "timeout", "busy", "not_found", "protocol", "transport",
-                "internal")
+                "internal", "late")
 
 
 class _Deadline(Exception):
@@ -152,10 +152,12 @@ class VectorClient:
             time.sleep(wait)
 
     def _fetch_stages(self, stages: StageEndpoints, key: str, retry_s: float) -> RoomDigest | None:
-        """Every PP stage's digest of room `key`, combined (exchange/stages.py); None when a stage has none."""
+        """Every PP stage's digest of room `key`, combined (exchange/stages.py); None when a stage has none.
+        The stages share one retry window (each had its own: a fetch took up to stages x it)."""
         digests = []
+        give_up = time.monotonic() + max(0.0, float(retry_s))
         for stage in stages:
-            digest = self.fetch(stage, key, retry_s=retry_s)
+            digest = self.fetch(stage, key, retry_s=max(0.0, give_up - time.monotonic()))
             if digest is None:
                 return None
             digests.append(digest)
@@ -313,6 +315,11 @@ class VectorClient:
         session = self._sessions.pop(endpoint, None)
         if session is not None:
             session.sock.close()
+
+    def count_late(self) -> None:
+        """A fetch an enforce hold gave up on, still running past the longest a fetch may take
+        (exchange/prefetch.py): the room was admitted unjudged."""
+        self._fail("late")
 
     def _fail(self, kind: str) -> str:
         with self._lock:

@@ -10,20 +10,27 @@ only looks at where it stands (`prefetched`): done, or still in flight (the
 room is then held for a later batch: sglang/enforce.py). The scheduler
 thread never waits on the network.
 
-The table is bounded (the oldest entries go first, their fetches cancelled if
-not yet started, so the workers' queue holds no more live work than the table);
-a room is forgotten once its answer has been read.
+A hold is bounded: a fetch not done `deadline_s` after it was started
+(``timeout_ms`` + ``retry_s``, the longest one fetch may take, queueing
+included) is given up and the room admitted unjudged; so is a room whose
+entry the bounded table had to let go (the oldest first, their fetches
+cancelled if not yet started), which is never started again (it was, and a
+full table would drop it again before its turn: held forever). A worker
+waits out a peer's backoff while it asks again, so there are enough of them
+that rooms landing at once do not queue behind those waits. A room is
+forgotten once its answer has been read.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 ATTR = "_dsv4_idxk_prefetcher"  # on a decode side: its Prefetcher, made at the first prefetch
-WORKERS = 2
+WORKERS = 8  # each mostly sleeps in a peer's backoff (exchange/client.py); rooms land in bursts
 DEFAULT_CAP = 4096
 
 _make_lock = threading.Lock()
@@ -31,40 +38,75 @@ _make_lock = threading.Lock()
 
 class Prefetcher:
     """Keyed, bounded background fetches through `fetch(key)` (which never raises: it
-    returns a digest or None)."""
+    returns a digest or None). `deadline_s`: a fetch still running this long after its
+    start is given up (None: never); `gave_up()` is told of each room given up."""
 
-    def __init__(self, fetch: Any, cap: int = DEFAULT_CAP, workers: int = WORKERS):
+    def __init__(self, fetch: Any, cap: int = DEFAULT_CAP, workers: int = WORKERS, *,
+                 deadline_s: float | None = None, gave_up: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._fetch = fetch
+        self._clock = clock
         self._cap = max(1, int(cap))
+        self._deadline_s = deadline_s
+        self._gave_up = gave_up
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsv4-idxk-prefetch")
-        self._futures: OrderedDict[str, Future] = OrderedDict()
+        self._futures: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # key -> (fetch, started)
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # keys the full table let go, as many at most
         self._lock = threading.Lock()
 
     def start(self, key: str) -> None:
-        """Begin fetching `key` unless it is already under way; returns at once."""
+        """Begin fetching `key` unless it is already under way (or was let go); returns at once."""
         with self._lock:
-            if key in self._futures:
+            if key in self._futures or key in self._dropped:
                 return
-            self._futures[key] = self._pool.submit(self._fetch, key)
+            self._futures[key] = (self._pool.submit(self._fetch, key), self._clock())
             while len(self._futures) > self._cap:
-                self._futures.popitem(last=False)[1].cancel()  # not started: its fetch never runs
+                old, (future, _) = self._futures.popitem(last=False)
+                future.cancel()  # not started: its fetch never runs
+                self._dropped[old] = None
+                if len(self._dropped) > self._cap:
+                    self._dropped.popitem(last=False)
 
     def poll(self, key: str) -> tuple[bool, Any]:
-        """(done, digest or None). Not started: (False, None) after starting it now.
-        A done answer is handed out once and forgotten."""
+        """(done, digest or None). Not started: (False, None) after starting it now. Let go
+        by the full table, or past its deadline: (True, None), counted. A done answer is
+        handed out once and forgotten."""
+        future = None
         with self._lock:
-            future = self._futures.get(key)
-        if future is None:
+            if key in self._dropped:
+                del self._dropped[key]
+                late = True  # its fetch was cancelled when the table let it go
+            else:
+                entry = self._futures.get(key)
+                if entry is None:
+                    late = None
+                else:
+                    future, started = entry
+                    late = (not future.done() and self._deadline_s is not None
+                            and self._clock() - started > self._deadline_s)
+                    if late or future.done():
+                        del self._futures[key]
+        if late is None:
             self.start(key)
             return False, None
+        if late:
+            if future is not None:
+                future.cancel()  # still queued: never runs (the workers' time goes to rooms still held)
+            self._give_up()
+            return True, None
         if not future.done():
             return False, None
-        with self._lock:
-            self._futures.pop(key, None)
         try:
             return True, future.result()
         except Exception:  # the fetch promised not to raise; a bug costs this room's judgement only
             return True, None
+
+    def _give_up(self) -> None:
+        if self._gave_up is not None:
+            try:
+                self._gave_up()
+            except Exception:
+                pass  # a count; never the caller's problem
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -77,9 +119,19 @@ def _prefetcher(side: Any) -> Prefetcher:
             found = getattr(side, ATTR, None)
             if found is None:
                 fetch = getattr(side, "fetch_to_localise", None) or side.fetch
-                found = Prefetcher(fetch, getattr(side, "_peers_cap", DEFAULT_CAP))
+                client = getattr(side, "client", None)
+                found = Prefetcher(fetch, getattr(side, "_peers_cap", DEFAULT_CAP),
+                                   deadline_s=fetch_deadline_s(client, getattr(side, "_retry_s", 0.0)),
+                                   gave_up=getattr(client, "count_late", None))
                 setattr(side, ATTR, found)
     return found
+
+
+def fetch_deadline_s(client: Any, retry_s: float) -> float | None:
+    """The longest one fetch may take: the client's per-request timeout plus the retries'
+    window (None without a client: nothing to bound)."""
+    timeout_ms = getattr(client, "timeout_ms", None)
+    return None if timeout_ms is None else float(timeout_ms) / 1000.0 + float(retry_s or 0.0)
 
 
 def prefetch(side: Any, key: str) -> None:

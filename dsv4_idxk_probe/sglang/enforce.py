@@ -26,7 +26,8 @@ room whose prefill digest did not ride in band and whose exchange fetch is
 still in flight on a worker thread: the request leaves this prebuilt batch
 and goes back to the scheduler's waiting queue, to be judged at a later
 batch, instead of a blocking fetch on the scheduler thread. The hold is
-bounded by the exchange's own timeout (the fetch then ends, answered or not).
+bounded: past the longest a fetch may take, the room is admitted unjudged
+(exchange/prefetch.py).
 
 What a rank finds corrupt (the digest comparison, per request) is the decode
 hooks' business (``pd_decode.mismatch_flags``); this module only makes the
@@ -150,8 +151,10 @@ def enforce_batch(runtime: Any, scheduler: Any, batch: Any, judge: Judge) -> Non
             continue
         message = f"dsv4-idxk-probe: index-K mismatch at receipt, room {room_of(req)} (rid {getattr(req, 'rid', '?')})"
         runtime.log.error(message)
-        if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
-            removed.add(i)
+        removed.add(i)  # never served, even if SGLang's abort below raises (every rank removes it alike)
+        if not safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
+            runtime.log.error("dsv4-idxk-probe: SGLang's abort of room %s failed (counted): the request is taken "
+                              "out of the batch unanswered", room_of(req))
     if removed:
         batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in removed])
     if held:

@@ -297,7 +297,8 @@ def after_commit(runtime: Any, transfer_queue: Any, decode_req: Any, seen: tuple
     extra = {"rid": rid_of(req), **({"prefill_endpoint": describe_endpoint(endpoint)} if endpoint else {})}
     if not whole_room and endpoint is None:
         extra["unverified_reason"] = "pp_stage"  # PP prefill without the port_offset rule (docs/pd.md)
-    if runtime.config.enforce and inband is None and endpoint is not None:
+    enforcing = runtime.config.enforce and getattr(side, "enforce_agreed", False) is True  # the ranks agreed
+    if enforcing and inband is None and endpoint is not None:
         prefetch(side, room.key)  # enforce judges it later from this, never with a fetch on this thread
     if (inband is None and endpoint is None and getattr(side, "peer_override", None) is None
             and metadata_on_device(transfer_queue)):

@@ -33,6 +33,7 @@ import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: 
 from dsv4_idxk_probe.exchange.client import WAITED_STRIKES
 from dsv4_idxk_probe.pd import InbandDigest
 from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
+from dsv4_idxk_probe.sglang.accessors import metadata_row, row_slot_plan
 from dsv4_idxk_probe.sglang.patcher import Patcher
 from dsv4_idxk_probe.sglang.targets import load_targets
 
@@ -474,7 +475,10 @@ def test_room_aborted_by_commit_is_skipped(worlds, patched):
 
 @pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
                     reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
-def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
+@pytest.mark.parametrize("abort_raises", [False, True], ids=["abort", "abort_raises"])
+def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises):
+    """A room whose SGLang abort raised (by design where SGLANG_IS_IN_CI is set) leaves the
+    batch all the same: it was kept, and served."""
     runtime, sink, _ = make_runtime(mode="enforce")
     patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
     runtime.patcher = patcher
@@ -494,13 +498,47 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds):
                                  room_digests=np.array([5], dtype=np.uint64))
         failed.req._dsv4_idxk_recv = (broken, InbandDigest(6, side.signature, 10), 10)
         aborted, kept = [], []
+
+        def abort(req, msg):
+            aborted.append(req.rid)
+            if abort_raises:
+                raise RuntimeError(msg)
+
         scheduler = pdworld.standin(
             pdworld.scheduler_class(), kv_checksum_computer=None, attn_tp_cpu_group=None,
-            _handle_kv_checksum_mismatch=lambda req, msg: aborted.append(req.rid),
+            _handle_kv_checksum_mismatch=abort,
         )
         batch = SimpleNamespace(reqs=[good.req, bad.req, failed.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
         scheduler._verify_kv_checksums(batch)
         assert (aborted, kept) == (["other"], [0, 2])
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
+@pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "not_agreed"])
+def test_enforce_prefetches_a_digest_that_did_not_ride_in_band_only_where_the_ranks_agreed(worlds, monkeypatch, agreed):
+    """A rank whose group turned enforce off never reads a prefetched answer: fetching it
+    anyway cost every room a second fetch (the monitor asks on its own) and filled the table."""
+    runtime, sink, registry = make_runtime(mode="enforce")
+    started = []
+    monkeypatch.setattr(pd_decode, "prefetch", lambda side, key: started.append(key))
+    targets = [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")]
+    runtime.patcher = patcher = Patcher(runtime, targets, route="wrapt")
+    patcher.patch()
+    try:
+        prefill, decode = worlds
+        send_room(prefill)
+        pdworld.transfer_index_k(prefill, decode)
+        dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+        kv_indices = decode.req_to_token_pool.req_to_token[1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS]
+        pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+        pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+        row = metadata_row(decode.metadata, DECODE_ROW)
+        row[row_slot_plan(row).digest] = 0  # the digest was not ready when the aux data left
+        runtime.sides["decode"].enforce_agreed = agreed
+        pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+        assert started == ([f"{ROOM}/0"] if agreed else [])
     finally:
         patcher.unpatch()
         runtime.close()

@@ -1,0 +1,151 @@
+"""Enforce's prefetch (exchange/prefetch.py): a held room's wait is bounded, whatever its fetch does."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from dsv4_idxk_probe.exchange import VectorClient
+from dsv4_idxk_probe.exchange.prefetch import Prefetcher, prefetched
+from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def blocked_fetch(release: threading.Event):
+    def fetch(key):
+        release.wait(30)
+        return f"digest of {key}"
+    return fetch
+
+
+def test_a_fetch_running_past_its_deadline_is_given_up_and_counted():
+    release, clock, late = threading.Event(), Clock(), []
+    prefetcher = Prefetcher(blocked_fetch(release), deadline_s=1.2, gave_up=lambda: late.append(1), clock=clock)
+    try:
+        prefetcher.start("7/0")
+        clock.now += 1.0
+        assert prefetcher.poll("7/0") == (False, None)  # within its deadline: held
+        clock.now += 0.3
+        assert (prefetcher.poll("7/0"), late) == ((True, None), [1])  # past it: admitted unjudged
+    finally:
+        release.set()
+        prefetcher.close()
+
+
+def test_a_fetch_done_within_its_deadline_hands_out_its_answer_once():
+    release, clock = threading.Event(), Clock()
+    prefetcher = Prefetcher(blocked_fetch(release), deadline_s=1.2, clock=clock)
+    try:
+        prefetcher.start("7/0")
+        release.set()
+        for _ in range(3000):  # the worker's answer, however busy the machine (the clock stands still)
+            done, digest = prefetcher.poll("7/0")
+            if done:
+                break
+            threading.Event().wait(0.01)
+        assert (done, digest) == (True, "digest of 7/0")
+        assert prefetcher.poll("7/0") == (False, None)  # forgotten once read (a new poll starts anew)
+    finally:
+        prefetcher.close()
+
+
+def test_a_room_the_full_table_let_go_is_admitted_not_started_again():
+    """It was started again at the back of the queue, let go again by the next rooms before its
+    turn, and so held forever while rooms kept landing."""
+    release, late, calls = threading.Event(), [], []
+
+    def fetch(key):
+        calls.append(key)
+        release.wait(30)
+
+    prefetcher = Prefetcher(fetch, cap=2, workers=1, gave_up=lambda: late.append(1))
+    try:
+        for key in ("a/0", "b/0", "c/0"):  # "a/0" is let go for "c/0"
+            prefetcher.start(key)
+        assert (prefetcher.poll("a/0"), late) == ((True, None), [1])
+        release.set()
+    finally:
+        prefetcher.close()
+    assert "a/0" not in calls[1:]  # never queued again
+
+
+def test_a_sides_prefetch_deadline_is_the_clients_timeout_plus_the_retry_window_and_counted_late():
+    registry = CollectorRegistry()
+    metrics = ProbeMetrics(registry, role="decode")
+    client = VectorClient(timeout_ms=300, metrics=metrics)
+    release = threading.Event()
+    side = SimpleNamespace(client=client, _retry_s=1.0, fetch_to_localise=blocked_fetch(release))
+    try:
+        prefetched(side, "9/0")  # made and started here
+        prefetcher = side._dsv4_idxk_prefetcher
+        assert prefetcher._deadline_s == 1.3
+        prefetcher._deadline_s = 0.0
+        prefetcher._clock = lambda: float("inf")
+        assert prefetched(side, "9/0") == (True, None)
+        late = [s.value for f in registry.collect() for s in f.samples
+                if s.name == "dsv4_idxk_probe_exchange_errors_total" and s.labels["kind"] == "late"]
+        assert late == [1.0]
+    finally:
+        release.set()
+        side._dsv4_idxk_prefetcher.close()
+        client.close()
+
+
+def test_prefill_pp_stages_share_one_retry_window(monkeypatch):
+    """Each stage's fetch had its own `retry_s`: a room of 4 stages could take 4 windows."""
+    from dsv4_idxk_probe.exchange import client as client_module
+    from dsv4_idxk_probe.exchange.stages import StageEndpoints
+
+    clock = Clock()
+    monkeypatch.setattr(client_module.time, "monotonic", clock)
+    client = VectorClient(timeout_ms=200)
+    windows = []
+    whole_fetch = client.fetch
+
+    def fetch(endpoint, key, *, retry_s=0.0):
+        if isinstance(endpoint, StageEndpoints):
+            return whole_fetch(endpoint, key, retry_s=retry_s)
+        windows.append(round(retry_s, 6))
+        clock.now += 0.4  # each stage's answer came late and was asked again
+        return None if len(windows) == 4 else object()
+
+    monkeypatch.setattr(client, "fetch", fetch)
+    monkeypatch.setattr(client_module, "combine_stage_digests", lambda key, digests, layout: digests)
+    try:
+        stages = StageEndpoints([("127.0.0.1", p) for p in (1, 2, 3, 4)], layout=None)
+        assert client.fetch(stages, "9/0", retry_s=1.0) is None
+    finally:
+        client.close()
+    assert windows == [1.0, 0.6, 0.2, 0.0]
+
+
+def test_a_room_given_up_while_its_fetch_is_queued_costs_the_workers_nothing():
+    """Its fetch ran anyway, for a room already admitted, and rooms landing after a burst
+    queued behind such fetches past their own deadlines."""
+    release, clock, calls = threading.Event(), Clock(), []
+
+    def fetch(key):
+        calls.append(key)
+        release.wait(30)
+
+    prefetcher = Prefetcher(fetch, workers=1, deadline_s=1.2, clock=clock)
+    try:
+        prefetcher.start("busy/0")
+        prefetcher.start("queued/0")
+        clock.now += 2.0
+        assert prefetcher.poll("queued/0") == (True, None)
+        release.set()
+        prefetcher._pool.shutdown(wait=True)
+    finally:
+        release.set()
+        prefetcher.close()
+    assert "queued/0" not in calls
