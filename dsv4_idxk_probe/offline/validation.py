@@ -21,7 +21,8 @@ from .packed import Packed
 STAGE_SET = frozenset(STAGES)
 VERDICT_SET = frozenset(VERDICTS)
 KIND_SET = frozenset(DIAGNOSIS_KINDS)
-MAX_ROOM_CHARS = 256
+MAX_ROOM_CHARS = 256  # room ids, and the other names a log carries (instance, segments, pools)
+MAX_ATTEMPT = (1 << 63) - 1  # the fleet engine keeps attempts as DuckDB BIGINTs: both engines refuse more
 MAX_TS = 1e11  # the year 5138: anything later is not a timestamp
 MAX_DIAGNOSED_CELLS = 4096  # per record; the probe writes at most diagnosis.max_cells_per_room
 
@@ -72,14 +73,17 @@ def room_fields(rec: dict) -> tuple:
         raise RecordError(f"room must be at most {MAX_ROOM_CHARS} characters")
     if not room.isascii():
         room = _printable(room)
-    if type(attempt) is not int or attempt < 0:
-        raise RecordError("attempt must be a non-negative integer")
+    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPT:
+        raise RecordError("attempt must be a non-negative integer below 2**63")
     if type(stage) is not str or stage not in STAGE_SET:
         raise RecordError(f"stage must be one of {', '.join(STAGES)}")
     if step is not None and type(step) is not int:
         raise RecordError("step must be an integer or null")
     if verdict is not None and (type(verdict) is not str or verdict not in VERDICT_SET):
         raise RecordError(f"verdict must be null or one of {', '.join(VERDICTS)}")
+    instance = rec.get("instance")
+    if type(instance) is str and len(instance) > MAX_ROOM_CHARS:  # the join keeps it per room; coverage prints it
+        raise RecordError(f"instance must be at most {MAX_ROOM_CHARS} characters")
     rid = rec.get("rid")
     if rid is not None and (type(rid) is not str or not rid):
         raise RecordError("rid must be a non-empty string or null")
@@ -270,6 +274,9 @@ def _shape(layer_ids: Any, segments: Any) -> tuple[tuple, tuple]:
     key = (tuple(layer_ids), tuple(segments))
     shape = _shapes.get(key)
     if shape is None:
+        # every room's prefill digest is kept, and a mismatch prints its segment names
+        if any(len(x) > MAX_ROOM_CHARS for x in segments):
+            raise RecordError(f"digest.segments must be names of at most {MAX_ROOM_CHARS} characters")
         shape = key
         if len(_shapes) < _CACHE_LIMIT:
             _shapes[key] = shape

@@ -383,3 +383,93 @@ def test_same_findings_on_a_decode_record_with_another_digest(tmp_path, capsys):
     report = assert_same(capsys, tmp_path, root)
     assert report["summary"]["room_verdicts"] == {"mismatch": 1, "match": 1}
     assert report["summary"]["duplicate_records"] == len(d2)
+
+
+# %% bounds both engines keep alike
+
+
+def test_same_json_for_prefill_only_rooms_that_name_a_cluster(tmp_path, capsys):
+    """Keys are (room, attempt, cluster) when records carry a cluster: a room decode never
+    logged is written with its cluster and rid, as the reference writes it (the fleet writer
+    unpacked the key as (room, attempt) and crashed)."""
+    pre, dec = [], []
+    for i in (1, 2, 3):
+        p, d = room_records(RoomPlan(i, decode=i != 2))
+        for rec in p + d:
+            rec["cluster"] = "east" if i != 3 else ""
+            rec["rid"] = f"req-{i}"
+        pre += p
+        dec += d
+    write(tmp_path / "logs" / "prefill-a-1.000001.jsonl", [encode_line(r) for r in pre])
+    write(tmp_path / "logs" / "decode-a-1.000001.jsonl", [encode_line(r) for r in dec])
+    report = assert_same(capsys, tmp_path, tmp_path / "logs")
+    assert report["prefill_only"] == [{"room": "2", "attempt": 0, "verdict": "unverified",
+                                       "reason": "prefill sent it; no decode record in these logs",
+                                       "cluster": "east", "rid": {"prefill": "req-2", "decode": None}}]
+
+
+@pytest.mark.parametrize("attempt", [2**63, 2**64 - 1])
+def test_an_attempt_past_int64_is_a_named_bad_line_in_both_engines(tmp_path, capsys, attempt):
+    """The fleet engine keeps attempts as BIGINTs: past them it crashed (exit 3); validation
+    refuses them, so both engines name the file:line and skip it."""
+    pre, dec = room_records(RoomPlan(1))
+    p2, d2 = room_records(RoomPlan(2))
+    for rec in p2 + d2:
+        rec["attempt"] = attempt
+    path = write(tmp_path / "logs" / "a.jsonl", [encode_line(r) for r in pre + dec + p2 + d2])
+    report = assert_same(capsys, tmp_path, path)
+    assert report["exit_status"] == 2
+    assert report["summary"]["bad_lines"] == len(p2 + d2)
+    assert report["errors"][0] == f"{path}:{len(pre + dec) + 1}: attempt must be a non-negative integer below 2**63"
+    assert report["summary"]["room_verdicts"] == {"match": 1}
+
+
+@pytest.mark.parametrize("field", ["instance", "segments"])
+def test_long_instances_and_segment_names_are_named_bad_lines_in_both_engines(tmp_path, capsys, field):
+    """A 1 MiB instance or digest segment name was kept per room and printed whole (7 MiB
+    strings made diff use 600 MiB and print 300 MB); over 256 characters the line is refused
+    with its file:line, in both engines; 256 characters are still read (room 2, clean)."""
+    rooms = {1: "x" * (1 << 20), 2: "y" * 256, 3: "z" * 257, 4: None}
+    lines = []
+    for i, name in rooms.items():
+        p, d = room_records(RoomPlan(i))
+        for rec in p + d:
+            if name is not None and field == "instance":
+                rec["instance"] = name
+            elif name is not None:
+                rec["digest"]["segments"][0] = name
+        lines += [encode_line(r) for r in p + d]
+    path = write(tmp_path / "logs" / "a.jsonl", lines)
+    report = assert_same(capsys, tmp_path, path)
+    per_room = len(lines) // len(rooms)
+    assert report["summary"]["bad_lines"] == 2 * per_room
+    message = ("instance must be at most 256 characters" if field == "instance"
+               else "digest.segments must be names of at most 256 characters")
+    assert report["errors"][0] == f"{path}:1: {message}"
+    assert report["errors"][per_room] == f"{path}:{2 * per_room + 1}: {message}"
+    assert report["summary"]["room_verdicts"] == {"match": 2}
+    out = both(capsys, tmp_path, path)
+    assert max(len(out[e][1]) + len(out[e][2]) for e in out) < 64 << 10  # nothing of the 1 MiB name
+
+
+def test_long_rids_are_cut_as_the_reference_cuts_them(tmp_path, capsys):
+    """A rid over 256 characters is cut when read, with a marker (ridcap.cap_rid): the fleet
+    engine printed it whole, from the fast path (room 2, clean) and the Python join (room 1,
+    a mismatch) alike; 256 characters stay whole (room 3)."""
+    pre, dec = [], []
+    for i, rid in ((1, "Q" * 5000), (2, "R" * 5000), (3, "S" * 256), (4, "T" * 257)):
+        p, d = room_records(RoomPlan(i, fault=Fault(1, 1, 3) if i == 1 else None))
+        for rec in p + d:
+            rec["rid"] = rid
+        pre += p
+        dec += d
+    write(tmp_path / "logs" / "prefill-a-1.000001.jsonl", [encode_line(r) for r in pre])
+    write(tmp_path / "logs" / "decode-a-1.000001.jsonl", [encode_line(r) for r in dec])
+    report = assert_same(capsys, tmp_path, tmp_path / "logs")
+    rids = {r["room"]: r["rid"] for r in report["rooms"]}
+    cut = "... (rid cut to 256 characters; 5,000 characters in the log)"
+    assert rids["1"]["prefill"] == rids["1"]["decode"] == "Q" * 256 + cut
+    assert rids["2"]["decode"] == "R" * 256 + cut
+    assert rids["3"] == {"prefill": "S" * 256, "decode": "S" * 256}
+    assert rids["4"]["prefill"].startswith("T" * 256 + "... (rid cut")
+    assert report["summary"]["room_verdicts"] == {"mismatch": 1, "match": 3}

@@ -82,6 +82,8 @@ typedef struct { const uint8_t *p, *end; } Cur;
 #define SUFFIX_LEN 24  /* ,"h":"<16 hex>"} */
 #define MAX_DEPTH 64
 #define MAX_FAST_SEGMENTS 8
+#define MAX_NAME_CHARS 256  /* validation.MAX_ROOM_CHARS: an instance or segment name over it is a bad line */
+#define MAX_RID_CHARS 256  /* ridcap.MAX_RID_CHARS */
 
 /* a literal of constant length: inlined, so the compiler compares it in a few wide loads
  * instead of calling memcmp for every key of every line */
@@ -236,7 +238,7 @@ static int strict_digest(Cur *c, long long *n_tokens, long long *cells)
     }
     if (!LIT(c, ",\"segments\":[")) return 0;
     for (;;) {
-        if (!simple_str(c, &s, &n, 1)) return 0;
+        if (!simple_str(c, &s, &n, 1) || n > MAX_NAME_CHARS) return 0;  /* a longer name: a bad line */
         if (++n_segs > MAX_FAST_SEGMENTS) return 0;
         if (CH(c, ',')) continue;
         if (!CH(c, ']')) return 0;
@@ -479,7 +481,7 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
     if (!LIT(&c, "{\"v\":1,\"kind\":\"room\",\"ts\":")) return 0;
     if (!ts_field(&c, base, r)) return 0;
     if (!LIT(&c, ",\"role\":") || !str_or_null(&c, &s, &n)) return 0;
-    if (!LIT(&c, ",\"instance\":") || !str_or_null(&c, &s, &n)) return 0;
+    if (!LIT(&c, ",\"instance\":") || !str_or_null(&c, &s, &n) || n > MAX_NAME_CHARS) return 0;
     r->inst_off = s ? s - base : 0; r->inst_len = n;
     if (!LIT(&c, ",\"room\":") || !simple_str(&c, &s, &n, 0) || n < 1 || n > 256) return 0;
     r->room_off = s - base; r->room_len = n;
@@ -526,7 +528,8 @@ static int canonical(const uint8_t *base, const uint8_t *start, const uint8_t *h
         if (!integer(&c, 0, 12, &v)) return 0;
         if (!(r->flags & 1)) r->tokens = v;
     }
-    if (!LIT(&c, ",\"rid\":") || !str_or_null(&c, &s, &n) || n == 0) return 0;
+    /* a longer rid is cut when read (ridcap.cap_rid): the reference reads the line */
+    if (!LIT(&c, ",\"rid\":") || !str_or_null(&c, &s, &n) || n == 0 || n > MAX_RID_CHARS) return 0;
     r->rid_off = s ? s - base : 0; r->rid_len = n;
     *stop = c.p;
     return 1;

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...roomlog.lineformat import LineError, decode_line
 from ...roomlog.reader import read_file
+from ...roomlog.ridcap import cap_rid
 from ..diff_output import json_bytes
 from ..validation import RecordError, record_kind, room_fields
 from .duck import insert_rows
@@ -93,11 +94,19 @@ def note_odd_lines(con, group: list[FileScan], odd: list, py_keys: set) -> None:
     for fid, wanted in by_file.items():
         for line, raw in lines_of(scans[fid].path, wanted):
             try:
-                rec = decode_line(raw)
+                rec = read_line(raw)
             except LineError:
                 continue
             note_record(rec, fid, line, py_keys, rows)
     insert_rows(con, "pyrecs", PYRECS, rows)
+
+
+def read_line(raw: bytes) -> dict:
+    """A line of a fast file as the reference reader reads it: parsed, and a long rid cut
+    (`ridcap.cap_rid`), so the rooms print the rid the reference prints."""
+    record = decode_line(raw)
+    cap_rid(record)
+    return record
 
 
 def lines_of(path: Path, wanted: list[int]) -> Iterator[tuple[int, bytes]]:

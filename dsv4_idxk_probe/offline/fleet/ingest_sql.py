@@ -52,7 +52,7 @@ _SINT = r"^(0|-?[1-9][0-9]{0,17})$"
 _TOK = r"^(0|[1-9][0-9]{0,11})$"  # < 2**40: what the reference keeps as a transfer's tokens
 _TS = r"^(0|[1-9][0-9]{0,10})(\.[0-9]{1,20})?$"  # < 1e11: valid for every stage
 _ROOM = r'^"[ !#-\[\]-~]{1,256}"$'  # printable ASCII, no quote nor backslash: text = value
-_RID = r'^"[^"\\\x00-\x1f]+"$'
+_RID = r'^"[^"\\\x00-\x1f]{1,256}"$'  # a longer rid is cut when read (ridcap.cap_rid): Python reads it
 _HEX = r'"[0-9a-f]{16}"'
 MAX_FAST_SEGMENTS = 8
 
@@ -61,13 +61,13 @@ def _digest_ok(dtext: str, n_segs: str) -> str:
     """A digest `pack_digest` accepts, strictly spelled: a 16-digit signature, n_tokens < 2**40,
     integer layer ids, segment names without escapes or commas, len(segments)-wide rows of
     16-digit hex cells and 16-digit hex pages (the row count is checked beside it)."""
-    seg = r'"[^",\\\x00-\x1f]*"'
+    seg = r'"[^",\\\x00-\x1f]{0,256}"'  # validation.MAX_ROOM_CHARS: a longer name is a bad line
     head = (r'^\{"key":"[^"\\\x00-\x1f]*","signature":"[0-9a-f]{16}","n_tokens":(0|[1-9][0-9]{0,11}),'
             r'"layer_ids":\[((0|-?[1-9][0-9]{0,17})(,(0|-?[1-9][0-9]{0,17}))*)?\],"segments":\[')
     cases = []
     for c in range(1, MAX_FAST_SEGMENTS + 1):
         row = rf"\[{_HEX}(,{_HEX}){{{c - 1}}}\]"
-        pattern = (head + seg + ("(," + seg + "){" + str(c - 1) + "}" if c > 1 else "")
+        pattern = (head + seg + ("," + seg) * (c - 1)  # written out: RE2 refuses {4} of {0,256}
                    + r'\],"room":"[^"\\\x00-\x1f]*","layer_segment":\[(' + row + "(," + row + r")*)?\],"
                    + r'"pages":\[(' + _HEX + "(," + _HEX + r")*)?\]\}$")
         cases.append(f"WHEN {c} THEN regexp_full_match({dtext}, '{pattern}')")
@@ -111,6 +111,7 @@ WITH r AS (
        AND (x.tokens IS NULL OR regexp_full_match(x.tokens::VARCHAR, '{_TOK}'))
        AND x.localisation IS NULL
        AND {_str_or_null('role')} AND {_str_or_null('instance')} AND {_str_or_null('layout')}
+       AND (x.instance IS NULL OR length(x.instance->>'$') <= 256)  -- validation.MAX_ROOM_CHARS
        AND {_str_or_null('reason')} AND {_str_or_null('expected_room')} AND {_str_or_null('first_divergence')}
        AND (dtext IS NULL OR starts_with(dtext, '{{'))) AS canon FROM q
 )

@@ -12,12 +12,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from ...roomlog.lineformat import LineError, decode_line
+from ...roomlog.lineformat import LineError
 from ...roomlog.reader import read_file
 from ..join import Joiner, cluster_of
 from ..validation import RecordError, record_kind, room_fields
 from .filters import Filters
-from .ingest import lines_of
+from .ingest import lines_of, read_line
 from .positions import LINE_MASK, position
 from .scan import FileScan
 
@@ -98,7 +98,7 @@ def judge_complex(con, scans: list[FileScan], analysis, filters: Filters, say,
             elif scan.order in by_file:
                 for line, raw in lines_of(scan.path, by_file[scan.order]):
                     try:
-                        rec = decode_line(raw)
+                        rec = read_line(raw)
                     except LineError as exc:
                         analysis.error(f"{file}:{line}", "empty line" if raw.isspace() else str(exc))
                         continue

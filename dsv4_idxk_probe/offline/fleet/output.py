@@ -162,13 +162,15 @@ def _write_to(f: BinaryIO, analysis, head: dict) -> None:
         _write_list(f, _merged(rows, py))
     f.write(b'\n],"prefill_only":[\n')
     py = []
-    for room, attempt in analysis.prefill_only_keys:
-        entry = {"room": room, "attempt": attempt, "verdict": "unverified",
+    for key in analysis.prefill_only_keys:
+        entry = {"room": key[0], "attempt": key[1], "verdict": "unverified",
                  "reason": "prefill sent it; no decode record in these logs"}
-        rid = analysis.prefill_only_rids.get((room, attempt))
+        if len(key) > 2:  # (room, attempt, cluster), as the reference writes it
+            entry["cluster"] = key[2]
+        rid = analysis.prefill_only_rids.get(key)
         if rid is not None:
             entry["rid"] = {"prefill": rid, "decode": None}
-        py.append((analysis.prefill_only_positions.get((room, attempt), 0), json_bytes(entry)))
+        py.append((analysis.prefill_only_positions.get(key, 0), json_bytes(entry)))
     if not analysis.clean_prefill_only:
         rows = iter(())
     elif table is not None:

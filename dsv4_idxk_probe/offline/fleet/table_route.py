@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ...roomlog.lineformat import LineError, decode_line
+from ...roomlog.lineformat import LineError
 from ...roomlog.reader import read_file
 from ...vocabulary import STAGES, VERDICTS
 from ..diff_output import json_bytes
@@ -29,7 +29,7 @@ from ..printable import json_safe
 from ..results import RoomResult, StageResult
 from . import native as native_pass
 from .filters import Filters
-from .ingest import lines_of, note_record
+from .ingest import lines_of, note_record, read_line
 from .positions import LINE_BITS, LINE_MASK, position
 
 ENV = "DSV4_IDXK_PROBE_FLEET_TABLE"
@@ -139,7 +139,7 @@ def _note(rec, fid: int, line: int, py_records: list, filters: Filters) -> None:
 def _odd_records(scan, odd: list[int], py_records: list, filters: Filters) -> None:
     for line, raw in lines_of(scan.path, odd):
         try:
-            rec = decode_line(raw)
+            rec = read_line(raw)
         except LineError:
             continue
         _note(rec, scan.order, line, py_records, filters)
