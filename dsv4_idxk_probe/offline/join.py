@@ -243,7 +243,9 @@ class Joiner:
             room.layer_ids, room.n_pages = expected.layer_ids, len(expected.pages) // 8
         if observed is not None and observed == expected:
             result.verdict = "match"  # identical digests: what compare() says, without unpacking
-        elif result.live_verdict == "skipped" or (expected is None and key in self.prefill_skipped):
+        elif (result.live_verdict == "skipped" and (observed is None or expected is None)) or (
+                expected is None and key in self.prefill_skipped):
+            # a live `skipped` stands for a missing digest: two digests are compared, whatever it said
             result.verdict, result.reason = "skipped", "skipped on the serving side"
         elif not room.has_prefill:
             result.verdict, result.reason = "unverified", "no prefill record for this room and attempt"

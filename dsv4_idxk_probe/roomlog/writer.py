@@ -345,7 +345,7 @@ class RoomLogWriter:
         for record in records:
             try:
                 line = encode_line(record)
-            except (TypeError, ValueError):
+            except Exception:  # not plain JSON, or nested past the encoders' depth (RecursionError): this record only
                 log.warning("room log: dropped a record that is not plain JSON", exc_info=True)
                 self._drop()
                 continue

@@ -129,6 +129,22 @@ def test_a_record_that_is_not_json_is_dropped_and_the_writer_goes_on(tmp_path):
     assert read_back(writer.files) == [1, 2] and writer.dropped == 1
 
 
+def test_a_record_nested_past_the_encoders_depth_costs_that_record_only(tmp_path):
+    """The fallback encoder's RecursionError took the whole batch with it, uncounted."""
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    writer = RoomLogWriter(tmp_path, "decode", start=False)
+    for i in range(5):
+        writer.emit(record(i))
+    writer.emit({"v": 1, "kind": "room", "x": deep})
+    for i in range(5, 10):
+        writer.emit(record(i))
+    writer.start()
+    writer.close()
+    assert (read_back(writer.files), writer.written, writer.dropped) == (list(range(10)), 10, 1)
+
+
 def test_a_torn_last_line_is_counted_as_torn_and_the_rest_read(tmp_path):
     writer = RoomLogWriter(tmp_path, "decode")
     for i in range(3):

@@ -190,3 +190,16 @@ def test_diff_help_documents_the_exit_status(capsys):
         run(["diff", "--help"])
     text = capsys.readouterr().out
     assert "exit status of diff" in text and "one side's" in text
+
+
+def test_a_decode_digest_that_differs_from_prefill_s_is_a_mismatch_whatever_the_live_verdict_said(tmp_path, capsys):
+    """A live `skipped` stands for a record without a digest (the serving side could not take
+    one); a record that carries one is judged from the digests, like any other. It read
+    `skipped`, exit 0, even with --strict."""
+    prefill, decode = room_records(RoomPlan(2, fault=Fault(1, 0, 5)))
+    for rec in decode:
+        rec["verdict"] = "skipped"
+    got = diff(capsys, tmp_path, write_side(tmp_path / "prefill", "prefill", prefill),
+               write_side(tmp_path / "decode", "decode", decode))
+    (room,) = got["json"]["rooms"]
+    assert (got["status"], room["verdict"]) == (1, "mismatch")
