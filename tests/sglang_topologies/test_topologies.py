@@ -164,3 +164,21 @@ def test_dp_attention_is_refused_on_the_cpu_at_the_first_forward(pairs, tmp_path
                          start_new_session=True)
     text = out.stdout + out.stderr
     assert out.returncode != 0 and DP_REFUSAL in text and "prepare_mlp_sync_batch" in text, text[-3000:]
+
+
+@pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
+def test_enforce_over_mooncake_with_the_digest_late_refuses_the_rooms_corrupt_at_receipt_and_serves_the_rest(pairs):
+    """enforce on SGLang's own decode server, every room's prefill digest from the exchange
+    (Mooncake, in band forced late): each room is held until its fetch ends (exchange/prefetch.py),
+    then judged; the two rooms corrupt when they land are refused with SGLang's checksum answer,
+    the faults that come later are reported as in observe mode, every other room is served."""
+    rig = pairs.get("tp1-tp1-mooncake-late-enforce", launch.ServerOptions(transfer_backend="mooncake"),
+                    probe_config="step_interval: 4\nmode: enforce\n", env={ENV_DEFER_INBAND: "1"})
+    requests = workload.plan("enforce", workload.fault_workload(FAULTS, rooms=8, seed=26, max_new_tokens=12))
+    phase = rig.phase("enforce", requests, faults=str(FAULTS), rejected=(2, 3))
+    assert_every_fault_found(phase)
+    served = [o for o in phase.outcomes if o.status == 200]
+    assert len(served) == len(requests) - 2, describe(phase)
+    judged = [r for r in decode_records(rig) if r.get("rid") in set(phase.rooms) and r.get("verdict") in ("match", "mismatch")]
+    # no room carried its digest in band: enforce judged each from the exchange, off the scheduler thread
+    assert judged and all(r.get("expected_room") is None for r in judged), judged[:2]

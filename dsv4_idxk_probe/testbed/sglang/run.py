@@ -34,6 +34,10 @@ from .router_loss import lost_by_router
 from .workload import Outcome, Request, send
 
 
+#: What SGLang answers a request whose KV its checksum path (here: the probe's enforce) dropped.
+ENFORCE_REFUSAL = "KV checksum mismatch"
+
+
 @dataclass
 class Phase:
     """What one phase sent and what came back, judged."""
@@ -117,7 +121,7 @@ class RigSession:
 
     def phase(self, name: str, requests: list[Request], *, faults: str | None = None, concurrency: int = 4,
               settle_s: float = 60.0, check_outputs: bool = True, scribble_freed: bool = False,
-              fail_transfer: tuple[int, ...] = ()) -> Phase:
+              fail_transfer: tuple[int, ...] = (), rejected: tuple[int, ...] = ()) -> Phase:
         """Send `requests` (their numbers are what `faults` names) and judge their rooms.
 
         The fault spec is checked against the model the servers run (its C4 layers, the
@@ -130,6 +134,8 @@ class RigSession:
         its last send (as its transfer worker does on a NIXL error): SGLang aborts that
         room; SGLang's router sends the request again, as a new room, and an answer to it
         is judged like any other (an error answer is not a failure of the phase).
+        `rejected`: request numbers the probe's enforce mode must refuse (SGLang's answer to a
+        KV checksum mismatch, HTTP 500): a failure of the phase if served, or refused otherwise.
         """
         assert self.cluster is not None, "start() the session first"
         spec = check_fault_spec(faults, requests, self.options) if faults else None
@@ -142,8 +148,13 @@ class RigSession:
         outcomes = send(self.cluster.url, requests, concurrency)
         requests, outcomes, router_lost = self._resend_router_lost(requests, outcomes, concurrency, plan)
         phase = Phase(name, requests, outcomes, {}, router_lost=router_lost)
+        refused = {r.rid for r in requests if r.number in set(rejected)}
         for o in outcomes:
-            if not o.request.aborted and o.status != 200 and o.request.rid not in failing:
+            if o.request.rid in refused:
+                if o.status != 500 or ENFORCE_REFUSAL not in (o.error or ""):
+                    phase.failed_requests.append(f"{o.request.rid}: HTTP {o.status} {o.error or ''}, not refused "
+                                                 f"as enforce must ({ENFORCE_REFUSAL!r})")
+            elif not o.request.aborted and o.status != 200 and o.request.rid not in failing:
                 phase.failed_requests.append(f"{o.request.rid}: HTTP {o.status} {o.error}")
             elif check_outputs and o.status == 200 and o.output_ids != expected_output(o.request):
                 phase.wrong_outputs.append(o.request.rid)
