@@ -26,7 +26,7 @@ import numpy as np
 
 from ..vocabulary import DIAGNOSIS_KINDS
 from .content_index import ContentIndex
-from .journal import PageJournal
+from .journal import PageJournal, on_index_k_pages
 
 KINDS = DIAGNOSIS_KINDS
 MAX_CANDIDATES = 8  # other rooms named for one cell (identical prompts give identical pages)
@@ -107,7 +107,7 @@ def diagnose_cells(
         elif index is not None:
             _match_elsewhere(diagnosis, index, d, li, si, room, phys)
         if journal is not None and phys is not None:
-            diagnosis.events = journal.events_for(phys, since_ns, until_ns)
+            diagnosis.events = journal.events_for(phys, since_ns, until_ns, pools=on_index_k_pages)
         out.append(diagnosis)
     return out
 

@@ -32,22 +32,44 @@ EVENT_KINDS = ("allocated", "transfer_landed", "hicache_load", "hicache_backup",
 
 class PageGroups:
     """Token indices that come in whole pages (HiCache's page branch): page k is the
-    first index of group k divided by the page size. Captured at the hook
-    (`host_ids.capture`), resolved on read."""
+    first index of group k divided by the page size. Only those first indices are kept
+    (captured at the hook: `host_ids.capture`), resolved on read: the copy's whole token
+    indices, held per event, were the page size times as much (256: 16 KiB an event for a
+    4-page copy, where the journal's bound counts events)."""
 
     __slots__ = ("indices", "page_size")
 
     def __init__(self, indices: Any, page_size: int):
-        self.indices, self.page_size = capture(indices), int(page_size)
+        self.page_size = int(page_size)
+        self.indices = capture(_page_firsts(indices, self.page_size))
 
     def resolve(self) -> np.ndarray:
-        flat = host_ints(self.indices)
-        usable = flat.size - flat.size % self.page_size if self.page_size > 0 else 0
-        return flat[:usable].reshape(-1, self.page_size)[:, 0] // self.page_size if usable else flat[:0]
+        return host_ints(self.indices) // self.page_size if self.page_size > 0 else np.zeros(0, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.indices)
+
+
+def _page_firsts(indices: Any, page_size: int) -> Any:
+    """The first index of each whole page of `indices`, a copy of its own (a device tensor
+    stays on its device: a strided view, copied by `capture` on the stream)."""
+    if page_size <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if hasattr(indices, "reshape") and hasattr(indices, "device"):  # a tensor
+        flat = indices.reshape(-1)
+        firsts = flat[: flat.numel() - flat.numel() % page_size : page_size]
+        return firsts if firsts.device.type == "cuda" else firsts.clone()
+    flat = np.asarray(indices, dtype=np.int64).reshape(-1)
+    return flat[: flat.size - flat.size % page_size : page_size].copy()
+
+
+def on_index_k_pages(pool: str | None) -> bool:
+    """Whether an event of `pool` (None: the PD path's) numbers the pages it names as the
+    C4 index-K pages are numbered: SGLang's C4 indexer host pool does; the other pools'
+    copies (HiSparse's C4 KV, V4.1's low-ratio index pools) name pages of their own, and
+    one of the same number never touched index-K's."""
+    return pool is None or "c4_indexer" in str(pool)
 
 
 def _nbytes(values: Any) -> int:
@@ -154,9 +176,10 @@ class PageJournal:
             return list(self._events)
 
     def events_for(self, page: int, since_ns: int | None = None, until_ns: int | None = None,
-                   limit: int | None = None) -> list[dict]:
+                   limit: int | None = None, pools: Any = None) -> list[dict]:
         """Events that touched physical `page` with since < t <= until, oldest first,
-        at most `limit` (default `per_page`) of the newest of them."""
+        at most `limit` (default `per_page`) of the newest of them. `pools`: only events
+        whose pool (None for the PD path's) it accepts (`on_index_k_pages`)."""
         limit = limit or self.per_page
         found: list[dict] = []
         for event in reversed(self._snapshot()):
@@ -164,6 +187,8 @@ class PageJournal:
                 continue
             if since_ns is not None and event.t_ns <= since_ns:
                 break
+            if pools is not None and not pools((event.detail or {}).get("pool")):
+                continue
             if (event.resolved()[0] == page).any():
                 found.append(event.describe(page))
                 if len(found) >= limit:

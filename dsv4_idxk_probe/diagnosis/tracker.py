@@ -28,7 +28,7 @@ from .content import zero_table
 from .content_index import ContentIndex
 from .diagnose import bad_cells, diagnose_cells
 from .host_ids import HostIds, capture, host_ints
-from .journal import PageJournal
+from .journal import PageJournal, on_index_k_pages
 
 
 @dataclass
@@ -189,7 +189,8 @@ class DecodeDiagnosis:
         events = {}
         if self.journal is not None:
             for page in range(min(len(track.pages), self.max_cells)):
-                found_events = self.journal.events_for(int(track.pages[page]), track.last_good_ns, digested_ns)
+                found_events = self.journal.events_for(int(track.pages[page]), track.last_good_ns, digested_ns,
+                                                       pools=on_index_k_pages)
                 if found_events:
                     events[str(page)] = found_events
         return [d.to_record() for d in found], events

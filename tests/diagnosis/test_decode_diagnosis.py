@@ -173,7 +173,7 @@ def test_a_flipped_bit_is_unknown_with_the_hicache_load_that_preceded_it(bed):
     bed.records(room, 1)
     host_rows = torch.arange(40 * 256, 41 * 256)  # host row 40 loaded into device page 6
     bed.journal.record("hicache_load", PageGroups(torch.arange(6 * 256, 7 * 256), 256),
-                       host_rows=PageGroups(host_rows, 256), layer=0, detail={"pool": "indexer"})
+                       host_rows=PageGroups(host_rows, 256), layer=0, detail={"pool": "deepseek_v4_c4_indexer"})
     bed.dec[2][6][100] ^= 0x10
     bed.decode.batch_done([], [(room, 1)])
     cells = _bad(bed.records(room, 2)[1])
