@@ -30,9 +30,13 @@ FAULT_NAMES = {"source-changed-after-digest", "bit-in-transit", "zeroed-after-re
 WITH_SECRET = "step_interval: 4\nexchange:\n  secret_file: {secret}\n"
 
 
-def faults_phase(rig, name: str, seed: int):
+#: The rooms of FAULTS corrupt as they land (`before_send`, `in_flight`): enforce refuses them.
+CORRUPT_AT_RECEIPT = (2, 3)
+
+
+def faults_phase(rig, name: str, seed: int, rejected: tuple[int, ...] = ()):
     requests = workload.plan(name, workload.fault_workload(FAULTS, rooms=8, seed=seed, max_new_tokens=12))
-    return rig.phase(name, requests, faults=str(FAULTS))
+    return rig.phase(name, requests, faults=str(FAULTS), rejected=rejected)
 
 
 def assert_every_fault_found(phase) -> None:
@@ -56,10 +60,12 @@ def rank_logs(rig, role: str) -> int:
 
 
 def test_tp2_to_tp2_across_two_hosts_with_the_secret_finds_every_fault(pairs):
+    """In enforce mode: the two decode ranks agree at start and refuse the same rooms (SGLang's
+    batches stay alike across the attention-TP group: a rank alone would hang its collectives)."""
     rig = pairs.get("tp2-tp2-two-hosts", launch.ServerOptions(prefill_tp=2, decode_tp=2),
-                    probe_config=WITH_SECRET, two_hosts=True)
-    phase = faults_phase(rig, "tp22", seed=21)
-    assert_every_fault_found(phase)
+                    probe_config=WITH_SECRET + "mode: enforce\n", two_hosts=True)
+    phase = faults_phase(rig, "tp22", seed=21, rejected=CORRUPT_AT_RECEIPT)
+    assert_every_fault_found(phase)  # the refusals too: a rank that had not agreed would have left both off
     assert rank_logs(rig, "prefill") == 2 and rank_logs(rig, "decode") == 2
     hosts = rig.options.hosts
     prefill_log = rig.cluster.logs["prefill"].read_text()
@@ -175,7 +181,7 @@ def test_enforce_over_mooncake_with_the_digest_late_refuses_the_rooms_corrupt_at
     rig = pairs.get("tp1-tp1-mooncake-late-enforce", launch.ServerOptions(transfer_backend="mooncake"),
                     probe_config="step_interval: 4\nmode: enforce\n", env={ENV_DEFER_INBAND: "1"})
     requests = workload.plan("enforce", workload.fault_workload(FAULTS, rooms=8, seed=26, max_new_tokens=12))
-    phase = rig.phase("enforce", requests, faults=str(FAULTS), rejected=(2, 3))
+    phase = rig.phase("enforce", requests, faults=str(FAULTS), rejected=CORRUPT_AT_RECEIPT)
     assert_every_fault_found(phase)
     served = [o for o in phase.outcomes if o.status == 200]
     assert len(served) == len(requests) - 2, describe(phase)
