@@ -6,21 +6,29 @@
 short line on stderr instead of a traceback, and with the variable unset it
 does nothing at all. This module imports nothing but the standard library:
 it puts one finder on ``sys.meta_path`` that waits for the first import of
-the ``sglang`` package and, once that package has executed, calls
-`dsv4_idxk_probe.activation.install()`. install() then patches target
-modules already imported and registers post-import hooks for the rest, so a
-target module imported later is patched when it loads. Any failure is
-logged and the import of sglang goes on unharmed.
+SGLang's scheduler module and, once that module has executed, wraps its
+``run_scheduler_process`` so that `dsv4_idxk_probe.activation.install()`
+runs first thing in a scheduler process, as SGLang's plugin loader does on
+the entry-point route. SGLang's other processes (HTTP server, tokenizer,
+detokenizer, data-parallel controller) import that module too, to start
+schedulers, but never call it there: they get no probe (they hold no PD
+queue or pool; installing there cost each 0.2-0.3 s and patched what it
+imported). install() patches target modules already imported and
+registers post-import hooks for the rest. A build whose scheduler module
+has no ``run_scheduler_process`` gets the probe installed right after that
+module loads (logged). Any failure is logged and SGLang goes on unharmed.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
 import sys
 
-TRIGGER = "sglang"
+TRIGGER = "sglang.srt.managers.scheduler"  # the module that defines SCHEDULER_ENTRY
+SCHEDULER_ENTRY = "run_scheduler_process"  # activation.SCHEDULER_ENTRY (not imported: stdlib only here)
 
 registered = False
 
@@ -37,7 +45,7 @@ class _InstallAfterExec(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         _remove_finder()
-        _install()
+        _install_at_scheduler_entry(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -71,6 +79,27 @@ def _remove_finder() -> None:
         pass
 
 
+def _install_at_scheduler_entry(module) -> None:
+    """Wrap `module`'s scheduler entry so the probe installs when a scheduler process starts;
+    install now where there is none to wrap (a fork that names it otherwise)."""
+    try:
+        entry = getattr(module, SCHEDULER_ENTRY, None)
+        if not callable(entry):
+            logging.getLogger("dsv4_idxk_probe").warning(
+                "dsv4-idxk-probe: %s has no %s; installing in this process now", TRIGGER, SCHEDULER_ENTRY)
+            _install()
+            return
+
+        @functools.wraps(entry)
+        def run_scheduler_process(*args, **kwargs):
+            _install()
+            return run_scheduler_process.__wrapped__(*args, **kwargs)
+
+        setattr(module, SCHEDULER_ENTRY, run_scheduler_process)  # pickled by name: spawn's children get it too
+    except Exception:  # never break the host's import
+        logging.getLogger("dsv4_idxk_probe").exception("dsv4-idxk-probe: start-up from the .pth route failed")
+
+
 def _install() -> None:
     try:
         from .activation import allowlist_problem, install
@@ -84,7 +113,8 @@ def _install() -> None:
 
 
 def register() -> None:
-    """Arm the finder once (or install now if sglang is already imported)."""
+    """Arm the finder once (or install now if the scheduler module is already imported: its
+    entry may be bound already where it is called from)."""
     global registered
     if registered:
         return

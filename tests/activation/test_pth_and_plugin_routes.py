@@ -45,12 +45,19 @@ PTH_CODE = f"""
     before = sorted(m for m in sys.modules if m.startswith(("dsv4_idxk_probe", "sglang", "wrapt")))
     result = {{"before": before}}
     if IMPORT_SGLANG:
+        import pickle
         import wrapt
+        import sglang.srt.managers.scheduler as scheduler
         import sglang.srt.disaggregation.prefill as prefill
         from dsv4_idxk_probe import activation
+        entry = scheduler.run_scheduler_process
+        result.update(loaded_before_a_scheduler_starts=activation.loaded,
+                      entry_pickles_as_itself=pickle.loads(pickle.dumps(entry)) is entry)
+        entry.__wrapped__ = lambda *args: "scheduler ran"  # SGLang's own would start a scheduler
+        result.update(entry_returned=entry(), loaded=activation.loaded)
         wrapper = prefill.SchedulerDisaggregationPrefillMixin.__dict__["send_kv_chunk"]
         runtime = activation.current_runtime()
-        result.update(wrapped=isinstance(wrapper, wrapt.FunctionWrapper), loaded=activation.loaded,
+        result.update(wrapped=isinstance(wrapper, wrapt.FunctionWrapper),
                       status={{k: v[0] for k, v in runtime.patcher.status.items()}})
     print(json.dumps(result))
 """
@@ -61,12 +68,32 @@ def test_pth_with_variable_unset_imports_no_probe_module(tmp_path):
     assert result == {"before": []}
 
 
-def test_pth_route_patches_a_target_module_imported_after_it(tmp_path):
+def test_pth_route_installs_when_a_scheduler_starts_and_patches_what_it_imports(tmp_path):
+    """Installed first thing in SGLang's scheduler entry, as the plugin loader does, and not on
+    `import sglang`: SGLang's HTTP server, tokenizer and detokenizer processes import the
+    scheduler module (to start schedulers) but never run its entry, and got the probe (0.2-0.3 s
+    each, and what it patched there). The entry wrapped still pickles as itself (spawn)."""
     result = run(PTH_CODE.replace("IMPORT_SGLANG", "True"), tmp_path, probe="1")
     # armed, nothing else yet: the package (its version) and the stdlib-only bootstrap
     assert result["before"] == ["dsv4_idxk_probe", "dsv4_idxk_probe.bootstrap", "dsv4_idxk_probe.version"]
-    assert result["wrapped"] and result["loaded"]
+    assert (result["loaded_before_a_scheduler_starts"], result["entry_pickles_as_itself"]) == (False, True)
+    assert (result["entry_returned"], result["loaded"]) == ("scheduler ran", True)
+    assert result["wrapped"]
     assert result["status"]["pd.send_kv_chunk"] == "patched"
+
+
+def test_pth_route_installs_nothing_in_sglang_s_other_processes(tmp_path):
+    code = f"""
+        import json, site, sys
+        site.addsitedir({str(HOOKS)!r})
+        import sglang.srt.managers.detokenizer_manager, sglang.srt.managers.tokenizer_manager
+        import sglang.srt.entrypoints.http_server  # binds the scheduler entry, calls it only in its children
+        probe_modules = sorted(m for m in sys.modules if m.startswith("dsv4_idxk_probe."))
+        from dsv4_idxk_probe import activation
+        print(json.dumps({{"loaded": activation.loaded, "probe_modules": probe_modules}}))
+    """
+    result = run(code, tmp_path, probe="1")
+    assert result == {"loaded": False, "probe_modules": ["dsv4_idxk_probe.bootstrap", "dsv4_idxk_probe.version"]}
 
 
 @pytest.mark.parametrize("probe", [None, "1", "0"])
