@@ -150,6 +150,12 @@ _SECTION_TYPES = {"exchange": ExchangeConfig, "roomlog": RoomLogConfig, "metrics
 _TOP_KEYS = set(ConfigFile.__struct_fields__)
 
 
+def is_table_path(entry: str) -> bool:
+    """Whether a `targets` entry is a file's path rather than a shipped table's name
+    (``sglang``, ``sglang@0.5.21``): it names a folder, or a YAML file (``.yaml``, ``.yml``)."""
+    return "/" in entry or os.sep in entry or entry.endswith((".yaml", ".yml"))
+
+
 def _resolve_path(base: Path | None, value: str, source: str, name: str) -> str:
     """`value` with its ``~`` expanded, relative to `base`. A ``~user`` of no known user (or
     ``~`` with no home) is the config's error, naming the field: pathlib raises RuntimeError."""
@@ -179,8 +185,8 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
     values = {name: getattr(parsed, name) for name in ConfigFile.__struct_fields__}
     values["hicache"] = dict(document.get("hicache") or {})
     targets = (parsed.targets,) if isinstance(parsed.targets, str) else parsed.targets
-    values["targets"] = tuple(t if "/" not in t and not t.endswith(".yaml") else
-                              _resolve_path(base_dir, t, source, "targets") for t in targets)
+    values["targets"] = tuple(_resolve_path(base_dir, t, source, "targets") if is_table_path(t) else t
+                              for t in targets)
     if parsed.layouts is not None:
         values["layouts"] = _resolve_path(base_dir, parsed.layouts, source, "layouts")
     if "roomlog" in document and base_dir is not None:

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 
 from .. import safeyaml
 from ..boundedfile import read_bounded_text
+from ..config import is_table_path
 from ..safeyaml import shorten
 from ..vocabulary import PATCH_STATUSES
 
@@ -123,7 +124,7 @@ def shipped_target_path(name: str) -> Path:
 
 
 def target_file_path(name_or_path: str) -> Path:
-    if "/" in name_or_path or name_or_path.endswith(".yaml"):
+    if is_table_path(name_or_path):
         return Path(name_or_path)
     return shipped_target_path(name_or_path)
 
@@ -294,10 +295,12 @@ def parse_target_table(text: str, source: str, release: str | None = None) -> li
 
 
 def _split_name(name_or_path: str) -> tuple[str, str | None]:
-    """("sglang", "0.5.21") for "sglang@0.5.21" or "sglang-0.5.21"; (name, None) otherwise."""
+    """("sglang", "0.5.21") for "sglang@0.5.21" or "sglang-0.5.21"; (name, None) otherwise
+    ("/etc/probe@prod/fork.yaml": the @ is the path's, not a release's)."""
     if "@" in name_or_path:
         name, _, release = name_or_path.rpartition("@")
-        return name, release
+        if not is_table_path(release):
+            return name, release
     match = re.match(r"^(sglang)-(\d+\.\d+\.\d+)$", name_or_path)
     if match:
         return match.group(1), match.group(2)

@@ -12,7 +12,7 @@ import sglang.srt.disaggregation as disaggregation
 from dsv4_idxk_probe.cli import check
 from dsv4_idxk_probe.sglang.targets import (
     TargetFileError, installed_sglang, load_factory, load_target_file, load_targets, parse_target_table, resolve,
-    release_tuple, select_table,
+    release_tuple, select_table, shipped_target_path,
 )
 
 FORK_FIXTURE = Path(__file__).resolve().parent / "fork_fixture"
@@ -46,6 +46,32 @@ def test_fork_table_resolves_against_the_fork_layout(fork_package):
     for target in targets:
         resolution = resolve(target)
         assert resolution.ok, f"{target.name}: {resolution.detail}"
+
+
+def test_the_fork_table_hooks_each_target_as_the_upstream_table_does():
+    """The tables differ in module names only (the fork leaves HiCache out): `check` showed
+    the fork's `pd.send_kv_metadata` as an after hook, which it is not."""
+    upstream = {t.name: (t.qualname, t.kind, t.hook) for t in load_target_file("sglang")}
+    fork = {t.name: (t.qualname, t.kind, t.hook) for t in load_target_file("fork-prefill2-decode2")}
+    assert fork and {name: upstream.get(name) for name in fork} == fork
+
+
+@pytest.mark.parametrize("where", ["tables@prod/fork.yaml", "fork.yml"])
+def test_a_table_path_with_an_at_sign_or_a_yml_suffix_is_read_as_that_path(tmp_path, monkeypatch, where):
+    """An @ in a folder's name was read as a release ("tables" read, not found), and a `.yml`
+    file as a shipped table's name: the probe stayed off."""
+    path = tmp_path / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(shipped_target_path("sglang").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert {t.name for t in load_target_file(where)} == {t.name for t in load_target_file("sglang")}
+    if where == "fork.yml":
+        return
+    config = path.parent / "probe.yaml"  # a config in that folder naming the table relative to it
+    config.write_text("targets: [fork.yaml]\n")
+    from dsv4_idxk_probe.config import load_file
+
+    assert load_file(str(config)).targets == (str(path),)
 
 
 def test_fork_table_reports_missing_modules_without_the_fork():
