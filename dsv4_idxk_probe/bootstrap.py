@@ -7,16 +7,18 @@ short line on stderr instead of a traceback, and with the variable unset it
 does nothing at all. This module imports nothing but the standard library:
 it puts one finder on ``sys.meta_path`` that waits for the first import of
 SGLang's scheduler module and, once that module has executed, wraps its
-``run_scheduler_process`` so that `dsv4_idxk_probe.activation.install()`
-runs first thing in a scheduler process, as SGLang's plugin loader does on
-the entry-point route. SGLang's other processes (HTTP server, tokenizer,
+``run_scheduler_process`` and ``Scheduler.__init__`` so that
+`dsv4_idxk_probe.activation.install()` runs first thing in a scheduler
+process (as SGLang's plugin loader does on the entry-point route; the
+constructor for SGLang's Ray launcher, whose actor builds a Scheduler
+without the entry). SGLang's other processes (HTTP server, tokenizer,
 detokenizer, data-parallel controller) import that module too, to start
-schedulers, but never call it there: they get no probe (they hold no PD
+schedulers, but call neither there: they get no probe (they hold no PD
 queue or pool; installing there cost each 0.2-0.3 s and patched what it
 imported). install() patches target modules already imported and
 registers post-import hooks for the rest. A build whose scheduler module
-has no ``run_scheduler_process`` gets the probe installed right after that
-module loads (logged). Any failure is logged and SGLang goes on unharmed.
+has neither gets the probe installed right after that module loads
+(logged). Any failure is logged and SGLang goes on unharmed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 
 TRIGGER = "sglang.srt.managers.scheduler"  # the module that defines SCHEDULER_ENTRY
 SCHEDULER_ENTRY = "run_scheduler_process"  # activation.SCHEDULER_ENTRY (not imported: stdlib only here)
+SCHEDULER_CLASS = "Scheduler"  # what the entry, and SGLang's Ray actor, construct
 
 registered = False
 
@@ -80,24 +83,33 @@ def _remove_finder() -> None:
 
 
 def _install_at_scheduler_entry(module) -> None:
-    """Wrap `module`'s scheduler entry so the probe installs when a scheduler process starts;
-    install now where there is none to wrap (a fork that names it otherwise)."""
+    """Wrap `module`'s scheduler entry and its Scheduler's constructor so the probe installs
+    when a scheduler starts (SGLang's Ray launcher builds a Scheduler in its actor without
+    the entry); install now where there is neither to wrap (a fork that names them otherwise)."""
     try:
         entry = getattr(module, SCHEDULER_ENTRY, None)
-        if not callable(entry):
+        scheduler = getattr(module, SCHEDULER_CLASS, None)
+        if not callable(entry) and not isinstance(scheduler, type):
             logging.getLogger("dsv4_idxk_probe").warning(
-                "dsv4-idxk-probe: %s has no %s; installing in this process now", TRIGGER, SCHEDULER_ENTRY)
+                "dsv4-idxk-probe: %s has neither %s nor %s; installing in this process now",
+                TRIGGER, SCHEDULER_ENTRY, SCHEDULER_CLASS)
             _install()
             return
-
-        @functools.wraps(entry)
-        def run_scheduler_process(*args, **kwargs):
-            _install()
-            return run_scheduler_process.__wrapped__(*args, **kwargs)
-
-        setattr(module, SCHEDULER_ENTRY, run_scheduler_process)  # pickled by name: spawn's children get it too
+        if callable(entry):
+            setattr(module, SCHEDULER_ENTRY, _installing_first(entry))  # pickled by name: spawn's children get it
+        if isinstance(scheduler, type):
+            scheduler.__init__ = _installing_first(scheduler.__init__)
     except Exception:  # never break the host's import
         logging.getLogger("dsv4_idxk_probe").exception("dsv4-idxk-probe: start-up from the .pth route failed")
+
+
+def _installing_first(function):
+    @functools.wraps(function)
+    def installing_first(*args, **kwargs):
+        _install()  # once per process: later calls return at once
+        return installing_first.__wrapped__(*args, **kwargs)
+
+    return installing_first
 
 
 def _install() -> None:

@@ -53,8 +53,13 @@ PTH_CODE = f"""
         entry = scheduler.run_scheduler_process
         result.update(loaded_before_a_scheduler_starts=activation.loaded,
                       entry_pickles_as_itself=pickle.loads(pickle.dumps(entry)) is entry)
-        entry.__wrapped__ = lambda *args: "scheduler ran"  # SGLang's own would start a scheduler
-        result.update(entry_returned=entry(), loaded=activation.loaded)
+        if START == "entry":
+            entry.__wrapped__ = lambda *args: "scheduler ran"  # SGLang's own would start a scheduler
+            result.update(entry_returned=entry(), loaded=activation.loaded)
+        else:  # SGLang's Ray actor builds a Scheduler without the entry
+            scheduler.Scheduler.__init__.__wrapped__ = lambda self, *args: None
+            scheduler.Scheduler()
+            result.update(entry_returned="scheduler ran", loaded=activation.loaded)
         wrapper = prefill.SchedulerDisaggregationPrefillMixin.__dict__["send_kv_chunk"]
         runtime = activation.current_runtime()
         result.update(wrapped=isinstance(wrapper, wrapt.FunctionWrapper),
@@ -68,12 +73,14 @@ def test_pth_with_variable_unset_imports_no_probe_module(tmp_path):
     assert result == {"before": []}
 
 
-def test_pth_route_installs_when_a_scheduler_starts_and_patches_what_it_imports(tmp_path):
+@pytest.mark.parametrize("start", ["entry", "constructor"])
+def test_pth_route_installs_when_a_scheduler_starts_and_patches_what_it_imports(tmp_path, start):
     """Installed first thing in SGLang's scheduler entry, as the plugin loader does, and not on
     `import sglang`: SGLang's HTTP server, tokenizer and detokenizer processes import the
     scheduler module (to start schedulers) but never run its entry, and got the probe (0.2-0.3 s
-    each, and what it patched there). The entry wrapped still pickles as itself (spawn)."""
-    result = run(PTH_CODE.replace("IMPORT_SGLANG", "True"), tmp_path, probe="1")
+    each, and what it patched there). The entry wrapped still pickles as itself (spawn); the
+    Scheduler's constructor installs too (SGLang's Ray actor never calls the entry)."""
+    result = run(PTH_CODE.replace("IMPORT_SGLANG", "True").replace("START", repr(start)), tmp_path, probe="1")
     # armed, nothing else yet: the package (its version) and the stdlib-only bootstrap
     assert result["before"] == ["dsv4_idxk_probe", "dsv4_idxk_probe.bootstrap", "dsv4_idxk_probe.version"]
     assert (result["loaded_before_a_scheduler_starts"], result["entry_pickles_as_itself"]) == (False, True)
