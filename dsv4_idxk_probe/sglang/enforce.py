@@ -151,10 +151,13 @@ def enforce_batch(runtime: Any, scheduler: Any, batch: Any, judge: Judge) -> Non
             continue
         message = f"dsv4-idxk-probe: index-K mismatch at receipt, room {room_of(req)} (rid {getattr(req, 'rid', '?')})"
         runtime.log.error(message)
-        removed.add(i)  # never served, even if SGLang's abort below raises (every rank removes it alike)
-        if not safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
-            runtime.log.error("dsv4-idxk-probe: SGLang's abort of room %s failed (counted): the request is taken "
-                              "out of the batch unanswered", room_of(req))
+        if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
+            removed.add(i)
+        elif safe_invoke("decode.enforce_abort", _finish_with_abort, req, fallback=False):
+            # SGLang's abort raised (by design where SGLANG_IS_IN_CI is set): it stays in this batch
+            # to be finished by SGLang as an abort after this step (answered with the error, freed)
+            runtime.log.error("dsv4-idxk-probe: SGLang's abort of room %s raised (counted); finishing it as an "
+                              "abort after this step instead", room_of(req))
     if removed:
         batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in removed])
     if held:
@@ -168,4 +171,16 @@ def _hold(scheduler: Any, reqs: list) -> None:
 
 def _abort(scheduler: Any, req: Any, message: str) -> bool:
     scheduler._handle_kv_checksum_mismatch(req, message)
+    return True
+
+
+def _finish_with_abort(req: Any) -> bool:
+    """SGLang's own deferred finish (`Req.to_finish`, taken at the step's end): the error
+    SGLang's checksum path answers, and the request freed as any finished one. Taken out
+    of the batch unanswered instead, it was never answered nor freed; kept as it was, served."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.to_finish = FINISH_ABORT("KV checksum mismatch", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
     return True

@@ -477,8 +477,9 @@ def test_room_aborted_by_commit_is_skipped(worlds, patched):
                     reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
 @pytest.mark.parametrize("abort_raises", [False, True], ids=["abort", "abort_raises"])
 def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises):
-    """A room whose SGLang abort raised (by design where SGLANG_IS_IN_CI is set) leaves the
-    batch all the same: it was kept, and served."""
+    """A room whose SGLang abort raised (by design where SGLANG_IS_IN_CI is set) is finished by
+    SGLang as an abort after this step (`to_finish`: answered with the error, freed): it was
+    kept and served (and, taken out of the batch unanswered, never answered nor freed)."""
     runtime, sink, _ = make_runtime(mode="enforce")
     patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
     runtime.patcher = patcher
@@ -510,7 +511,13 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises)
         )
         batch = SimpleNamespace(reqs=[good.req, bad.req, failed.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
         scheduler._verify_kv_checksums(batch)
-        assert (aborted, kept) == (["other"], [0, 2])
+        finish = getattr(bad.req, "to_finish", None)
+        if abort_raises:
+            assert (aborted, kept) == (["other"], [])  # kept in the batch: every rank alike
+            assert (type(finish).__name__, finish.message, int(finish.status_code)) == (
+                "FINISH_ABORT", "KV checksum mismatch", 500)
+        else:
+            assert (aborted, kept, finish) == (["other"], [0, 2], None)
     finally:
         patcher.unpatch()
         runtime.close()
