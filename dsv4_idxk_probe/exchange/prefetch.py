@@ -71,7 +71,7 @@ class Prefetcher:
         """(done, digest or None). Not started: (False, None) after starting it now. Let go
         by the full table, or past its deadline: (True, None), counted. A done answer is
         handed out once and forgotten."""
-        future = None
+        future, done = None, False
         with self._lock:
             if key in self._dropped:
                 del self._dropped[key]
@@ -82,9 +82,10 @@ class Prefetcher:
                     late = None
                 else:
                     future, started = entry
-                    late = (not future.done() and self._deadline_s is not None
+                    done = future.done()  # read once: what is forgotten here is what is handed out
+                    late = (not done and self._deadline_s is not None
                             and self._clock() - started > self._deadline_s)
-                    if late or future.done():
+                    if late or done:
                         del self._futures[key]
         if late is None:
             self.start(key)
@@ -94,7 +95,7 @@ class Prefetcher:
                 future.cancel()  # still queued: never runs (the workers' time goes to rooms still held)
             self._give_up()
             return True, None
-        if not future.done():
+        if not done:
             return False, None
         try:
             return True, future.result()
@@ -129,7 +130,8 @@ def _prefetcher(side: Any) -> Prefetcher:
 
 def fetch_deadline_s(client: Any, retry_s: float) -> float | None:
     """The longest one fetch may take: the client's per-request timeout plus the retries'
-    window (None without a client: nothing to bound)."""
+    window (None without a client: nothing to bound). A room of several prefill PP stages
+    is fetched within the same bound (`VectorClient.fetch`: one deadline for the stages)."""
     timeout_ms = getattr(client, "timeout_ms", None)
     return None if timeout_ms is None else float(timeout_ms) / 1000.0 + float(retry_s or 0.0)
 

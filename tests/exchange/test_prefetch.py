@@ -149,3 +149,28 @@ def test_a_room_given_up_while_its_fetch_is_queued_costs_the_workers_nothing():
         release.set()
         prefetcher.close()
     assert "queued/0" not in calls
+
+
+def test_an_answer_that_lands_while_it_is_polled_is_handed_out_once_and_forgotten():
+    """The entry was forgotten on one look at the fetch and the answer handed out on a second:
+    a fetch ending between the two was handed out and kept (handed out again, a slot held)."""
+    from concurrent.futures import Future
+
+    class EndsBetweenLooks(Future):
+        looks = 0
+
+        def done(self):
+            self.looks += 1
+            was = super().done()
+            if self.looks == 1 and not was:
+                self.set_result("digest")  # the worker ends right after this look
+            return was
+
+    prefetcher = Prefetcher(lambda key: None)
+    prefetcher._pool.shutdown()
+    prefetcher._pool = SimpleNamespace(submit=lambda fn, key: EndsBetweenLooks(), shutdown=lambda **k: None)
+    prefetcher.start("7/0")
+    first = prefetcher.poll("7/0")
+    second = prefetcher.poll("7/0")
+    assert first in ((False, None), (True, "digest"))
+    assert [first, second].count((True, "digest")) == 1 and "7/0" not in prefetcher._futures
