@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 
-def _tensor_type():
+def tensor_type():
     torch = sys.modules.get("torch")
     return torch.Tensor if torch is not None else None
 
@@ -72,7 +72,7 @@ class HostIds:
 def capture(values: Any, *, deferred: bool = False) -> Any:
     """`values` as host memory will hold them: a `HostIds` for a CUDA tensor, else `values`.
     `deferred`: no event yet; the caller settles it (`HostIds.settle`) before it returns."""
-    tensor = _tensor_type()
+    tensor = tensor_type()
     if tensor is None or not isinstance(values, tensor) or values.device.type != "cuda":
         return values
     torch = sys.modules["torch"]
@@ -96,7 +96,7 @@ def host_ints(values: Any) -> np.ndarray:
         return values.numpy().astype(np.int64, copy=False)
     if hasattr(values, "resolve"):
         return values.resolve()
-    tensor = _tensor_type()
+    tensor = tensor_type()
     if tensor is not None and isinstance(values, tensor):
         if values.device.type == "cuda":  # not captured at its hook: the copy and its event now
             return capture(values).numpy().astype(np.int64, copy=False)

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .host_ids import capture, host_ints
+from .host_ids import capture, host_ints, tensor_type
 
 # What the hooks record (docs/diagnosis.md, "The journal").
 EVENT_KINDS = ("allocated", "transfer_landed", "hicache_load", "hicache_backup", "freed")
@@ -56,7 +56,8 @@ def _page_firsts(indices: Any, page_size: int) -> Any:
     stays on its device: a strided view, copied by `capture` on the stream)."""
     if page_size <= 0:
         return np.zeros(0, dtype=np.int64)
-    if hasattr(indices, "reshape") and hasattr(indices, "device"):  # a tensor
+    tensor = tensor_type()
+    if tensor is not None and isinstance(indices, tensor):  # (a NumPy 2 array has a `device` too)
         flat = indices.reshape(-1)
         firsts = flat[: flat.numel() - flat.numel() % page_size : page_size]
         return firsts if firsts.device.type == "cuda" else firsts.clone()

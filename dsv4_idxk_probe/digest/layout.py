@@ -27,6 +27,8 @@ MAX_LAYOUTS_BYTES = 1 << 20
 
 WORD_BYTES = 4
 
+MAX_SEGMENT_NAME_CHARS = 256  # offline/validation.MAX_ROOM_CHARS: what `diff` reads
+
 
 class LayoutError(ValueError):
     """A layout description that cannot be used; the message names the field."""
@@ -150,8 +152,11 @@ def parse_layout(name: str, spec: Any, source: str = "<layout>") -> RowLayout:
         if unknown:
             raise LayoutError(f"{source}: {seg_where} has unknown field(s) {unknown}")
         seg_name = seg.get("name")
-        if not isinstance(seg_name, str) or not seg_name:
-            raise LayoutError(f"{source}: {seg_where}.name must be a non-empty string")
+        if not isinstance(seg_name, str) or not seg_name or len(seg_name) > MAX_SEGMENT_NAME_CHARS:
+            # the room log's readers refuse longer names (offline/validation.py): every record of
+            # the layout would be a bad line to `diff`
+            raise LayoutError(f"{source}: {seg_where}.name must be a non-empty string of at most "
+                              f"{MAX_SEGMENT_NAME_CHARS} characters")
         if seg_name in {s.name for s in segments}:
             raise LayoutError(f"{source}: {seg_where}.name {seg_name!r} is used twice")
         slot_bytes = _require_int(source, f"{seg_where}.slot_bytes", seg.get("slot_bytes"), minimum=1)

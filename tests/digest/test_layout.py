@@ -45,6 +45,9 @@ def test_user_layout_file_adds_a_layout(tmp_path):
         ({"slots": 2, "tokens_per_slot": 4, "row_bytes": 4, "segments": [{"name": "p", "slot_bytes": 4}]}, "row_bytes 4 is smaller"),
         ({"slots": 2, "tokens_per_slot": 4, "colour": 1, "segments": [{"name": "p", "slot_bytes": 4}]}, "unknown field(s) ['colour']"),
         ({"slots": 0, "tokens_per_slot": 4, "segments": [{"name": "p", "slot_bytes": 4}]}, "layouts.x.slots must be >= 1"),
+        # `diff` refuses longer segment names: every record of the layout was a bad line to it
+        ({"slots": 2, "tokens_per_slot": 4, "segments": [{"name": "p" * 257, "slot_bytes": 4}]},
+         "segments[0].name must be a non-empty string of at most 256 characters"),
     ],
 )
 def test_malformed_layout_names_the_field(spec, field):

@@ -53,3 +53,13 @@ def test_a_hicache_copy_s_journal_event_keeps_one_index_a_page(hicache, make_poo
     assert journal.nbytes() <= 1024
     (event,) = journal.events_for(21)
     assert (event["event"], event["page"], event["host_row"]) == ("hicache_backup", 21, 9)
+
+
+def test_page_groups_read_any_container_of_token_indices():
+    """A NumPy 2 array has a `device` too, and was taken for a tensor (`.numel()` raised)."""
+    import numpy as np
+
+    from dsv4_idxk_probe.diagnosis.journal import PageGroups
+
+    for indices in (np.arange(512, 1024 + 3), list(range(512, 1024 + 3)), torch.arange(512, 1024 + 3)):
+        assert PageGroups(indices, 256).resolve().tolist() == [2, 3], type(indices)
