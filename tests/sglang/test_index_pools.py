@@ -329,27 +329,34 @@ def _listens(port: int) -> bool:
         return False
 
 
+PORT_OFFSET = 1000  # exchange.port_offset of the role-switch tests
+
+
+def _rule_runtime():
+    return make_runtime(exchange={"bind": "127.0.0.1", "timeout_ms": 200, "port_offset": PORT_OFFSET})
+
+
+def _manager_for(v41, exchange_port: int) -> SimpleNamespace:
+    """A KV manager whose transport port the ``port_offset`` rule maps to `exchange_port`."""
+    return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=1, local_ip="127.0.0.1",
+                           rank_port=exchange_port - PORT_OFFSET)
+
+
 def test_after_a_role_switch_the_prefill_exchange_follows_the_port_rule_to_the_new_transport_port(v41):
     """Each PD role switch makes a new KV manager on a new port, and decode rebuilds the
     exchange's port from it (``port_offset``): the kept prefill side's exchange moves there
     (it stayed on the first manager's port, and a decode with only the rule could not fetch)."""
     from dsv4_idxk_probe.sglang import pd_decode, pd_prefill
 
-    offset = 1000
-    first, second = _free_port(), _free_port()  # the exchange's ports; the managers' are these - offset
-    runtime, sink, registry = make_runtime(exchange={"bind": "127.0.0.1", "timeout_ms": 200, "port_offset": offset})
+    first, second = _free_port(), _free_port()  # the exchange's ports
+    runtime, sink, registry = _rule_runtime()
     try:
         queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
-
-        def manager(exchange_port):
-            return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=1, local_ip="127.0.0.1",
-                                   rank_port=exchange_port - offset)
-
-        pd_prefill.on_queue_init(runtime, queue, manager(first))
+        pd_prefill.on_queue_init(runtime, queue, _manager_for(v41, first))
         side = runtime.sides["prefill"]
         assert _listens(first)
-        pd_decode.on_queue_init(runtime, queue, manager(_free_port()))  # switched to decode
-        pd_prefill.on_queue_init(runtime, queue, manager(second))  # and back, on a new manager
+        pd_decode.on_queue_init(runtime, queue, _manager_for(v41, _free_port()))  # switched to decode
+        pd_prefill.on_queue_init(runtime, queue, _manager_for(v41, second))  # and back, on a new manager
         assert runtime.sides["prefill"] is side
         assert (side.server.port, _listens(second), _listens(first)) == (second, True, False)
         assert side.endpoint_slot == pack_endpoint("127.0.0.1", second)
@@ -362,22 +369,16 @@ def test_a_prefill_exchange_that_cannot_bind_the_new_port_keeps_serving_on_the_o
     exchange where decodes that read the endpoint slot still find it (logged), not gone."""
     from dsv4_idxk_probe.sglang import pd_prefill
 
-    offset = 1000
     first = _free_port()
-    runtime, sink, registry = make_runtime(exchange={"bind": "127.0.0.1", "timeout_ms": 200, "port_offset": offset})
+    runtime, sink, registry = _rule_runtime()
     taken = socket.socket()
     try:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         queue = SimpleNamespace(token_to_kv_pool=v41[1], gpu_id=0, scheduler=None)
-
-        def manager(exchange_port):
-            return SimpleNamespace(kv_args=v41world.kv_args_of(v41[1]), dcp_size=1, local_ip="127.0.0.1",
-                                   rank_port=exchange_port - offset)
-
-        pd_prefill.on_queue_init(runtime, queue, manager(first))
+        pd_prefill.on_queue_init(runtime, queue, _manager_for(v41, first))
         side = runtime.sides["prefill"]
-        pd_prefill.on_queue_init(runtime, queue, manager(taken.getsockname()[1]))
+        pd_prefill.on_queue_init(runtime, queue, _manager_for(v41, taken.getsockname()[1]))
         assert (side.server.port, _listens(first), side.endpoint_slot) == (first, True, pack_endpoint("127.0.0.1", first))
     finally:
         taken.close()
