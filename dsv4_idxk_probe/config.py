@@ -27,8 +27,8 @@ from msgspec.structs import force_setattr, replace
 from . import environment_variables as ev
 from .boundedfile import read_bounded_text
 from .hicache.settings import HiCacheSettings
-from .safeyaml import load as load_yaml
-from .schema import NO_NUL, Invalid, convert, integer, seconds, text
+from .safeyaml import load as load_yaml, shorten
+from .schema import NO_NUL, Invalid, convert, integer, milliseconds, seconds, text
 
 Mode = Literal["observe", "enforce"]
 MODES = get_args(Mode)
@@ -95,7 +95,7 @@ class DigestConfig(Struct, frozen=True, forbid_unknown_fields=True):
     outputs: Literal["device", "pinned"] = "device"  # where the kernel stores: "device" (copied down) or "pinned" (no copies)
     dependent_launch: Literal["auto", "off"] = "auto"  # "auto": programmatic dependent launches where the GPU has them; "off"
     # the collector sleeps this long while the serving thread keeps submitting (docs/overhead.md); 0: never
-    collector_defer_ms: Annotated[float, Meta(ge=0, le=1000)] = 3.0
+    collector_defer_ms: milliseconds(1000) = 3.0
     # where: before the batch's first device call ("first_call") or once its kernel is done ("done")
     collector_defer_at: Literal["first_call", "done"] = "first_call"
 
@@ -196,18 +196,24 @@ def parse_config(document: Any, source: str = "<config>", base_dir: Path | None 
         secret_file = _resolve_path(base_dir, parsed.exchange.secret_file, source, "exchange.secret_file")
         values["exchange"] = replace(parsed.exchange, secret_file=secret_file)
     config = ProbeConfig(**values, source=source)
-    if config.layouts is not None:
-        _check_layouts(config)
+    _check_layouts(config)
     return config
 
 
 def _check_layouts(config: ProbeConfig) -> None:
-    from .digest.layout import LayoutError, load_layouts
+    """The layouts file parses, and `layout` names one (shipped or from that file): a typo
+    passed `check` and left every side of every pod inactive (`layout_unknown`)."""
+    from .digest.layout import LayoutError, load_layouts, shipped_layouts
 
     try:
-        load_layouts(config.layouts)
+        extra = load_layouts(config.layouts) if config.layouts is not None else {}
     except LayoutError as exc:
         raise ConfigError(f"{config.source}: layouts: {exc}") from None
+    if config.layout != "auto":
+        names = sorted({*shipped_layouts(), *extra})
+        if config.layout not in names:
+            raise ConfigError(f"{config.source}: layout must be auto or one of {', '.join(names)}, "
+                              f"got {shorten(config.layout)}")
 
 
 def read_small_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
@@ -225,8 +231,9 @@ def load_file(path: str | os.PathLike) -> ProbeConfig:
     return parse_config(document, str(path), path.parent, node=root)
 
 
-def _check_secret(config: ProbeConfig) -> None:
-    """A configured secret must be readable now: a typo must not leave the exchange open or off silently."""
+def _check_secret(config: ProbeConfig, where: str | None = None) -> None:
+    """A configured secret must be readable now: a typo must not leave the exchange open or off silently.
+    `where`: what named the file, when not the config's ``exchange.secret_file``."""
     if not config.exchange.secret_file:
         return
     from .exchange.auth import SecretError, load_secret
@@ -234,7 +241,7 @@ def _check_secret(config: ProbeConfig) -> None:
     try:
         load_secret(config.exchange.secret_file)
     except SecretError as exc:
-        raise ConfigError(f"{config.source}: exchange.secret_file: {exc}") from None
+        raise ConfigError(f"{where or f'{config.source}: exchange.secret_file'}: {exc}") from None
 
 
 def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
@@ -257,7 +264,7 @@ def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
     secret_file = env.get(EXCHANGE_SECRET_FILE_ENV, "").strip()
     if secret_file:
         config = replace(config, exchange=replace(config.exchange, secret_file=secret_file))
-    _check_secret(config)
+    _check_secret(config, f"environment: {EXCHANGE_SECRET_FILE_ENV}" if secret_file else None)
     if config.enforce and env.get(ev.DSV4_IDXK_PROBE_FAULTS, "").strip():
         raise ConfigError(
             f"environment: {ev.DSV4_IDXK_PROBE_FAULTS} (fault injection) cannot be combined with enforce mode"

@@ -57,6 +57,11 @@ def seconds(high: float, *, low: float | None = None) -> Any:
     return Annotated[float, msgspec.Meta(le=high, **bounds)]
 
 
+def milliseconds(high: float, *, low: float = 0.0) -> Any:
+    """A finite number of milliseconds in [low, high] (its refusal says milliseconds)."""
+    return Annotated[float, msgspec.Meta(ge=low, le=high, extra={"unit": "milliseconds"})]
+
+
 def text(max_chars: int = 4096) -> Any:
     """A string of at most `max_chars` characters, without NUL."""
     return Annotated[str, msgspec.Meta(max_length=max_chars, pattern=NO_NUL)]
@@ -236,9 +241,10 @@ def _phrase(t: Any, extra: dict, value: Any, reason: str, top: bool, declared: A
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not (value > 0 if above_zero else value >= 0):
             return f"must be a number {'>' if above_zero else '>='} 0", got
+        unit = extra.get("unit", "seconds")
         if t.ge is not None and t.ge > 0:
-            return f"must be a number of seconds in [{t.ge:g}, {t.le:g}]", got
-        return f"must be a number of seconds <= {t.le:g}", got
+            return f"must be a number of {unit} in [{t.ge:g}, {t.le:g}]", got
+        return f"must be a number of {unit} <= {t.le:g}", got
     if isinstance(t, mi.StrType):
         if t.min_length:
             return f"must be a string of {t.min_length}-{t.max_length} characters", got

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, Mapping, get_args
 
 import msgspec
 
-from ..schema import convert, integer, seconds
+from ..schema import convert, integer, milliseconds, seconds
 
 Guard = Literal["observe", "block"]
 #: Where a restore digest's event is recorded: "collector" (on the copy's stream when the
@@ -76,8 +76,7 @@ class HiCacheSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restore_verify: bool = True
     restore_max_pages: integer(*RANGES["restore_max_pages"]) = 262_144
     restore_queue_max: integer(*RANGES["restore_queue_max"]) = 1024
-    restore_defer_ms: Annotated[float, msgspec.Meta(ge=RANGES["restore_defer_ms"][0],
-                                                    le=RANGES["restore_defer_ms"][1])] = 3.0
+    restore_defer_ms: milliseconds(RANGES["restore_defer_ms"][1], low=RANGES["restore_defer_ms"][0]) = 3.0
     restore_record: RestoreRecord = "collector"
 
     def __post_init__(self):

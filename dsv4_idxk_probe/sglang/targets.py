@@ -123,10 +123,20 @@ def shipped_target_path(name: str) -> Path:
     return Path(str(resources.files("dsv4_idxk_probe").joinpath("configs", "targets", f"{name}.yaml")))
 
 
+def shipped_table_names() -> list[str]:
+    folder = resources.files("dsv4_idxk_probe").joinpath("configs", "targets")
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
 def target_file_path(name_or_path: str) -> Path:
     if is_table_path(name_or_path):
         return Path(name_or_path)
-    return shipped_target_path(name_or_path)
+    path = shipped_target_path(name_or_path)
+    if not path.is_file():  # a typo named a file inside the package, which helped no one
+        raise TargetFileError(f"targets: {shorten(name_or_path)} is neither a shipped table "
+                              f"({', '.join(shipped_table_names())}) nor a path (a path has a / or ends in "
+                              ".yaml or .yml)")
+    return path
 
 
 def _entry(source: str, index: int, raw: Any) -> Target:

@@ -310,8 +310,10 @@ def test_a_secret_only_its_owner_may_read_gives_no_warning(tmp_path, caplog, mon
 @pytest.mark.parametrize("mode", [0o666, 0o602])
 def test_a_secret_every_user_may_write_is_refused(tmp_path, monkeypatch, capsys, mode):
     path = secret_file(tmp_path, mode)
-    with pytest.raises(ConfigError, match=re.escape(f"exchange.secret_file: {path}: the exchange secret is writable "
-                                                    f"by every user (mode {mode:04o})")):
+    # named where it came from: the variable (it read "<defaults>: exchange.secret_file", or the
+    # config file's name though that file has no such key)
+    with pytest.raises(ConfigError, match=re.escape(f"environment: DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE: {path}: "
+                                                    f"the exchange secret is writable by every user (mode {mode:04o})")):
         load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(path)))
     rc, out = run_check(monkeypatch, capsys, env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(path)))
     assert rc == 2 and "writable by every user" in out.err

@@ -76,6 +76,8 @@ def test_mode_from_variable_and_file(tmp_path, variable, file_mode, expected):
     ("hicache: {guard: shout}\n", "probe.yaml:1: hicache.guard must be one of"),
     ("hicache: [1]\n", "probe.yaml:1: hicache must be a mapping, got list"),
     ("layouts: missing.yaml\n", "probe.yaml: layouts: "),
+    # a layout no file defines: every side of every pod would be inactive, and `check` said valid
+    ("layout: fp9\n", "probe.yaml: layout must be auto or one of bf16, fp4, fp4_r1"),
     ("- just\n- a list\n", "probe.yaml: the top level must be a mapping of keys, got list"),
     ("mode: [unclosed\n", "probe.yaml: not valid YAML"),
 ])
@@ -197,6 +199,9 @@ def test_a_non_utf8_config_names_the_file(tmp_path):
     ("exchange: {backoff_initial_s: 0}\n", "probe.yaml:1: exchange.backoff_initial_s must be a number > 0, got 0"),
     ("exchange: {retry_s: -1}\n", "probe.yaml:1: exchange.retry_s must be a number >= 0, got -1"),
     ("exchange: {retry_s: 61}\n", "probe.yaml:1: exchange.retry_s must be a number of seconds <= 60, got 61"),
+    # a *_ms field's bound is in milliseconds (its refusal said seconds)
+    ("digest: {collector_defer_ms: 1001}\n", "probe.yaml:1: digest.collector_defer_ms must be a number of milliseconds <= 1000, got 1001"),
+    ("hicache: {restore_defer_ms: 1001}\n", "probe.yaml:1: hicache.restore_defer_ms must be a number of milliseconds <= 1000, got 1001"),
     ("roomlog: {queue_size: 1e12}\n", "probe.yaml:1: roomlog.queue_size must be an integer >= 1, got '1e12'"),
     ("roomlog: {queue_size: 1000000000000}\n", "roomlog.queue_size must be an integer <= 1_000_000, got 1_000_000_000_000"),
     ("exchange: {table_size: 1e11}\n", "probe.yaml:1: exchange.table_size must be an integer >= 1, got '1e11'"),
@@ -228,8 +233,11 @@ def test_secret_file_from_config_or_environment(tmp_path):
     assert load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(secret))).exchange.secret_file == str(secret)
     short = tmp_path / "short"
     short.write_text("x")
-    with pytest.raises(ConfigError, match="exchange.secret_file: .*short: the exchange secret must be at least 16 bytes"):
+    with pytest.raises(ConfigError, match="^environment: DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE: .*short: "
+                                          "the exchange secret must be at least 16 bytes"):
         load_config(env(DSV4_IDXK_PROBE_EXCHANGE_SECRET_FILE=str(short)))
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path))}.*: exchange.secret_file: .*short: the exchange"):
+        load_config(env(tmp_path, "exchange: {secret_file: short}\n"))  # the config's own key: its file
 
 
 def test_metrics_exporter_defaults_to_loopback():

@@ -74,6 +74,14 @@ def test_a_table_path_with_an_at_sign_or_a_yml_suffix_is_read_as_that_path(tmp_p
     assert load_file(str(config)).targets == (str(path),)
 
 
+def test_a_table_name_that_is_not_shipped_is_named_with_the_names_that_are():
+    """A typo named a file inside the installed package, which no operator wrote."""
+    with pytest.raises(TargetFileError) as err:
+        load_target_file("fork-prefill2-decode")
+    assert str(err.value) == ("targets: 'fork-prefill2-decode' is neither a shipped table (fork-prefill2-decode2, "
+                              "sglang) nor a path (a path has a / or ends in .yaml or .yml)")
+
+
 def test_fork_table_reports_missing_modules_without_the_fork():
     targets = [t for t in load_target_file("fork-prefill2-decode2") if t.module.endswith("prefill2")]
     assert targets and all(resolve(t).status == "missing" for t in targets)
