@@ -37,7 +37,9 @@ EXIT_CODES = """exit status (every command):
        no records, skipped lines, a rig that could not run; the message names file, line, field
   3    internal error: a bug; one line on stderr, the traceback with --debug
   4    check only: SGLang is not importable here; run check inside the serving image
-  130  interrupted; 141 the output pipe closed (e.g. `| head`), quietly"""
+  130  interrupted; 141 the output pipe closed (e.g. `| head`), quietly
+report writes its page whatever the logs say: 0 once written (the findings and skipped lines
+are on the page; diff is the pass/fail tool), 2 when nothing is readable or it cannot write"""
 
 
 #: What `dsv4-idxk-probe --help` opens with: what the tool is for, in an operator's words.
