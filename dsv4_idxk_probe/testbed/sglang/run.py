@@ -160,7 +160,10 @@ class RigSession:
                 phase.wrong_outputs.append(o.request.rid)
         completed = {o.request.rid for o in outcomes if o.status == 200}
         owed = planned_faults(spec, requests, self.seed, completed) if spec is not None else {}
-        self._settle(completed, settle_s, owed)  # settle_s: how long nothing may move
+        # a room enforce refused is judged too: its records are waited for like a served room's
+        # (they were read before decode's writer had flushed them, and "not reported")
+        judged = completed | {o.request.rid for o in outcomes if o.request.rid in refused and o.status == 500}
+        self._settle(judged, settle_s, owed)  # settle_s: how long nothing may move
         phase.rooms = self._rooms_of({r.rid for r in requests})
         faults_seen = self._fault_records({r.rid for r in requests})
         oracle = self._oracle_records(set(phase.rooms.values()))
