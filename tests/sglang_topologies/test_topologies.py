@@ -136,14 +136,18 @@ def mooncake_missing() -> str | None:
 
 
 @pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
-def test_tp2_to_tp1_over_mooncake_with_the_digest_late_takes_every_verdict_from_the_exchange(pairs):
-    """Two topologies in one pair (one SGLang start fewer): heterogeneous TP (prefill TP 2 ->
-    decode TP 1: the decode rank takes its KV from one prefill rank) over Mooncake's TCP
-    transport, with the in-band digest forced late."""
+def test_tp2_to_tp1_over_mooncake_with_the_digest_late_judges_and_enforces_from_the_exchange(pairs):
+    """Three things in one pair (SGLang starts fewer): heterogeneous TP (prefill TP 2 -> decode
+    TP 1: the decode rank takes its KV from one prefill rank) over Mooncake's TCP transport,
+    with the in-band digest forced late, in enforce mode: every room's prefill digest comes from
+    the exchange, fetched off the scheduler thread while the room is held (exchange/prefetch.py);
+    the two rooms corrupt as they land are refused with SGLang's checksum answer, the faults
+    that come later are reported as in observe mode, every other room is served."""
     rig = pairs.get("tp2-tp1-mooncake-late", launch.ServerOptions(prefill_tp=2, decode_tp=1, transfer_backend="mooncake"),
-                    env={ENV_DEFER_INBAND: "1"})
-    phase = faults_phase(rig, "mooncake", seed=24)
-    assert_every_fault_found(phase)
+                    probe_config="step_interval: 4\nmode: enforce\n", env={ENV_DEFER_INBAND: "1"})
+    phase = faults_phase(rig, "mooncake", seed=24, rejected=CORRUPT_AT_RECEIPT)
+    assert_every_fault_found(phase)  # the refusals too (a room served is a failed request)
+    assert [o.status for o in phase.outcomes].count(200) == len(phase.requests) - len(CORRUPT_AT_RECEIPT)
     assert rank_logs(rig, "prefill") == 2 and rank_logs(rig, "decode") == 1
     judged = [r for r in decode_records(rig) if r.get("rid") in set(phase.rooms) and r.get("verdict") in ("match", "mismatch")]
     # no room carried its digest in band: each verdict came by the late path (the exchange)
@@ -170,21 +174,3 @@ def test_dp_attention_is_refused_on_the_cpu_at_the_first_forward(pairs, tmp_path
                          start_new_session=True)
     text = out.stdout + out.stderr
     assert out.returncode != 0 and DP_REFUSAL in text and "prepare_mlp_sync_batch" in text, text[-3000:]
-
-
-@pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
-def test_enforce_over_mooncake_with_the_digest_late_refuses_the_rooms_corrupt_at_receipt_and_serves_the_rest(pairs):
-    """enforce on SGLang's own decode server, every room's prefill digest from the exchange
-    (Mooncake, in band forced late): each room is held until its fetch ends (exchange/prefetch.py),
-    then judged; the two rooms corrupt when they land are refused with SGLang's checksum answer,
-    the faults that come later are reported as in observe mode, every other room is served."""
-    rig = pairs.get("tp1-tp1-mooncake-late-enforce", launch.ServerOptions(transfer_backend="mooncake"),
-                    probe_config="step_interval: 4\nmode: enforce\n", env={ENV_DEFER_INBAND: "1"})
-    requests = workload.plan("enforce", workload.fault_workload(FAULTS, rooms=8, seed=26, max_new_tokens=12))
-    phase = rig.phase("enforce", requests, faults=str(FAULTS), rejected=CORRUPT_AT_RECEIPT)
-    assert_every_fault_found(phase)
-    served = [o for o in phase.outcomes if o.status == 200]
-    assert len(served) == len(requests) - 2, describe(phase)
-    judged = [r for r in decode_records(rig) if r.get("rid") in set(phase.rooms) and r.get("verdict") in ("match", "mismatch")]
-    # no room carried its digest in band: enforce judged each from the exchange, off the scheduler thread
-    assert judged and all(r.get("expected_room") is None for r in judged), judged[:2]
