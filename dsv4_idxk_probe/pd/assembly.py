@@ -92,14 +92,16 @@ class PrefillAssembly:
         self.monitor = PrefillMonitor(self.engine, emit, metrics, table_size=ex.table_size)
         self.server = None  # exchange.VectorServer when the exchange is on
         self.endpoint_slot = 0  # the metadata-row value that tells decode where to ask (0: nowhere)
-        self._exchange_at = (ex, metrics, bind)  # what a move (`move_exchange`) starts the server with
+        self._exchange_at = (ex, metrics, bind)  # what `_serve_on` starts a server with
         if ex.enabled and bind:
-            self._serve(self._start_exchange(ex, metrics, bind, port, require_exchange), bind)
+            self._serve_on(port, require_exchange)
 
-    def _start_exchange(self, ex: Any, metrics: Any, bind: str, port: int, required: bool) -> Any:
-        """A started exchange server on `bind`:`port`, or None (logged) when it cannot bind."""
+    def _serve_on(self, port: int, required: bool) -> bool:
+        """Start an exchange server on `port` and serve from it; False (logged) when it cannot
+        bind (`required`: raise instead), the current server, if any, kept."""
         from ..exchange import VectorServer  # msgspec and the server load only where one runs
 
+        ex, metrics, bind = self._exchange_at
         server = VectorServer(
             self.monitor.lookup, bind=bind, port=port, max_request_bytes=ex.max_request_bytes, metrics=metrics,
             secret_file=ex.secret_file, max_connections=ex.max_connections, idle_s=ex.idle_s,
@@ -111,13 +113,10 @@ class PrefillAssembly:
                 raise
             log.error("dsv4-idxk-probe: exchange cannot bind %s:%s (%s); decode can match rooms but not localise",
                       bind, port, exc)
-            return None
-        return server
-
-    def _serve(self, server: Any, bind: str) -> None:
-        if server is not None:
-            self.server = server
-            self.endpoint_slot = pack_endpoint(bind, server.port)
+            return False
+        self.server = server
+        self.endpoint_slot = pack_endpoint(bind, server.port)
+        return True
 
     def move_exchange(self, port: int) -> None:
         """Serve the exchange on `port` from now on: the transport's port moved (SGLang's PD
@@ -127,9 +126,7 @@ class PrefillAssembly:
         old = self.server
         if old is None or not port or port == old.port:
             return
-        ex, metrics, bind = self._exchange_at
-        self._serve(self._start_exchange(ex, metrics, bind, port, False), bind)
-        if self.server is not old:
+        if self._serve_on(port, False):
             log.info("dsv4-idxk-probe: exchange moved from port %s to %s (the transport's port moved)", old.port, port)
             old.close()
 
