@@ -171,7 +171,31 @@ def prefill_skip_reason(req: Any) -> str | None:
     state = getattr(sender, "conclude_state", None)
     if state is not None and getattr(state, "name", "") == "Failed":
         return "transfer already failed"
+    if sends_nothing(sender):
+        return "this rank sends nothing (another prefill rank sends the room)"
     return None
+
+
+def sends_nothing(sender: Any) -> bool:
+    """Whether this prefill rank's sender moves no KV for its room: a CP rank past 0
+    (``kv_mgr.is_dummy_cp_rank``: only CP rank 0 sends), or a rank every decode rank
+    registered as dummy (``transfer_infos[room]``, all ``is_dummy``: prefill's attention
+    TP exceeds decode's and another rank holds the same KV). Its digest would never be
+    asked for: decode reads the aux row, and asks the exchange, of non-dummy ranks only.
+    The room's registrations are complete before its forward (SGLang admits it at
+    ``WaitingForInput``); taken in one C call, so the bootstrap thread cannot change the
+    dict under the loop."""
+    manager = getattr(sender, "kv_mgr", None)
+    if manager is None:
+        return False
+    if getattr(manager, "is_dummy_cp_rank", False) is True:
+        return True
+    infos = getattr(manager, "transfer_infos", None)
+    per_room = infos.get(getattr(sender, "bootstrap_room", None)) if isinstance(infos, dict) else None
+    if not isinstance(per_room, dict):
+        return False
+    registered = tuple(per_room.values())
+    return bool(registered) and all(getattr(info, "is_dummy", False) is True for info in registered)
 
 
 def decode_skip_reason(req: Any) -> str | None:

@@ -185,6 +185,41 @@ def test_non_last_chunk_is_not_digested(worlds, patched):
     assert runtime.sides.get("prefill") is None or runtime.sides["prefill"].monitor.recent.get(f"{ROOM}/0") is None
 
 
+@pytest.mark.parametrize("how", ["dummy_cp_rank", "every_decode_rank_dummy"])
+def test_a_prefill_rank_that_sends_nothing_does_not_digest_the_room(worlds, patched, how):
+    """A CP rank past 0, or a rank every decode rank registered as dummy (prefill's attention
+    TP above decode's), moves no KV: decode never asks for its digest, so it takes none."""
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+    req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=3)
+    manager = req.disagg_kv_sender.kv_mgr
+    if how == "dummy_cp_rank":
+        manager.is_dummy_cp_rank = True
+        manager.update_status = lambda *_a: None  # SGLang marks such a room sent at once
+    else:
+        manager.transfer_infos = {ROOM: {"decode-0": SimpleNamespace(is_dummy=True),
+                                         "decode-1": SimpleNamespace(is_dummy=True)}}
+    send_chunk(prefill, req)
+    other = send_room(prefill, room=ROOM + 1)  # a room this rank does send, after it
+    sink.wait_for(1, stage="prefill_send")
+    assert [r["room"] for r in sink.records if r.get("stage") == "prefill_send"] == [str(ROOM + 1)]
+    assert runtime.sides["prefill"].monitor.recent.get(f"{ROOM}/0") is None
+    assert other.disagg_kv_sender.kv_mgr.aux_rows
+
+
+def test_a_prefill_rank_one_decode_rank_registered_for_real_digests_the_room(worlds, patched):
+    prefill, _ = worlds
+    _runtime, sink, _ = patched
+    req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+    req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=3)
+    req.disagg_kv_sender.kv_mgr.transfer_infos = {ROOM: {"decode-0": SimpleNamespace(is_dummy=True),
+                                                         "decode-1": SimpleNamespace(is_dummy=False)}}
+    send_chunk(prefill, req)
+    (record,) = sink.wait_for(1, stage="prefill_send")
+    assert record["room"] == str(ROOM)
+
+
 class _NotYetReady:
     """A submitted digest whose stream has not passed the kernel until `passed` is set
     (what a GPU digest looks like right after submit)."""
