@@ -27,6 +27,7 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..digest.result import RoomDigest
@@ -39,6 +40,9 @@ log = logging.getLogger("dsv4_idxk_probe.exchange")
 Endpoint = tuple[str, int]
 RETRIED = frozenset(("timeout", "busy", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
 WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer waited for
+#: Threads asking the stages of rooms served by several prefill PP stages, beyond each caller's own
+#: (decode's prefetch runs 8 at once; most deployments have 2-4 stages)
+STAGE_WORKERS = 16
 # Peers a client keeps state for (open sessions, backoffs, warnings), each table apart; past
 # it the least recently added (sessions: used) goes. Prefill endpoints change with every
 # restart, so a long-lived decode would otherwise keep one entry (and a socket) per old one.
@@ -103,6 +107,7 @@ class VectorClient:
         self._lock = threading.Lock()  # the tables only: no request runs under it
         self._warned_auth: dict[Endpoint, None] = {}  # peers whose refusal was logged (once each)
         self._closed = False
+        self._stage_workers: ThreadPoolExecutor | None = None  # made at the first room of several stages
         self.failures: dict[str, int] = {}
         for kind in CLIENT_KINDS if metrics is not None else ():
             self._count(kind, 0)
@@ -153,15 +158,39 @@ class VectorClient:
 
     def _fetch_stages(self, stages: StageEndpoints, key: str, retry_s: float) -> RoomDigest | None:
         """Every PP stage's digest of room `key`, combined (exchange/stages.py); None when a stage has none.
-        The stages share one retry window (each had its own: a fetch took up to stages x it)."""
-        digests = []
+
+        The stages are asked at once (the first on this thread, the others on the client's stage
+        workers) within one retry window, so a room takes as long as its slowest stage, not the sum
+        of them: enforce holds a room for `timeout_ms` + `retry_s`, and stages asked one after
+        another, each answering late, outlasted that (the room admitted unjudged)."""
         give_up = time.monotonic() + max(0.0, float(retry_s))
-        for stage in stages:
-            digest = self.fetch(stage, key, retry_s=max(0.0, give_up - time.monotonic()))
-            if digest is None:
-                return None
-            digests.append(digest)
+
+        def ask(stage):
+            return self.fetch(stage, key, retry_s=max(0.0, give_up - time.monotonic()))
+
+        others = [self._submit_stage(ask, stage) for stage in stages[1:]]
+        digests = [ask(stages[0])] if stages else []
+        # each fetch ends within its own deadline and retry window: waiting on them is bounded
+        digests += [other.result() for other in others]
+        if any(digest is None for digest in digests):
+            return None
         return combine_stage_digests(key, digests, stages.layout)
+
+    def _submit_stage(self, ask, stage) -> Future:
+        """`ask(stage)` on a stage worker; asked on this thread once the client is closed."""
+        with self._lock:
+            if self._stage_workers is None and not self._closed:
+                self._stage_workers = ThreadPoolExecutor(max_workers=STAGE_WORKERS,
+                                                         thread_name_prefix="dsv4-idxk-stages")
+            workers = None if self._closed else self._stage_workers
+        if workers is not None:
+            try:
+                return workers.submit(ask, stage)
+            except RuntimeError:  # shut down by a close in between
+                pass
+        done: Future = Future()
+        done.set_result(ask(stage))
+        return done
 
     def _strikes_of(self, endpoint: Endpoint | None) -> int:
         if endpoint is None:
@@ -339,6 +368,9 @@ class VectorClient:
             self._closed = True
             for endpoint in list(self._sessions):
                 self._drop(endpoint)
+            workers, self._stage_workers = self._stage_workers, None
+        if workers is not None:
+            workers.shutdown(wait=False, cancel_futures=False)  # those running end by their deadlines
 
 
 def _peer(endpoint: Endpoint) -> Endpoint:

@@ -131,8 +131,7 @@ def _prefetcher(side: Any) -> Prefetcher:
 def fetch_deadline_s(client: Any, retry_s: float) -> float | None:
     """The longest one fetch may take: the client's per-request timeout plus the retries'
     window (None without a client: nothing to bound). A room of several prefill PP stages
-    asks them one after another, each within the timeout (their retries share the window):
-    stages that each answer late can outlast it (docs/pd.md, "Limits")."""
+    asks them at once, within the one window (`VectorClient._fetch_stages`)."""
     timeout_ms = getattr(client, "timeout_ms", None)
     return None if timeout_ms is None else float(timeout_ms) / 1000.0 + float(retry_s or 0.0)
 

@@ -100,32 +100,58 @@ def test_a_sides_prefetch_deadline_is_the_clients_timeout_plus_the_retry_window_
         client.close()
 
 
-def test_prefill_pp_stages_share_one_retry_window(monkeypatch):
-    """Each stage's fetch had its own `retry_s`: a room of 4 stages could take 4 windows."""
+def test_prefill_pp_stages_are_asked_at_once_within_one_retry_window(monkeypatch):
+    """Stages asked one after another, each answering late, outlasted enforce's hold
+    (`timeout_ms` + `retry_s`): the room was admitted unjudged. Each stage here answers only
+    once all four are being asked (a barrier): one at a time, the first waits in vain."""
     from dsv4_idxk_probe.exchange import client as client_module
     from dsv4_idxk_probe.exchange.stages import StageEndpoints
 
     clock = Clock()
     monkeypatch.setattr(client_module.time, "monotonic", clock)
     client = VectorClient(timeout_ms=200)
-    windows = []
-    whole_fetch = client.fetch
+    all_asked = threading.Barrier(4, timeout=10)
+    windows, whole_fetch = [], client.fetch
 
     def fetch(endpoint, key, *, retry_s=0.0):
         if isinstance(endpoint, StageEndpoints):
             return whole_fetch(endpoint, key, retry_s=retry_s)
         windows.append(round(retry_s, 6))
-        clock.now += 0.4  # each stage's answer came late and was asked again
-        return None if len(windows) == 4 else object()
+        try:
+            all_asked.wait()
+        except threading.BrokenBarrierError:
+            return None
+        return ("digest of", endpoint[1])
 
     monkeypatch.setattr(client, "fetch", fetch)
     monkeypatch.setattr(client_module, "combine_stage_digests", lambda key, digests, layout: digests)
     try:
         stages = StageEndpoints([("127.0.0.1", p) for p in (1, 2, 3, 4)], layout=None)
-        assert client.fetch(stages, "9/0", retry_s=1.0) is None
+        got = client.fetch(stages, "9/0", retry_s=1.0)
     finally:
         client.close()
-    assert windows == [1.0, 0.6, 0.2, 0.0]
+    assert got == [("digest of", p) for p in (1, 2, 3, 4)]  # combined in stage order
+    assert windows == [1.0] * 4  # one window, from the room's first try
+
+
+def test_a_stage_without_the_room_leaves_it_unjudged_and_a_closed_client_still_asks_every_stage():
+    from dsv4_idxk_probe.exchange.stages import StageEndpoints
+
+    client = VectorClient(timeout_ms=200)
+    asked = []
+
+    def fetch(endpoint, key, *, retry_s=0.0):
+        if isinstance(endpoint, StageEndpoints):
+            return VectorClient.fetch(client, endpoint, key, retry_s=retry_s)
+        asked.append(endpoint[1])
+        return None if endpoint[1] == 2 else object()
+
+    client.fetch = fetch
+    stages = StageEndpoints([("127.0.0.1", p) for p in (1, 2, 3)], layout=None)
+    assert client.fetch(stages, "9/0") is None
+    client.close()
+    assert client.fetch(stages, "9/0") is None  # on this thread now: no workers after close
+    assert sorted(asked) == [1, 1, 2, 2, 3, 3]
 
 
 def test_a_room_given_up_while_its_fetch_is_queued_costs_the_workers_nothing():
