@@ -195,7 +195,19 @@ def sends_nothing(sender: Any) -> bool:
     if not isinstance(per_room, dict):
         return False
     registered = tuple(per_room.values())
-    return bool(registered) and all(getattr(info, "is_dummy", False) is True for info in registered)
+    return bool(registered) and all(_is_dummy(info) for info in registered)
+
+
+def _is_dummy(info: Any) -> bool:
+    """A decode rank's registration's dummy flag: a field from 0.5.20, a method of NIXL's
+    ``TransferInfo`` in 0.5.18-0.5.19 (its answer taken; anything else: not dummy)."""
+    flag = getattr(info, "is_dummy", False)
+    if callable(flag):
+        try:
+            flag = flag()
+        except Exception:
+            return False
+    return flag is True
 
 
 def decode_skip_reason(req: Any) -> str | None:

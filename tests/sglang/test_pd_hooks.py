@@ -208,6 +208,32 @@ def test_a_prefill_rank_that_sends_nothing_does_not_digest_the_room(worlds, patc
     assert other.disagg_kv_sender.kv_mgr.aux_rows
 
 
+#: What a decode rank sends a prefill rank it takes no KV from (its receiver's registration):
+#: no KV indices; Mooncake: no aux index either; NIXL: the dummy flag (msg[9]).
+DUMMY_REGISTRATION = {
+    "nixl": [str(ROOM).encode(), b"10.0.0.2", b"5000", b"decode-agent", b"", b"3", b"1", b"", b"", b"1"],
+    "mooncake": [str(ROOM).encode(), b"10.0.0.2", b"5000", b"decode-session", b"", b"", b"", b"1"],
+}
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_rank_registered_as_dummy_in_the_release_s_own_transfer_info_does_not_digest(worlds, patched, backend):
+    """The release's own ``TransferInfo`` of `backend` from a dummy registration: its flag is a
+    field, or a method (NIXL, 0.5.18-0.5.19), which read as a flag never said dummy. Sent through
+    NIXL's sender (Mooncake's needs CUDA for its pinned indices from 0.5.23): the registration is
+    the manager's, whichever sender reads it."""
+    prefill, _ = worlds
+    _runtime, sink, _ = patched
+    info = importlib.import_module(BACKENDS[backend][0]).TransferInfo.from_zmq(DUMMY_REGISTRATION[backend])
+    req = pdworld.prefill_req(ROOM, PREFILL_ROW)
+    req.disagg_kv_sender = real_sender(prefill.metadata, ROOM, PREFILL_ROW, num_pages=3)
+    req.disagg_kv_sender.kv_mgr.transfer_infos = {ROOM: {"decode-0": info}}
+    send_chunk(prefill, req)
+    send_room(prefill, room=ROOM + 1)
+    sink.wait_for(1, stage="prefill_send")
+    assert [r["room"] for r in sink.records if r.get("stage") == "prefill_send"] == [str(ROOM + 1)]
+
+
 def test_a_prefill_rank_one_decode_rank_registered_for_real_digests_the_room(worlds, patched):
     prefill, _ = worlds
     _runtime, sink, _ = patched
