@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 from ..digest.result import RoomDigest
@@ -40,9 +40,10 @@ log = logging.getLogger("dsv4_idxk_probe.exchange")
 Endpoint = tuple[str, int]
 RETRIED = frozenset(("timeout", "busy", "peer_down", "not_found"))  # failures `fetch(retry_s=...)` asks again after
 WAITED_STRIKES = 3  # a peer that failed this many times in a row is no longer waited for
-#: Threads asking the stages of rooms served by several prefill PP stages, beyond each caller's own
-#: (decode's prefetch runs 8 at once; most deployments have 2-4 stages)
-STAGE_WORKERS = 16
+#: Threads asking the stages of rooms served by several prefill PP stages, beyond each caller's
+#: own: made as needed, up to enough for decode's 8 prefetch workers and its collectors with 8
+#: stages each. A stage request that waits for one past its room's time is not sent (`late`).
+STAGE_WORKERS = 64
 # Peers a client keeps state for (open sessions, backoffs, warnings), each table apart; past
 # it the least recently added (sessions: used) goes. Prefill endpoints change with every
 # restart, so a long-lived decode would otherwise keep one entry (and a socket) per old one.
@@ -118,14 +119,18 @@ class VectorClient:
         return cls(timeout_ms=exchange.timeout_ms, backoff_s=exchange.backoff_s,
                    backoff_initial_s=exchange.backoff_initial_s, metrics=metrics, secret_file=exchange.secret_file)
 
-    def fetch(self, endpoint: Endpoint | None, key: str, *, retry_s: float = 0.0) -> RoomDigest | None:
+    def fetch(self, endpoint: Endpoint | None, key: str, *, retry_s: float = 0.0,
+              until: float | None = None) -> RoomDigest | None:
         """The peer's digest of room `key`, or None (unknown peer or room, timeout, bad answer).
 
         `retry_s` > 0: after a timeout or a skipped peer, wait for the peer's backoff to
         end and ask again, as long as that is within `retry_s` of the first try and the
         peer has not failed `WAITED_STRIKES` times in a row (a dead peer is waited for
         once, not per room); after "no such room", ask once more `backoff_initial_s`
-        later (prefill may not have published it yet)."""
+        later (prefill may not have published it yet).
+
+        `until`: a `time.monotonic()` past which nothing is asked and no request waits (a PP
+        stage's share of its room's time); reached before an answer, the fetch counts `late`."""
         if isinstance(endpoint, StageEndpoints):  # prefill PP: every stage serves its own layers
             try:
                 return self._fetch_stages(endpoint, key, retry_s)
@@ -136,8 +141,11 @@ class VectorClient:
         give_up = time.monotonic() + max(0.0, float(retry_s))
         asked_again_for_room = False
         while True:
+            if until is not None and time.monotonic() >= until:
+                self._fail("late")
+                return None
             try:
-                digest, failure = self._fetch(endpoint, key)
+                digest, failure = self._fetch(endpoint, key, until)
             except Exception:  # the docstring's promise: a bug here costs one room's localisation
                 log.debug("exchange fetch of %s failed", key, exc_info=True)
                 self._fail("internal")
@@ -152,7 +160,7 @@ class VectorClient:
                 return None
             else:
                 wait = self.backoff_left(endpoint)
-            if time.monotonic() + wait > give_up:
+            if time.monotonic() + wait > (give_up if until is None else min(give_up, until)):
                 return None
             time.sleep(wait)
 
@@ -164,14 +172,17 @@ class VectorClient:
         of them: enforce holds a room for `timeout_ms` + `retry_s`, and stages asked one after
         another, each answering late, outlasted that (the room admitted unjudged)."""
         give_up = time.monotonic() + max(0.0, float(retry_s))
+        until = give_up + self.timeout_ms / 1000.0  # a stage waiting for a worker gets what is left
 
         def ask(stage):
-            return self.fetch(stage, key, retry_s=max(0.0, give_up - time.monotonic()))
+            if self._closed:
+                return None
+            return self.fetch(stage, key, retry_s=max(0.0, give_up - time.monotonic()), until=until)
 
         others = [self._submit_stage(ask, stage) for stage in stages[1:]]
         digests = [ask(stages[0])] if stages else []
-        # each fetch ends within its own deadline and retry window: waiting on them is bounded
-        digests += [other.result() for other in others]
+        # each request ends by `until`, and one queued past it is not sent: the wait is bounded
+        digests += [_answer(other) for other in others]
         if any(digest is None for digest in digests):
             return None
         return combine_stage_digests(key, digests, stages.layout)
@@ -206,7 +217,8 @@ class VectorClient:
             until = self._down_until.get(_peer(endpoint), 0.0)
         return max(0.0, until - time.monotonic())
 
-    def _fetch(self, endpoint: Endpoint | None, key: str) -> tuple[RoomDigest | None, str | None]:
+    def _fetch(self, endpoint: Endpoint | None, key: str,
+               until: float | None = None) -> tuple[RoomDigest | None, str | None]:
         """(digest, None) on an answer, else (None, the failure counted). The peer's session is
         checked out of the table for the request, so the lock guards the tables only and a
         silent peer holds up the threads asking it, not those asking others."""
@@ -223,6 +235,9 @@ class VectorClient:
         if down:
             return None, self._fail("peer_down")
         deadline = time.monotonic() + self.timeout_ms / 1000.0
+        cut_short = until is not None and until < deadline  # the room's time ends before the peer's
+        if cut_short:
+            deadline = until
         reused = session is not None
         try:
             try:
@@ -242,6 +257,8 @@ class VectorClient:
         except BaseException as exc:
             if session is not None:
                 session.sock.close()
+            if cut_short and isinstance(exc, (_Deadline, socket.timeout)):
+                return None, self._fail("late")  # the room's time, not the peer's: no backoff for it
             return None, self._failed(endpoint, exc)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> str:
@@ -370,7 +387,15 @@ class VectorClient:
                 self._drop(endpoint)
             workers, self._stage_workers = self._stage_workers, None
         if workers is not None:
-            workers.shutdown(wait=False, cancel_futures=False)  # those running end by their deadlines
+            workers.shutdown(wait=False, cancel_futures=True)  # queued: never sent; running: end by `until`
+
+
+def _answer(stage: Future) -> RoomDigest | None:
+    """A stage request's digest; None for one a close cancelled before it was sent."""
+    try:
+        return stage.result()
+    except CancelledError:
+        return None
 
 
 def _peer(endpoint: Endpoint) -> Endpoint:

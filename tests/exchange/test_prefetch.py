@@ -113,10 +113,10 @@ def test_prefill_pp_stages_are_asked_at_once_within_one_retry_window(monkeypatch
     all_asked = threading.Barrier(4, timeout=10)
     windows, whole_fetch = [], client.fetch
 
-    def fetch(endpoint, key, *, retry_s=0.0):
+    def fetch(endpoint, key, *, retry_s=0.0, until=None):
         if isinstance(endpoint, StageEndpoints):
             return whole_fetch(endpoint, key, retry_s=retry_s)
-        windows.append(round(retry_s, 6))
+        windows.append((round(retry_s, 6), round(until, 6)))
         try:
             all_asked.wait()
         except threading.BrokenBarrierError:
@@ -131,16 +131,16 @@ def test_prefill_pp_stages_are_asked_at_once_within_one_retry_window(monkeypatch
     finally:
         client.close()
     assert got == [("digest of", p) for p in (1, 2, 3, 4)]  # combined in stage order
-    assert windows == [1.0] * 4  # one window, from the room's first try
+    assert windows == [(1.0, 101.2)] * 4  # one window from the room's first try, and its time: + timeout_ms
 
 
-def test_a_stage_without_the_room_leaves_it_unjudged_and_a_closed_client_still_asks_every_stage():
+def test_a_stage_without_the_room_leaves_it_unjudged_and_a_closed_client_asks_no_stage():
     from dsv4_idxk_probe.exchange.stages import StageEndpoints
 
     client = VectorClient(timeout_ms=200)
     asked = []
 
-    def fetch(endpoint, key, *, retry_s=0.0):
+    def fetch(endpoint, key, *, retry_s=0.0, until=None):
         if isinstance(endpoint, StageEndpoints):
             return VectorClient.fetch(client, endpoint, key, retry_s=retry_s)
         asked.append(endpoint[1])
@@ -150,8 +150,75 @@ def test_a_stage_without_the_room_leaves_it_unjudged_and_a_closed_client_still_a
     stages = StageEndpoints([("127.0.0.1", p) for p in (1, 2, 3)], layout=None)
     assert client.fetch(stages, "9/0") is None
     client.close()
-    assert client.fetch(stages, "9/0") is None  # on this thread now: no workers after close
-    assert sorted(asked) == [1, 1, 2, 2, 3, 3]
+    assert client.fetch(stages, "9/0") is None  # closed: nothing more goes to the network
+    assert sorted(asked) == [1, 2, 3]
+
+
+def test_a_stage_request_past_its_room_s_time_is_not_sent_and_counts_late(monkeypatch):
+    """A stage request that waited for a stage worker past its room's `timeout_ms` +
+    `retry_s` (many rooms of several stages at once) still spent a whole `timeout_ms` once
+    sent, outlasting enforce's hold: now it is not sent."""
+    from dsv4_idxk_probe.exchange import client as client_module
+
+    clock = Clock()
+    monkeypatch.setattr(client_module.time, "monotonic", clock)
+    client = VectorClient(timeout_ms=200)
+    sent = []
+    monkeypatch.setattr(client, "_fetch", lambda *a: sent.append(a) or (None, "timeout"))
+    try:
+        assert client.fetch(("127.0.0.1", 1), "9/0", retry_s=1.0, until=clock.now) is None
+    finally:
+        client.close()
+    assert sent == [] and client.failures == {"late": 1}
+
+
+def test_a_request_cut_short_by_its_room_s_time_counts_late_and_leaves_the_peer_alone():
+    """The room's time, not the peer's: backing the peer off would fail the next rooms' fetches
+    from it at once (`peer_down`), unverified for nothing."""
+    import socket
+    import time
+
+    client = VectorClient(timeout_ms=30_000)
+    with socket.socket() as silent:  # accepts (the kernel's backlog) and never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        peer = silent.getsockname()
+        try:
+            assert client.fetch(peer, "9/0", until=time.monotonic() + 0.05) is None
+            assert client.failures == {"late": 1}
+            assert client.backoff_left(peer) == 0.0
+        finally:
+            client.close()
+
+
+def test_a_close_cancels_the_stage_requests_still_queued(monkeypatch):
+    """They went to the network after the close, and the interpreter's exit waited for them."""
+    from dsv4_idxk_probe.exchange import client as client_module
+    from dsv4_idxk_probe.exchange.stages import StageEndpoints
+
+    monkeypatch.setattr(client_module, "STAGE_WORKERS", 1)
+    client = VectorClient(timeout_ms=200)
+    asked, both_asked, release = [], threading.Barrier(3, timeout=10), threading.Event()
+
+    def fetch(endpoint, key, *, retry_s=0.0, until=None):
+        if isinstance(endpoint, StageEndpoints):
+            return VectorClient.fetch(client, endpoint, key, retry_s=retry_s)
+        asked.append(endpoint[1])
+        if endpoint[1] in (1, 2):  # the caller's own stage, and the one worker's
+            both_asked.wait()
+            release.wait(10)
+        return object()
+
+    client.fetch = fetch
+    got = []
+    stages = StageEndpoints([("127.0.0.1", p) for p in (1, 2, 3, 4)], layout=None)
+    room = threading.Thread(target=lambda: got.append(client.fetch(stages, "9/0")))
+    room.start()
+    both_asked.wait()  # stages 1 and 2 asked; 3 and 4 queued for the one worker
+    client.close()
+    release.set()
+    room.join(10)
+    assert got == [None] and sorted(asked) == [1, 2]
 
 
 def test_a_room_given_up_while_its_fetch_is_queued_costs_the_workers_nothing():
