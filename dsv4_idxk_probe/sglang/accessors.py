@@ -207,7 +207,7 @@ def _is_dummy(info: Any) -> bool:
             flag = flag()
         except Exception:
             return False
-    return flag is True
+    return isinstance(flag, (bool, np.bool_)) and bool(flag)
 
 
 def decode_skip_reason(req: Any) -> str | None:
