@@ -185,7 +185,7 @@ def test_non_last_chunk_is_not_digested(worlds, patched):
     assert runtime.sides.get("prefill") is None or runtime.sides["prefill"].monitor.recent.get(f"{ROOM}/0") is None
 
 
-@pytest.mark.parametrize("how", ["dummy_cp_rank", "every_decode_rank_dummy"])
+@pytest.mark.parametrize("how", ["dummy_cp_rank", "every_decode_rank_dummy", "every_decode_rank_dummy_by_method"])
 def test_a_prefill_rank_that_sends_nothing_does_not_digest_the_room(worlds, patched, how):
     """A CP rank past 0, or a rank every decode rank registered as dummy (prefill's attention
     TP above decode's), moves no KV: decode never asks for its digest, so it takes none."""
@@ -197,9 +197,11 @@ def test_a_prefill_rank_that_sends_nothing_does_not_digest_the_room(worlds, patc
     if how == "dummy_cp_rank":
         manager.is_dummy_cp_rank = True
         manager.update_status = lambda *_a: None  # SGLang marks such a room sent at once
-    else:
+    elif how == "every_decode_rank_dummy":
         manager.transfer_infos = {ROOM: {"decode-0": SimpleNamespace(is_dummy=True),
                                          "decode-1": SimpleNamespace(is_dummy=True)}}
+    else:  # NIXL's TransferInfo of 0.5.18-0.5.19: a method, whose answer may be a NumPy bool
+        manager.transfer_infos = {ROOM: {"decode-0": SimpleNamespace(is_dummy=lambda: np.bool_(True))}}
     send_chunk(prefill, req)
     other = send_room(prefill, room=ROOM + 1)  # a room this rank does send, after it
     sink.wait_for(1, stage="prefill_send")
