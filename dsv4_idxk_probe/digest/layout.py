@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -193,7 +193,14 @@ def load_layouts(path: str | Path) -> dict[str, RowLayout]:
 
 
 def shipped_layouts() -> dict[str, RowLayout]:
-    """The layouts in the package's ``configs/layouts.yaml``."""
+    """The layouts in the package's ``configs/layouts.yaml``: a dict of the caller's own, the
+    file read and parsed once per process (start-up asked for it from the config check, each
+    side and each HiCache pool, and parsed it each time)."""
+    return dict(_parsed_shipped_layouts())
+
+
+@cache
+def _parsed_shipped_layouts() -> dict[str, RowLayout]:
     text = resources.files("dsv4_idxk_probe").joinpath("configs", "layouts.yaml").read_text()
     return parse_layouts(safeyaml.load(text, "configs/layouts.yaml", LayoutError), "configs/layouts.yaml")
 
