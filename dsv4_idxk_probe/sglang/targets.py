@@ -118,14 +118,19 @@ class _LineLoader(safeyaml.Loader):
         return mapping
 
 
+def _shipped_tables():
+    """The package's folder of target tables."""
+    return resources.files("dsv4_idxk_probe").joinpath("configs", "targets")
+
+
 def shipped_target_path(name: str) -> Path:
     """Path of a shipped table by name (``sglang``, ``fork-prefill2-decode2``)."""
-    return Path(str(resources.files("dsv4_idxk_probe").joinpath("configs", "targets", f"{name}.yaml")))
+    return Path(str(_shipped_tables().joinpath(f"{name}.yaml")))
 
 
 def shipped_table_names() -> list[str]:
-    folder = resources.files("dsv4_idxk_probe").joinpath("configs", "targets")
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    """The names `shipped_target_path` takes, for a refusal to list."""
+    return sorted(p.name[: -len(".yaml")] for p in _shipped_tables().iterdir() if p.name.endswith(".yaml"))
 
 
 def target_file_path(name_or_path: str) -> Path:
