@@ -14,10 +14,22 @@ never on the model's (`--copy-streams current` puts them there). Rooms/s
 over `--target-seconds` per run (and the serving thread's own CPU time per room
 while admitting: what the copies and the probe cost it, without waits for the GIL
 or the cores); the two variants differ only in
-`hicache.restore_verify` (the rest of the probe, index checks included, is the
-same), run interleaved in `--reps` pairs; the report is the per-pair ratio
-on/off and its median. Afterwards restore verification must have compared loads,
-all `match`.
+`hicache.restore_verify` (the rest of the probe is the same; its flusher, and with it
+the index checks, first runs `flush_interval_s` after a run starts, so past a run
+shorter than that in neither variant), run interleaved in `--reps` pairs, off first
+in even pairs and on first in odd ones; the report is the per-pair ratio on/off and
+its median. In every run the same rooms of a step restore (the run counts its own
+rooms: the ring's room number differs between runs). A run is valid only if every
+load the restore-on runs made was compared and every comparison says `match`,
+and no index-K byte of theirs was counted unverified (a digest dropped for a full
+queue would otherwise make the variant cheaper and still look verified).
+
+What it does not price: the model forward is a GPU kernel the serving thread waits
+on with the GIL released, so the restore collector's work falls in that wait; a
+scheduler that works on its next batch during the forward (SGLang's overlap
+scheduler) would share the GIL with it. Index tensors made under inference mode
+(`SGLANG_ENABLE_TORCH_INFERENCE_MODE`) cost restore verification a clone per copy
+on the copying thread; here they are plain tensors, SGLang's default.
 
 The pool is the standalone DeepSeek-V4 index-K host pool shape of
 `bench.hicache_overhead` (no SGLang needed: the GPU machine has none): fp8 rows
@@ -52,7 +64,7 @@ from dsv4_idxk_probe.safety import error_counts
 from dsv4_idxk_probe.testbed.builtin.modeltime import STEP_WAITS, step_wait
 
 PAGE_TOKENS, ITEM_BYTES = 256, 8448  # SGLang's DSV4 index-K host pool: page slots, fp8 row bytes
-VARIANTS = ("restore-off", "restore-on")  # off first in each pair
+VARIANTS = ("restore-off", "restore-on")  # the base first; pairs alternate which runs first
 _METHODS = ("backup_from_device_all_layer", "load_to_device_per_layer", "backup_tokens_from_device_all_layer")
 
 
@@ -141,12 +153,13 @@ class Traffic:
         self.pool, self.groups = pool, groups
         self.host = [idx(g * pages) for g in range(groups)]
         self.dev = [idx(g * pages) for g in range(groups)]
-        self.room = 0
+        self.room = self.loads = 0
         self.backup_stream, self.load_stream = streams or (None, None)
 
     def admit(self, restore: bool) -> None:
         g = self.room % self.groups
         if restore and self.room:
+            self.loads += 1
             prev = (self.room - 1) % self.groups
             with self._on(self.load_stream, self.backup_stream):
                 for layer in range(self.pool.layer_num):
@@ -167,14 +180,15 @@ class Traffic:
 def one_run(args, traffic: Traffic, wait, sync) -> dict:
     """Serve for `target_seconds`: per model step, admit rooms (write-through, some restoring), then the step."""
     every = max(1, round(1 / args.restore_share)) if args.restore_share > 0 else 0
-    rooms = steps = 0
+    rooms = steps = 0  # the run's own count decides which rooms restore: the same ones in every run
+    loads_before = traffic.loads
     step_s = args.step_ms / 1e3
     host_ms, cpu_s = [], 0.0
     started = time.perf_counter()
     while time.perf_counter() - started < args.target_seconds:
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(args.rooms_per_step):
-            traffic.admit(bool(every) and traffic.room % every == 0)
+            traffic.admit(bool(every) and rooms % every == 0)
             rooms += 1
         cpu_s += time.thread_time() - c0
         host_ms.append(1e3 * (time.perf_counter() - t0))
@@ -182,7 +196,8 @@ def one_run(args, traffic: Traffic, wait, sync) -> dict:
         steps += 1
     sync()
     elapsed = time.perf_counter() - started
-    return {"rooms": rooms, "steps": steps, "seconds": elapsed, "rooms_per_s": rooms / elapsed,
+    return {"rooms": rooms, "loads": traffic.loads - loads_before, "steps": steps, "seconds": elapsed,
+            "rooms_per_s": rooms / elapsed,
             "admit_ms": percentiles(host_ms), "admit_cpu_us_per_room": 1e6 * cpu_s / max(1, rooms)}
 
 
@@ -256,9 +271,13 @@ def main(argv=None) -> int:
         return {v: on.sample("dsv4_idxk_probe_rooms_verified_total", {"stage": "hicache_load", "verdict": v})
                 for v in verdicts}
 
-    before, errors_before = load_verdicts(), sum(error_counts().values())
+    def unverified_bytes() -> float:
+        return sum(on.sample("dsv4_idxk_probe_coverage_bytes_total", {"path": path, "outcome": "unverified"})
+                   for path in ("hicache_backup", "hicache_load"))
+
+    before, errors_before, unverified_before = load_verdicts(), sum(error_counts().values()), unverified_bytes()
     for rep in range(args.reps):
-        for variant in VARIANTS:
+        for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):  # off first, then on first: ABBA
             with probes[variant] as probed:
                 traffic.admit(False)  # the run's first copy registers the pool anew (and its digests' store): untimed
                 sync()
@@ -277,8 +296,11 @@ def main(argv=None) -> int:
     after = load_verdicts()
     compared = {v: after[v] - before[v] for v in verdicts}
     errors = sum(error_counts().values()) - errors_before
+    loads = sum(run["loads"] for run in runs["restore-on"])
+    unverified = unverified_bytes() - unverified_before
     ratios = paired_ratios(runs, "rooms_per_s", "restore-off")["restore-on"]
-    valid = compared["match"] > 0 and not compared["mismatch"] and not compared["unverified"] and not errors
+    valid = (compared["match"] > 0 and compared["match"] == loads and not compared["mismatch"]
+             and not compared["unverified"] and not unverified and not errors)
     report = {
         "command": command_line("hicache_serving", argv),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -289,8 +311,8 @@ def main(argv=None) -> int:
                   "restore_share": args.restore_share, "step_ms": args.step_ms, "step_wait": args.step_wait,
                   "copy_streams": args.copy_streams if device.type == "cuda" else "cpu",
                   "restore_record": parse_settings(probes["restore-on"].runtime.config.hicache).restore_record},
-        "runs": runs, "rooms_per_s_ratio": ratios, "restore_verdicts": compared, "probe_errors": errors,
-        "valid": valid,
+        "runs": runs, "rooms_per_s_ratio": ratios, "restore_verdicts": compared, "restore_on_loads": loads,
+        "restore_on_unverified_bytes": unverified, "probe_errors": errors, "valid": valid,
     }
     print(f"\nHiCache serving leg: device={report['device']} {args.layers} layers x {args.pages} pages per prefix, "
           f"{args.rooms_per_step} rooms per {args.step_ms:g} ms step ({args.step_wait}), restore share "
@@ -305,8 +327,8 @@ def main(argv=None) -> int:
                         median(r["admit_ms"]["p99"] for r in rs), median(r["admit_cpu_us_per_room"] for r in rs)))
     print("rooms/s on/off per pair: " + ", ".join(f"{x:.3f}" for x in ratios["per_pair"])
           + f"; median {ratios['median']:.3f} (min {ratios['min']:.3f}, max {ratios['max']:.3f})")
-    print(f"restore verdicts at hicache_load: {({k: int(v) for k, v in compared.items()})}; probe errors {int(errors)}"
-          f"; {'valid' if valid else 'INVALID'}")
+    print(f"restore verdicts at hicache_load: {({k: int(v) for k, v in compared.items()})} of {loads} loads; "
+          f"index-K bytes unverified {int(unverified)}; probe errors {int(errors)}; {'valid' if valid else 'INVALID'}")
     if args.out:
         write_result(args.out, "hicache_serving.json", report)
     return 0 if valid else 1

@@ -19,6 +19,72 @@ def test_the_serving_leg_runs_small_on_the_cpu_and_every_compared_load_matches(t
     assert all(run["rooms"] > 0 for runs in report["runs"].values() for run in runs)
 
 
+SMALL = ["--target-seconds", "0.2", "--step-ms", "2", "--layers", "2", "--pages", "2", "--groups", "4"]
+
+
+def test_a_serving_leg_whose_load_digests_are_dropped_is_invalid(tmp_path, monkeypatch):
+    """A load whose digest the collector had no room for is counted unverified (queue_full)
+    and never compared: the variant does less work and every compared load still matches.
+    Such a run must not pass as verified."""
+    from dsv4_idxk_probe.hicache.restore import RestoreVerifier
+
+    submit, loads = RestoreVerifier._submit_page_ids, []
+
+    def drop_every_other_load(self, pool, key, device_indices, n_pages, callback):
+        if key == pool.load_key:
+            loads.append(key)
+            if len(loads) % 2:
+                return None  # what the engine answers when its queue is full
+        return submit(self, pool, key, device_indices, n_pages, callback)
+
+    monkeypatch.setattr(RestoreVerifier, "_submit_page_ids", drop_every_other_load)
+    rc = main(["--reps", "2", *SMALL, "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "hicache_serving.json").read_text())
+    assert len(loads) > 2
+    assert rc == 1 and not report["valid"]
+    assert report["restore_verdicts"]["match"] > 0 and report["restore_verdicts"]["mismatch"] == 0
+    assert report["restore_verdicts"]["match"] < report["restore_on_loads"]
+    assert report["restore_on_unverified_bytes"] > 0
+
+
+def test_every_run_restores_the_same_rooms_of_a_step_and_pairs_alternate_which_runs_first(monkeypatch):
+    """Runs differ only in the variant: a run's own room count picks the restoring rooms
+    (the ring's count moves by an odd number between runs), and each pair after the first
+    swaps which variant runs first."""
+    import bench.hicache_serving as serving
+
+    current, order, seen = [None], [], {}
+    run = serving.one_run
+
+    def one_run(args, traffic, wait, sync):
+        order.append(current[0])
+        admit, n = traffic.admit, [0]
+
+        def counted(restore):
+            position = n[0] % args.rooms_per_step
+            seen.setdefault(current[0], set()).add((position, bool(restore)))
+            n[0] += 1
+            admit(restore)
+
+        traffic.admit = counted
+        try:
+            return run(args, traffic, wait, sync)
+        finally:
+            del traffic.admit
+
+    enter = serving.Probed.__enter__
+
+    def entered(self):
+        current[0] = "on" if self.runtime.config.hicache["restore_verify"] else "off"
+        return enter(self)
+
+    monkeypatch.setattr(serving, "one_run", one_run)
+    monkeypatch.setattr(serving.Probed, "__enter__", entered)
+    assert main(["--reps", "4", *SMALL]) == 0
+    assert seen["on"] == seen["off"] == {(0, True), (1, False)}
+    assert order == ["off", "on", "on", "off", "off", "on", "on", "off"]
+
+
 def test_the_restore_profile_runs_small_on_the_cpu_and_holds_the_collector_off(capsys):
     """bench/hicache_profile.py: every case and variant timed, the collector held off for a
     burst (its note blocks until the burst is timed) and then caught up, no probe failure."""
