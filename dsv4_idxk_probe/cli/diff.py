@@ -196,7 +196,8 @@ def print_summary(analysis: Analysis, max_rooms: int, out: TextIO, selected: boo
         f"prefill-only rooms {s['prefill_only_rooms']:,}; rooms without decode_finish "
         f"{s['rooms_without_decode_finish']:,}; live verdict disagreements "
         f"{s['live_verdict_disagreements']:,}; duplicate records {s['duplicate_records']:,}; "
-        f"conflicting prefill records {s['conflicting_prefill_records']:,}; bad lines {s['bad_lines']:,}",
+        f"conflicting prefill records {s['conflicting_prefill_records']:,}; conflicting decode records "
+        f"{s['conflicting_decode_records']:,}; bad lines {s['bad_lines']:,}",
         file=out,
     )
     bad = analysis.bad_rooms()

@@ -97,7 +97,7 @@ class Joiner:
         self.prefill_skipped: set[Key] = set()
         self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
-        self.stage_index: dict[Key, set] = {}  # rooms of more than _SCAN stages: (stage, step, transfer, digest hash)
+        self.stage_index: dict[Key, dict] = {}  # rooms of more than _SCAN stages: (stage, step, transfer) -> digest hash(es)
         self.stage_digests: dict[Key, int | list] = {}  # rooms of up to _SCAN stages: their digests' hashes
         self.to_diagnose: set[Key] = set()  # rooms with a mismatch decode could not localise (`_complete`)
         self.diagnoses_left_out = 0  # rooms whose diagnosis was not completed: MAX_COMPLETED_CELLS spent
@@ -165,29 +165,46 @@ class Joiner:
         """Whether this decode record repeats a kept one: the same stage, step and transfer with
         the same digest (the same file read under two names: docs/roomlog.md). A record of the same
         stage with another digest is not a duplicate but a second observation, kept and judged like
-        any stage, so that a mismatch it shows decides the room (it was dropped, and diff said 0).
+        any stage, so that a mismatch it shows decides the room (it was dropped, and diff said 0);
+        it is counted as a conflicting decode record (two decode logs that disagree on one point).
         A kept stage's digest is remembered as its hash while the join runs: one int per room while
-        its stages share one digest (the common case), a list of them else, in the index past _SCAN."""
+        its stages share one digest (the common case), a list of them else; past _SCAN stages, an
+        index of (stage, step, transfer) -> its digest (a set of them where they differ)."""
         stage, step, transfer, digest = result.stage, result.step, result.transfer, hash(packed)
         seen = self.stage_index.get(key)
         if seen is None:
             kept = self.stage_digests.get(key)
             digests = [kept] * len(stages) if type(kept) is int else kept or []
             if len(stages) >= _SCAN:
-                seen = self.stage_index[key] = {(s.stage, s.step, s.transfer, d) for s, d in zip(stages, digests)}
+                seen = self.stage_index[key] = {}
+                for s, d in zip(stages, digests):
+                    point = (s.stage, s.step, s.transfer)
+                    known = seen.get(point)
+                    seen[point] = d if known is None else (known | {d} if type(known) is set else {known, d})
                 del self.stage_digests[key]
             else:
+                same_point = False
                 for s, d in zip(stages, digests):
-                    if s.stage == stage and s.step == step and s.transfer == transfer and d == digest:
-                        return True
+                    if s.stage == stage and s.step == step and s.transfer == transfer:
+                        if d == digest:
+                            return True
+                        same_point = True
+                if same_point:
+                    self.a.decode_conflicts += 1
                 if kept is None or kept == digest:
                     self.stage_digests[key] = digest if kept is None else kept
                 else:
                     self.stage_digests[key] = [*digests, digest]
                 return False
-        if (stage, step, transfer, digest) in seen:
+        point = (stage, step, transfer)
+        known = seen.get(point)
+        if known is None:
+            seen[point] = digest
+            return False
+        if digest == known or (type(known) is set and digest in known):
             return True
-        seen.add((stage, step, transfer, digest))
+        seen[point] = known | {digest} if type(known) is set else {known, digest}
+        self.a.decode_conflicts += 1
         return False
 
     def _note_meta(self, key: Key, rec: dict, packed: Packed | None, prefill: bool) -> None:

@@ -220,7 +220,8 @@ class Analysis:
     restore: list[dict] = field(default_factory=list)  # HiCache restore mismatches, the first MAX_ROUNDTRIP_KEPT
     restore_n: int = 0  # all of them
     duplicates: int = 0
-    conflicts: int = 0
+    conflicts: int = 0  # prefill records of a key and transfer with another digest (the first kept)
+    decode_conflicts: int = 0  # decode records of a point (stage, step, transfer) with another digest (each kept)
     live_disagreements: int = 0
     # key -> (instance, index-K bytes or None, instance from decode, bytes from prefill): what
     # the coverage table (offline/coverage.py) reads of each room's records
@@ -305,6 +306,7 @@ class Analysis:
             "live_verdict_disagreements": self.live_disagreements,
             "duplicate_records": self.duplicates,
             "conflicting_prefill_records": self.conflicts,
+            "conflicting_decode_records": self.decode_conflicts,
             "bad_lines": self.n_errors,
             "hicache_branches": [
                 {"pool": p, "direction": d, "branch": b, "count": n} for (p, d, b), n in sorted(self.hicache.items())

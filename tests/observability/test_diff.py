@@ -356,6 +356,7 @@ def test_a_decode_record_with_another_digest_is_judged_not_dropped_as_a_duplicat
     assert diff(tmp_path, json_path=tmp_path / "out.json") == 1
     report = load(tmp_path / "out.json")
     assert report["summary"]["duplicate_records"] == len(decode)
+    assert report["summary"]["conflicting_decode_records"] == 1  # decode_recv logged with two digests
     (room,) = report["rooms"]
     assert room["verdict"] == "mismatch" and room["first_divergence"]["stage"] == "decode_recv"
     assert [s["verdict"] for s in room["stages"] if s["stage"] == "decode_recv"] == ["match", "mismatch"]
@@ -375,7 +376,27 @@ def test_a_decode_record_with_another_digest_in_a_long_room_is_kept_too(tmp_path
     analysis = analyse([path])
     stages = analysis.rooms[("1", 0)].stages
     assert len(stages) == 101 and analysis.duplicates == 101
+    assert analysis.decode_conflicts == 1  # step 7 without a digest, then with one (twice: one conflict)
     assert [s.verdict for s in stages if s.step == 7] == ["unverified", "match"]
+
+
+def test_conflicting_decode_records_are_counted_and_printed(tmp_path, capsys):
+    """Two decode logs that disagree on a point (the same stage, step and transfer, another
+    digest) are each judged; the summary counts the disagreement apart from duplicates and the
+    table prints it (a long room, whose stages are indexed: the test above)."""
+    from tests.support.logdata import room_records
+
+    prefill, decode = room_records(RoomPlan(1))
+    _, corrupt = room_records(RoomPlan(1, fault=Fault(1, 1, 5)))
+    _, other = room_records(RoomPlan(1, fault=Fault(1, 2, 9)))
+    (tmp_path / "p.jsonl").write_bytes(b"".join(encode_line(r) for r in prefill))
+    (tmp_path / "d.jsonl").write_bytes(b"".join(encode_line(r) for r in decode))
+    (tmp_path / "d-2.jsonl").write_bytes(encode_line(corrupt[0]) * 2)  # one conflict, then its duplicate
+    (tmp_path / "d-3.jsonl").write_bytes(encode_line(other[0]))  # a third digest at the same point
+    assert diff(tmp_path, json_path=tmp_path / "out.json") == 1
+    summary = load(tmp_path / "out.json")["summary"]
+    assert (summary["conflicting_decode_records"], summary["duplicate_records"]) == (2, 1)
+    assert "conflicting decode records 2;" in capsys.readouterr().out
 
 
 def _cluster_logs(tmp_path, labelled):

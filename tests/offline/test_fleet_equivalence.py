@@ -383,6 +383,7 @@ def test_same_findings_on_a_decode_record_with_another_digest(tmp_path, capsys):
     report = assert_same(capsys, tmp_path, root)
     assert report["summary"]["room_verdicts"] == {"mismatch": 1, "match": 1}
     assert report["summary"]["duplicate_records"] == len(d2)
+    assert report["summary"]["conflicting_decode_records"] == 1
 
 
 # %% bounds both engines keep alike
