@@ -54,6 +54,18 @@ MAX_COMPLETED_CELLS = 32 * MAX_DIAGNOSED_CELLS
 _SCAN = 16  # a room's stages are scanned for a duplicate up to this many, then indexed
 
 
+def _index_digest(index: dict, point: tuple, digest: int) -> None:
+    """Add a digest hash at a point of a room's stage index: one int, or a set once two differ
+    (grown in place: a hostile log's many digests at one point cost linear time)."""
+    known = index.get(point)
+    if known is None:
+        index[point] = digest
+    elif type(known) is set:
+        known.add(digest)
+    elif known != digest:
+        index[point] = {known, digest}
+
+
 def cluster_of(rec: dict) -> str:
     """The record's `cluster` label ("" when it has none), checked."""
     cluster = rec.get("cluster")
@@ -178,9 +190,7 @@ class Joiner:
             if len(stages) >= _SCAN:
                 seen = self.stage_index[key] = {}
                 for s, d in zip(stages, digests):
-                    point = (s.stage, s.step, s.transfer)
-                    known = seen.get(point)
-                    seen[point] = d if known is None else (known | {d} if type(known) is set else {known, d})
+                    _index_digest(seen, (s.stage, s.step, s.transfer), d)
                 del self.stage_digests[key]
             else:
                 same_point = False
@@ -203,7 +213,7 @@ class Joiner:
             return False
         if digest == known or (type(known) is set and digest in known):
             return True
-        seen[point] = known | {digest} if type(known) is set else {known, digest}
+        _index_digest(seen, point, digest)
         self.a.decode_conflicts += 1
         return False
 
