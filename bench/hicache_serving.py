@@ -217,7 +217,8 @@ def _event_waiter(streams: tuple) -> Callable[[], None]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--reps", type=int, default=7, help="interleaved pairs (off, on)")
+    p.add_argument("--reps", type=int, default=7,
+                   help="interleaved pairs: (off, on) in even pairs, (on, off) in odd ones (an even count balances them)")
     p.add_argument("--target-seconds", type=float, default=2.0, help="serving time per run")
     p.add_argument("--step-ms", type=float, default=10.0, help="model time per step")
     p.add_argument("--step-wait", choices=STEP_WAITS, default=None,
