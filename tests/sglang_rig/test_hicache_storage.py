@@ -174,10 +174,16 @@ def test_every_index_k_page_stored_in_l3_carries_the_digests_of_its_bytes(rig):
 # -- restores from L3: the prompt's pages leave the device and host pools (SGLang's
 # /flush_cache resets both, and keeps L3), so the resent prompt is prefetched from L3
 
+FLUSH_IDLE_WAIT_S = 20  # SGLang defers the flush until its scheduler is idle, for at most this long
+
+
 def flush_device_and_host(session) -> None:
     """SGLang's /flush_cache on prefill: the radix tree, device and host pools are reset; the
-    storage tier keeps every page (UnifiedRadixCache.reset clears the host pool, not L3)."""
-    status, body = launch.http_get(session.cluster.server_url("prefill") + "/flush_cache", timeout=30)
+    storage tier keeps every page (UnifiedRadixCache.reset clears the host pool, not L3).
+    SGLang flushes only an idle scheduler and otherwise answers 400 at once; with `timeout`
+    it waits for idle (a busy machine leaves the last phase's work in flight a little longer)."""
+    url = f"{session.cluster.server_url('prefill')}/flush_cache?timeout={FLUSH_IDLE_WAIT_S}"
+    status, body = launch.http_get(url, timeout=FLUSH_IDLE_WAIT_S + 10)
     assert status == 200, body.decode(errors="replace")
 
 
