@@ -54,16 +54,23 @@ MAX_COMPLETED_CELLS = 32 * MAX_DIAGNOSED_CELLS
 _SCAN = 16  # a room's stages are scanned for a duplicate up to this many, then indexed
 
 
-def _index_digest(index: dict, point: tuple, digest: int) -> None:
+def _index_digest(index: dict, point: tuple, digest: int) -> str:
     """Add a digest hash at a point of a room's stage index: one int, or a set once two differ
-    (grown in place: a hostile log's many digests at one point cost linear time)."""
+    (grown in place: a hostile log's many digests at one point cost linear time). Says what
+    the point held: "new" (nothing), "duplicate" (this digest), "conflict" (others only)."""
     known = index.get(point)
     if known is None:
         index[point] = digest
-    elif type(known) is set:
+        return "new"
+    if type(known) is set:
+        if digest in known:
+            return "duplicate"
         known.add(digest)
-    elif known != digest:
+    elif known == digest:
+        return "duplicate"
+    else:
         index[point] = {known, digest}
+    return "conflict"
 
 
 def cluster_of(rec: dict) -> str:
@@ -206,16 +213,10 @@ class Joiner:
                 else:
                     self.stage_digests[key] = [*digests, digest]
                 return False
-        point = (stage, step, transfer)
-        known = seen.get(point)
-        if known is None:
-            seen[point] = digest
-            return False
-        if digest == known or (type(known) is set and digest in known):
-            return True
-        _index_digest(seen, point, digest)
-        self.a.decode_conflicts += 1
-        return False
+        held = _index_digest(seen, (stage, step, transfer), digest)
+        if held == "conflict":
+            self.a.decode_conflicts += 1
+        return held == "duplicate"
 
     def _note_meta(self, key: Key, rec: dict, packed: Packed | None, prefill: bool) -> None:
         """What coverage reads of a room (`Analysis.room_meta`): the instance of its first decode
