@@ -297,7 +297,8 @@ def _many_records(path, n, vary):
     (prefill,), _ = room_records_for(RoomPlan(1))
     lines = [encode_line(prefill)]
     for i in range(n):
-        step, tokens = (i, None) if vary == "steps" else (0, 1000 + i if vary == "transfers" else None)
+        step = i if vary == "steps" else 0
+        tokens = 1000 + i if vary == "transfers" else None
         record = room_record(role="decode", stage="decode_step", room=1, attempt=0, digest=None,
                              layout=LAYOUT.name, step=step, tokens=tokens)
         if vary == "digests":
