@@ -109,8 +109,8 @@ def hicache_branch(rec: dict) -> tuple[str, str, str, int]:
     pool, branch, direction, count = rec.get("pool"), rec.get("branch"), rec.get("direction", ""), rec.get("count", 1)
     if not isinstance(pool, str) or not isinstance(branch, str) or not isinstance(direction, str):
         raise RecordError("hicache records need string pool, branch and direction")
-    if max(len(pool), len(branch), len(direction)) > 256:
-        raise RecordError("hicache pool, branch and direction must be at most 256 characters")
+    if max(len(pool), len(branch), len(direction)) > MAX_ROOM_CHARS:
+        raise RecordError(f"hicache pool, branch and direction must be at most {MAX_ROOM_CHARS} characters")
     pool, branch, direction = _printable(pool), _printable(branch), _printable(direction)
     if type(count) is not int or count < 0:
         raise RecordError("count must be a non-negative integer")

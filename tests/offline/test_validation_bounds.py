@@ -8,7 +8,7 @@ import copy
 import pytest
 from tests.support.logdata import RoomPlan, room_records
 
-from dsv4_idxk_probe.offline.validation import RecordError, room_fields
+from dsv4_idxk_probe.offline.validation import RecordError, hicache_branch, room_fields
 
 
 def _prefill() -> dict:
@@ -46,3 +46,15 @@ def test_segment_names_are_at_most_256_characters(length, ok):
             room_fields(rec)
         with pytest.raises(RecordError):  # a refused shape is not cached: refused again
             room_fields(rec)
+
+
+@pytest.mark.parametrize("field", ["pool", "branch", "direction"])
+@pytest.mark.parametrize("length, ok", [(256, True), (257, False), (1 << 20, False)])
+def test_hicache_branch_names_are_at_most_256_characters(field, length, ok):
+    rec = dict({"pool": "deepseek_v4_c4_indexer", "branch": "page", "direction": "d2h", "count": 3},
+               **{field: "n" * length})
+    if ok:
+        assert hicache_branch(rec)[3] == 3
+    else:
+        with pytest.raises(RecordError, match="pool, branch and direction must be at most 256 characters"):
+            hicache_branch(rec)
