@@ -8,8 +8,10 @@ so drift hits both:
   * backup: one page-path backup of PAGES pages over all layers;
   * load, next layer: a per-layer load with the index tensors of the previous
     call (what every layer after the first sees);
-  * load, last layer: the same, at the pool's last layer, where restore
-    verification (on by default) digests the pages the load wrote;
+  * load, every layer: a whole load, one call per layer, per "call" here (its
+    last layer completes it, and restore verification, on by default, digests
+    the pages it wrote; before 2026-12-07 the last layer's call alone, which no
+    longer completes a load by itself);
   * load, new indices: a per-layer load with fresh index tensors each call;
 each bare (no probe), wrapped with index checks on (the default) and
 wrapped with index checks off. Round-trip mode is off throughout. The
@@ -217,10 +219,22 @@ def count_calls(cls, pool, calls: int) -> int:
     from bench.harness import CallCounter
 
     host, device = indices(0, "cpu"), indices(8, "cpu")
+
+    def load(*layers):
+        def run():
+            for layer in layers:
+                pool.load_to_device_per_layer(None, host, device, layer, "kernel")
+        return run
+
+    def nothing():
+        pass
+
+    # (uncounted calls before, the call counted, uncounted calls after): each load case is a whole
+    # load, so it starts with no layer of another in; its last layer completes it (the digest)
     cases = {
-        "backup": lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"),
-        "load, not the last layer": lambda: pool.load_to_device_per_layer(None, host, device, 1, "kernel"),
-        "load, last layer (digest)": lambda: pool.load_to_device_per_layer(None, host, device, LAYERS - 1, "kernel"),
+        "backup": (nothing, lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"), nothing),
+        "load, not the last layer": (load(0), load(1), load(*range(2, LAYERS))),
+        "load, last layer (digest)": (load(*range(LAYERS - 1)), load(LAYERS - 1), nothing),
     }
     counter, results = CallCounter(), {}
     for variant in ("bare", "wrapped"):
@@ -230,14 +244,19 @@ def count_calls(cls, pool, calls: int) -> int:
             restore = probe_for(inst.runtime).restore
             restore._engine_factory = faked_cuda_engine
         with inst if inst is not None else _nothing():
-            for fn in cases.values():  # registers the pool and builds its engine: not counted
-                fn()
-            for case, fn in cases.items():
+            for before, fn, after in cases.values():  # registers the pool and builds its engine: not counted
+                before(), fn(), after()
+            for case, (before, fn, after) in cases.items():
                 samples = []
-                for _ in range(calls):
+                def make(before=before, fn=fn):  # each counted call's set-up (`count` makes two)
+                    before()
                     if restore is not None:
                         restore.drain()  # events and buffers back in their pools, as between real calls
-                    samples.append(counter.count(lambda fn=fn: fn))
+                    return fn
+
+                for _ in range(calls):
+                    samples.append(counter.count(make))
+                    after()
                 results[(case, variant)] = {k: median(s[k] for s in samples) for k in samples[0]}
         if inst is not None:
             forget(inst.runtime)
@@ -284,7 +303,8 @@ def main(argv=None) -> int:
     cases = {
         "backup": lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"),
         "load, next layer": lambda: pool.load_to_device_per_layer(None, host, device, 1, "kernel"),
-        "load, last layer": lambda: pool.load_to_device_per_layer(None, host, device, LAYERS - 1, "kernel"),
+        "load, every layer": lambda: [pool.load_to_device_per_layer(None, host, device, layer, "kernel")
+                                      for layer in range(LAYERS)],
         "load, new indices": new_indices_load,
     }
     variants = {"bare": None, "wrapped, index checks on": True, "wrapped, index checks off": False}

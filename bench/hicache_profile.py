@@ -79,7 +79,9 @@ def main(argv=None) -> int:
     host, device = indices(0, dev), indices(8, dev)
     cases = {
         "backup": lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"),
-        "load, last layer": lambda: pool.load_to_device_per_layer(None, host, device, LAYERS - 1, "kernel"),
+        # a whole load (its last layer completes it and brings the digest), per "call"
+        "load, every layer": lambda: [pool.load_to_device_per_layer(None, host, device, layer, "kernel")
+                                      for layer in range(LAYERS)],
     }
     inst = Installed(StandalonePool, True)
     with inst:  # the pool's registration and its engine's start, outside every timing

@@ -73,6 +73,12 @@ class PoolState:
         self.load_checks: tuple | None = None
         # the model's (global) layer id of each of the pool's layers, once known (`layer_ids`)
         self.layer_ids: tuple[int, ...] | None = None
+        # restore verification: the pool layers the load in progress has put in, a bit each. Its
+        # pages are complete once every layer is in, in whatever order they came: SGLang loads a
+        # layer packed after the target layers (an MTP draft layer) at the series' first step. A
+        # layer put in twice starts the next load (the one before stopped short).
+        self.load_layers = 0
+        self.all_layers = (1 << geom.layers) - 1
         self._host_arrays: list | None = None
 
     def host_arrays(self) -> list:
@@ -357,16 +363,22 @@ class HiCacheProbe:
         restore = self.restore
         if ok and restore is not None and branch in MOVING:
             # Restore verification's common calls made straight from here (no frame of ours
-            # in between): a page-path backup, a load's last layer; a load's other layers
-            # make none. A failure is counted as `safe_invoke` counts it.
+            # in between): a page-path backup, the layer that completes a load; a load's other
+            # layers only mark themselves in. A failure is counted as `safe_invoke` counts it.
             try:
                 if branch != "page":
                     self._restore_token_copy(call)
                 elif call.layer is None:
                     if call.direction == "d2h":
                         restore.after_backup(state, call.host, call.device)
-                elif call.layer == state.geom.layers - 1:
-                    restore.after_load(state, call.host, call.device, call.layer, _NO_CONTEXT)
+                else:
+                    bit, seen = 1 << call.layer, state.load_layers
+                    seen = bit if seen & bit else seen | bit
+                    if seen == state.all_layers:
+                        state.load_layers = 0
+                        restore.after_load(state, call.host, call.device, _NO_CONTEXT)
+                    else:
+                        state.load_layers = seen
             except Exception:
                 record_error("hicache.restore")
 

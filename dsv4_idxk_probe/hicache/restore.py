@@ -5,8 +5,9 @@ with what its backup read.
   the backup read are digested on the caller's current stream, right behind the copy,
   so the digest reads what the copy read. The content digests of every (layer,
   segment) are kept per host row (`restore_store.HostPageDigests`, bounded).
-* **Load** (`after_load`, behind `load_to_device_per_layer`): after the pool's last
-  layer of a load, the device pages the load wrote are digested on the same stream,
+* **Load** (`after_load`, behind `load_to_device_per_layer`): once a load has put in
+  every layer of the pool (the last in SGLang's loop, whatever its id: a packed MTP
+  draft layer is loaded first), the device pages the load wrote are digested on the same stream,
   so the digest reads what the load wrote; the collector compares them with the kept
   digests of their host rows (`restore_compare`). A difference is a finding at stage
   `hicache_load`, localised to (pool, layer, host row, device page, segment).
@@ -18,7 +19,7 @@ outputs' copy down is the collector's), holding a reference to the host index te
 and its version counter. Everything else is the collector's: it reads the host rows
 back from the held tensor (`restore_rows`), counts the bytes, stores or compares, and
 reads the device page numbers only when a load differs from its backup. A load's
-layers before its last cost nothing (`HiCacheProbe.end` does not call in). Without
+layers before the one that completes it cost a bit set (`HiCacheProbe.end` does not call in). Without
 CUDA (the rig) the copying thread copies the pages instead and the collector digests
 the copy with the NumPy reference (`restore_snapshot`). One engine (one collector
 thread) per index-K host pool, so a model with several index-K pools has several
@@ -305,13 +306,12 @@ class RestoreVerifier:
             self._count("hicache_backup", "unverified", "queue_full", n_pages * pool.page_bytes)
             self._drop_when_copied(pool, key, host_indices, version)
 
-    def after_load(self, state, host_indices, device_indices, layer: int, context: dict) -> None:
-        """After the pool's last layer of a page-path load: digest the device pages it wrote,
-        on its stream, and compare them with their host rows' backups on the collector, which
-        reads the host rows from the held tensor (and the device page numbers, only when a
-        row differs). `context`: what the report needs besides the comparison."""
-        if layer != state.geom.layers - 1:
-            return  # the pages are complete once the last layer is loaded (`HiCacheProbe.end` skips the call)
+    def after_load(self, state, host_indices, device_indices, context: dict) -> None:
+        """Once a page-path load has put in every layer of the pool (`HiCacheProbe.end` calls
+        with the layer that completes it, in whatever order the layers came): digest the
+        device pages it wrote, on its stream, and compare them with their host rows' backups
+        on the collector, which reads the host rows from the held tensor (and the device page
+        numbers, only when a row differs). `context`: what the report needs besides the comparison."""
         pool = self._pools.get(state.key, _UNKNOWN)
         if pool is _UNKNOWN:
             pool = self.pool(state)

@@ -69,8 +69,7 @@ def test_backup_and_load_read_no_index_value_on_the_serving_thread():
     host = torch.arange(2 * 256, 4 * 256).as_subclass(Watched)
     device = torch.arange(0, 2 * 256).as_subclass(Watched)
     verifier.after_backup(state, host, device)
-    for layer in range(2):
-        verifier.after_load(state, host, device, layer, {})
+    verifier.after_load(state, host, device, {})  # the load's layers all in
     (engine,) = engines
     assert len(engine.pages_seen) == 2 and reports == []  # nothing compared yet: the collector has not run
     engine.run_on_collector()
@@ -130,8 +129,7 @@ def test_the_copying_thread_derives_device_page_ids_only_and_leaves_host_rows_to
     host = torch.arange(2 * 256, 4 * 256).as_subclass(RecordedHost)
     device = torch.arange(0, 2 * 256).as_subclass(Recorded)
     verifier.after_backup(state, host, device)
-    for layer in range(2):
-        verifier.after_load(state, host, device, layer, {})
+    verifier.after_load(state, host, device, {})  # the load's layers all in
     on_host, on_device = set(RecordedHost.seen), set(Recorded.seen)
     assert on_host <= SHAPE_ONLY, f"the copying thread worked on the host indices: {sorted(on_host - SHAPE_ONLY)}"
     assert not on_device & COPIES, f"the copying thread copied device indices: {sorted(on_device & COPIES)}"
@@ -149,8 +147,7 @@ def test_an_index_tensor_rewritten_before_the_collector_reads_it_is_counted_and_
     assert ("hicache_backup", "unverified", "probe_error", 2 * 2 * 8448) in counted
     assert verifier.store.get(state.key, [2, 3, 4, 5]) == [None] * 4
     later = torch.arange(4 * 256, 6 * 256)
-    for layer in range(2):
-        verifier.after_load(state, later, device, layer, {})
+    verifier.after_load(state, later, device, {})
     engines[0].run_on_collector()
     (comparison,) = reports
     assert comparison.verdict == "unverified" and comparison.unverified_rows == [4, 5]
