@@ -213,29 +213,34 @@ def faked_cuda_engine(layout, layer_ids, buffers, queue_max, **per_pool):
                                           **options))
 
 
-def count_calls(cls, pool, calls: int) -> int:
-    """`--count`: Python calls, C calls and bytecodes on the copying thread per call, bare and
-    wrapped (index checks on, restore verification on with a faked-CUDA engine), medians."""
-    from bench.harness import CallCounter
+def copy_cases(pool, host, device, layers: int) -> dict:
+    """The copying thread's calls `--count` counts (and tests/hicache/test_copy_path_calls.py),
+    each (uncounted calls before, the call counted, uncounted calls after): each load case is a
+    whole load, so it starts with no layer of another in; its last layer completes it (the digest)."""
 
-    host, device = indices(0, "cpu"), indices(8, "cpu")
-
-    def load(*layers):
+    def load(*layer_ids):
         def run():
-            for layer in layers:
+            for layer in layer_ids:
                 pool.load_to_device_per_layer(None, host, device, layer, "kernel")
+
         return run
 
     def nothing():
         pass
 
-    # (uncounted calls before, the call counted, uncounted calls after): each load case is a whole
-    # load, so it starts with no layer of another in; its last layer completes it (the digest)
-    cases = {
+    return {
         "backup": (nothing, lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"), nothing),
-        "load, not the last layer": (load(0), load(1), load(*range(2, LAYERS))),
-        "load, last layer (digest)": (load(*range(LAYERS - 1)), load(LAYERS - 1), nothing),
+        "load, a middle layer": (load(0), load(1), load(*range(2, layers))),
+        "load, the last layer": (load(*range(layers - 1)), load(layers - 1), nothing),
     }
+
+
+def count_calls(cls, pool, calls: int) -> int:
+    """`--count`: Python calls, C calls and bytecodes on the copying thread per call, bare and
+    wrapped (index checks on, restore verification on with a faked-CUDA engine), medians."""
+    from bench.harness import CallCounter
+
+    cases = copy_cases(pool, indices(0, "cpu"), indices(8, "cpu"), LAYERS)
     counter, results = CallCounter(), {}
     for variant in ("bare", "wrapped"):
         inst = Installed(cls, True) if variant == "wrapped" else None

@@ -24,7 +24,7 @@ import torch
 import wrapt
 from prometheus_client import CollectorRegistry
 
-from bench.hicache_overhead import METHODS, StandalonePool, faked_cuda_engine
+from bench.hicache_overhead import METHODS, StandalonePool, copy_cases, faked_cuda_engine
 from dsv4_idxk_probe.hicache import forget, probe_for
 from dsv4_idxk_probe.metrics.definitions import ProbeMetrics
 
@@ -68,22 +68,7 @@ def _counted(restore_verify: bool) -> dict[str, tuple[int, list[str]]]:
     pool = Pool(torch.device("cpu"), layers=LAYERS, name="deepseek_v4_c4_indexer", seed=3)
     host = torch.arange(0, PAGES * PAGE)
     device = torch.arange(8 * PAGE, (8 + PAGES) * PAGE)
-    def load(*layers):
-        def run():
-            for layer in layers:
-                pool.load_to_device_per_layer(None, host, device, layer, "kernel")
-        return run
-
-    def nothing():
-        pass
-
-    # (the calls before, uncounted; the call counted; the calls after, uncounted): each a whole
-    # load, so each load case starts with no layer of another in; the last layer completes its load
-    cases = {
-        "backup": (nothing, lambda: pool.backup_from_device_all_layer(None, host, device, "kernel"), nothing),
-        "load, a middle layer": (load(0), load(1), load(*range(2, LAYERS))),
-        "load, the last layer": (load(*range(LAYERS - 1)), load(LAYERS - 1), nothing),
-    }
+    cases = copy_cases(pool, host, device, LAYERS)  # each load case a whole load; the last layer completes it
     handles = [(name, wrapt.wrap_function_wrapper(Pool, name, factory(runtime))) for name, factory in METHODS.items()]
     try:
         for before, fn, after in cases.values():  # registers the pool, builds its engine: not counted
