@@ -36,6 +36,8 @@ MAX_FETCHES_PER_ROOM = 3
 # A room received again while tracked (its key moved a second time, as a rebootstrap after a
 # retraction that no hook saw moves it): the first transfer's record, counted as retracted.
 RECEIVED_AGAIN = "retracted: received again"
+# What the collector's guarded call of `_on_result` returns when it failed (it returns None).
+_NOT_JUDGED = object()
 
 DigestObserver = Callable[[list[tuple[RoomId, str, "int | None"]]], Any]
 _digest_observers: list[DigestObserver] = []  # add_digest_observer; none in production
@@ -438,8 +440,12 @@ class DecodeMonitor:
                               None, None, state)
                 continue
             content = contents[i] if enqueued_ns is not None and i < len(contents) else None
-            safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i], room_bytes,
-                        content, enqueued_ns)
+            judged = safe_invoke("decode.on_result", self._on_result, state, stage, step, enqueued, batch.digests[i],
+                                 room_bytes, content, enqueued_ns, fallback=_NOT_JUDGED)
+            if judged is _NOT_JUDGED:  # a probe failure while judging: the stage is still recorded, the room
+                # forgotten with its last digest and counted (else it stayed in the table, passed over when
+                # evicted as finished: its bytes counted nowhere)
+                safe_invoke("decode.on_result_failed", self._on_failure, state, stage, step, "probe error while judging")
 
     def _on_result(self, state: _Room, stage: str, step: int | None, enqueued: float, digest: RoomDigest,
                    room_bytes: int | None, content=None, enqueued_ns: int | None = None) -> None:

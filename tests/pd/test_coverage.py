@@ -299,6 +299,38 @@ def test_a_room_whose_receipt_digest_cannot_be_launched_is_still_tracked_and_cou
     assert list(_coverage(registry)) == [("verified", "none")]
 
 
+def test_a_finished_room_whose_last_verdict_fails_in_the_probe_is_recorded_and_counted(pair, monkeypatch):
+    """Judging the finish digest raises (a probe defect, caught and counted): the room still gets
+    its stage's record (`skipped`, digest failed) and is forgotten and counted with its best
+    outcome. It stayed in the table before, and the table's eviction passed it over as
+    finished: its bytes were counted nowhere."""
+    prefill, decode, pre_bufs, dec_bufs, pre_sink, dec_sink, registry = pair
+    decode.max_rooms = 1
+    room, other = RoomId(1), RoomId(2)
+    _copy_room(pre_bufs, [0], dec_bufs, [4])
+    decode.room_received(room, [4], 256, _send(prefill, pre_sink, room, [0], 256))
+    dec_sink.wait_for(1)
+    _settled(decode)
+    errors = safety.error_counts().get("decode.on_result", 0)
+
+    def judging_fails(state, digest):
+        raise RuntimeError("a probe defect while judging")
+
+    monkeypatch.setattr(decode, "_judge", judging_fails)
+    decode.room_finished(room)
+    _settled(decode)
+    monkeypatch.undo()
+    assert safety.error_counts().get("decode.on_result", 0) == errors + 1
+    assert decode._get(room) is None  # forgotten with its last digest
+    assert [(r["stage"], r["verdict"]) for r in dec_sink.records if r["room"] == "1"] == [
+        ("decode_recv", "match"), ("decode_finish", "skipped")]
+    _copy_room(pre_bufs, [1], dec_bufs, [5])  # later traffic: a table of one evicts whatever is left
+    decode.room_received(other, [5], 256, _send(prefill, pre_sink, other, [1], 256))
+    decode.room_finished(other)
+    _settled(decode)
+    assert _coverage(registry) == {("verified", "none"): 2 * PAGE_BYTES}  # room 1 verified at its receipt
+
+
 def test_a_fold_on_the_serving_thread_and_one_on_the_collector_take_turns(pair, monkeypatch):
     """A full digest queue folds `skipped` into a room on the serving thread while the collector
     may fold that room's verdict: each fold reads, then writes. Forced to switch threads in
