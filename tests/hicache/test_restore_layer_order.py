@@ -14,7 +14,7 @@ import torch
 
 from . import conftest
 from .conftest import PAGE, host_row, page_indices
-from .test_restore_pools import DEVICE_ROWS, HOST_ROWS, STAGE, backup, findings, settle
+from .test_restore_pools import DEVICE_ROWS, HOST_ROWS, STAGE, backup, findings, load, settle
 
 NEW_ROWS = [3, 7]
 LAYERS = 5  # the pool's layers here: enough for orders that differ
@@ -29,15 +29,6 @@ def pool(make_pool, monkeypatch):
     return pool
 
 
-def load_in_order(pool, layers, device_rows=NEW_ROWS):
-    """Restore HOST_ROWS into pages that held something else, one layer call at a time in `layers`' order."""
-    host, dev = page_indices(HOST_ROWS), page_indices(device_rows)
-    for layer in range(LAYERS):
-        pool.device_buffers[layer].view(torch.uint8)[device_rows] = 0
-    for layer in layers:
-        pool.load_to_device_per_layer(None, host, dev, layer, "kernel")
-
-
 ORDERS = {
     "ascending": list(range(LAYERS)),
     "last layer first": [LAYERS - 1, *range(LAYERS - 1)],
@@ -50,7 +41,7 @@ ORDERS = {
 def test_a_clean_load_in_any_layer_order_is_one_match(hicache, pool, order):
     env = hicache()
     backup(pool)
-    load_in_order(pool, ORDERS[order])
+    load(pool, device_rows=NEW_ROWS, layers=ORDERS[order])
     settle(env)
     assert findings(env) == []
     assert env.value("rooms_verified", stage=STAGE, verdict="match") == 1
@@ -64,7 +55,7 @@ def test_a_changed_host_row_is_found_whatever_the_layer_order(hicache, pool, ord
     env = hicache()
     backup(pool)
     host_row(pool, 2, 1)[5] ^= 0x01  # a payload byte of host row 2, layer 1: loaded after the last layer id but one
-    load_in_order(pool, ORDERS[order])
+    load(pool, device_rows=NEW_ROWS, layers=ORDERS[order])
     settle(env)
     (found,) = findings(env)
     assert [(c["pool_layer"], c["host_row"], c["device_page"], c["segment"]) for c in found["cells"]] == [
@@ -77,10 +68,10 @@ def test_a_load_that_stops_before_every_layer_is_in_is_never_compared(hicache, p
     The next load (its first layer one the stopped load put in) is compared once all of its own are in."""
     env = hicache()
     backup(pool)
-    load_in_order(pool, [LAYERS - 1, 0, 1])  # the load stops here (SGLang's loop raised, say)
+    load(pool, device_rows=NEW_ROWS, layers=[LAYERS - 1, 0, 1])  # the load stops here (SGLang's loop raised, say)
     settle(env)
     assert env.value("rooms_verified", stage=STAGE, verdict="match") == 0
-    load_in_order(pool, ORDERS[next_order], device_rows=[4, 6])
+    load(pool, device_rows=[4, 6], layers=ORDERS[next_order])
     settle(env)
     assert findings(env) == []
     assert env.value("rooms_verified", stage=STAGE, verdict="match") == 1

@@ -20,11 +20,13 @@ def backup(pool, io_backend="kernel"):
     pool.backup_from_device_all_layer(None, page_indices(HOST_ROWS), page_indices(DEVICE_ROWS), io_backend)
 
 
-def load(pool, io_backend="kernel", device_rows=DEVICE_ROWS):
+def load(pool, io_backend="kernel", device_rows=DEVICE_ROWS, layers=None):
+    """Restore HOST_ROWS into `device_rows`, pages that held something else, one call per layer
+    in `layers`' order (the pool's layers ascending, as SGLang loads DeepSeek-V4's)."""
     host, dev = page_indices(HOST_ROWS), page_indices(device_rows)
-    for l in range(LAYERS):
+    for l in range(pool.layer_num):
         pool.device_buffers[l].view(torch.uint8)[device_rows] = 0  # the pages held something else
-    for l in range(LAYERS):
+    for l in range(pool.layer_num) if layers is None else layers:
         pool.load_to_device_per_layer(None, host, dev, l, io_backend)
 
 
