@@ -49,8 +49,8 @@ class HostPageDigests:
 
     def __init__(self, max_pages: int, on_evict: Callable[[int], None] | None = None,
                  on_stored_lost: Callable[[int, int], None] | None = None):
-        if max_pages < 0:
-            raise ValueError(f"max_pages must be >= 0, got {max_pages}")
+        if max_pages < 1:  # a store that keeps nothing would count its backups verified
+            raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         self.max_pages = int(max_pages)
         self._on_evict = on_evict
         self._table: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()
@@ -96,18 +96,14 @@ class HostPageDigests:
             epoch = self._epochs.get(pool, 0)
             for j, key in enumerate(keys):
                 self._table.pop(key, None)
-                if refused or self.max_pages == 0:
+                if refused:
                     self._remember_lost(key)
-                    evicted += not refused
                     continue
                 self._lost.pop(key, None)
                 self._table[key] = (epoch, np.array(contents[:, j, :], dtype=np.uint64, copy=True))
             gone = self._stored_taken(keys)  # a stored page's entry replaced before a load compared it
             if stored and not refused:  # (refused: the caller counts it, seeing False)
-                if self.max_pages:
-                    self._stored.setdefault(pool, set()).update(rows)
-                else:
-                    gone += keys  # nothing is kept: lost at once
+                self._stored.setdefault(pool, set()).update(rows)
             while len(self._table) > self.max_pages:
                 key, (kept_epoch, _) = self._table.popitem(last=False)
                 self._remember_lost(key)
@@ -223,7 +219,7 @@ class HostPageDigests:
     def _remember_lost(self, key: tuple[int, int]) -> None:
         self._lost.pop(key, None)
         self._lost[key] = None
-        while len(self._lost) > max(self.max_pages, 1):
+        while len(self._lost) > self.max_pages:
             self._lost.popitem(last=False)
 
     def __len__(self) -> int:

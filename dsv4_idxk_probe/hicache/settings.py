@@ -12,7 +12,7 @@ Keys (all optional; defaults and types in `HiCacheSettings`; ranges in `RANGES`,
   roundtrip          bool   debugging mode: digest rows across backup and load (synchronises)
   roundtrip_max_entries int host-row digests kept in round-trip mode; the oldest are evicted, 0-100,000,000
   restore_verify     bool   digest index-K pages at backup, compare after each load (on by default; no sync)
-  restore_max_pages  int    host pages whose backup digests are kept; the oldest are evicted and counted, 0-100,000,000
+  restore_max_pages  int    host pages whose backup digests are kept; the oldest are evicted and counted, 1-100,000,000
   restore_queue_max  int    restore digests waiting for the collector per pool; more are counted unverified, 1-1,000,000
   restore_defer_ms   float  how long a restore collector waits for the copying thread to go quiet before its work, 0-1000 ms
   restore_record     str    collector | copy: where a restore digest's event is recorded (copy: forks that copy on the forward's stream)
@@ -46,7 +46,7 @@ RANGES = {
     "index_queue_max": (1, 1_000_000),
     "roundtrip_max_entries": (0, 100_000_000),  # ~200 B each: up to ~20 GB of host memory
     # per page: 8 B x layers x segments + ~250 B (docs/hicache.md, "Restore verification")
-    "restore_max_pages": (0, 100_000_000),
+    "restore_max_pages": (1, 100_000_000),  # 0 would keep none and still count backups verified
     "restore_queue_max": (1, 1_000_000),
     "restore_defer_ms": (0.0, 1000.0),
 }

@@ -51,9 +51,9 @@ def test_a_stored_pages_digests_count_once_compared_or_once_gone():
     assert store.put(8, [0], contents(2, 1), generation=0, stored=True) is False  # refused: nothing pending
     store.forget_all(8)
     assert lost[-1] == (8, 1) and len(lost) == 4
-    keeps_none = HostPageDigests(0, on_stored_lost=lambda pool, n: lost.append((pool, n)))
-    keeps_none.put(9, [0, 1], contents(2, 2), stored=True)  # nothing kept: both lost at once
-    assert lost[-1] == (9, 2)
+    keeps_one = HostPageDigests(1, on_stored_lost=lambda pool, n: lost.append((pool, n)))
+    keeps_one.put(9, [0, 1], contents(2, 2), stored=True)  # one kept: the other lost at once
+    assert lost[-1] == (9, 1) and keeps_one.take_stored(9, [0, 1]) == 1
 
 
 def test_storing_a_row_again_makes_it_the_newest_and_clears_its_loss():
@@ -155,11 +155,17 @@ def test_a_fenced_forget_refuses_digests_submitted_before_it_and_only_those():
     assert store.put(2, [5], contents(1, 1, 3), before) is True  # other pools: their own count
 
 
-def test_a_zero_bound_keeps_nothing_and_counts_every_row():
+def test_a_store_that_would_keep_nothing_is_refused():
+    # it would take every backup's digest, keep none, and count the backup verified
+    with pytest.raises(ValueError, match="max_pages must be >= 1, got 0"):
+        HostPageDigests(0)
+
+
+def test_a_one_page_bound_keeps_the_newest_and_counts_the_rest():
     evicted = []
-    store = HostPageDigests(0, evicted.append)
+    store = HostPageDigests(1, evicted.append)
     store.put(1, [0, 1], contents(1, 2))
-    assert len(store) == 0 and evicted == [2] and store.lost(1, 1)
+    assert len(store) == 1 and evicted == [1] and store.lost(1, 0) and store.get(1, [1])[0] is not None
 
 
 def test_the_stated_memory_per_host_page():
@@ -198,7 +204,8 @@ def test_compare_refuses_digests_that_do_not_fit_the_load():
 
 @pytest.mark.parametrize("section,message", [
     ({"restore_verify": "yes"}, "hicache.restore_verify must be true or false"),
-    ({"restore_max_pages": -1}, "hicache.restore_max_pages must be an integer >= 0"),
+    ({"restore_max_pages": -1}, "hicache.restore_max_pages must be an integer >= 1"),
+    ({"restore_max_pages": 0}, "hicache.restore_max_pages must be an integer >= 1"),
     ({"restore_max_pages": 10**9}, "hicache.restore_max_pages must be an integer <= 100_000_000"),
     ({"restore_queue_max": 0}, "hicache.restore_queue_max must be an integer >= 1"),
     ({"restore_queue_max": 10**7}, "hicache.restore_queue_max must be an integer <= 1_000_000"),
@@ -211,4 +218,4 @@ def test_restore_settings_are_bounded_and_errors_name_the_field(section, message
 def test_restore_verification_is_on_by_default():
     settings = parse_settings({})
     assert settings.restore_verify is True and settings.roundtrip is False
-    assert parse_settings({"restore_max_pages": 0, "restore_queue_max": 1_000_000}).restore_max_pages == 0
+    assert parse_settings({"restore_max_pages": 1, "restore_queue_max": 1_000_000}).restore_max_pages == 1
