@@ -54,10 +54,17 @@ class Prefetcher:
         self._dropped: OrderedDict[str, None] = OrderedDict()  # keys the full table let go, as many at most
         self._lock = threading.Lock()
 
-    def start(self, key: str) -> None:
-        """Begin fetching `key` unless it is already under way (or was let go); returns at once."""
+    def start(self, key: str, fresh: bool = False) -> None:
+        """Begin fetching `key` unless it is already under way (or was let go); returns at once.
+        `fresh`: the room landed again (a rebootstrap resends the same room id): an earlier
+        fetch of it, done or not, answers for the earlier transfer and is let go."""
         with self._lock:
-            if key in self._futures or key in self._dropped:
+            if fresh:
+                earlier = self._futures.pop(key, None)
+                if earlier is not None:
+                    earlier[0].cancel()
+                self._dropped.pop(key, None)
+            elif key in self._futures or key in self._dropped:
                 return
             self._futures[key] = (self._pool.submit(self._fetch, key), self._clock())
             while len(self._futures) > self._cap:
@@ -137,8 +144,9 @@ def fetch_deadline_s(client: Any, retry_s: float) -> float | None:
 
 
 def prefetch(side: Any, key: str) -> None:
-    """Start fetching room `key`'s prefill digest on a worker thread."""
-    _prefetcher(side).start(key)
+    """Start fetching room `key`'s prefill digest on a worker thread, as its transfer lands
+    (afresh: what an earlier transfer of the same room fetched is not this one's)."""
+    _prefetcher(side).start(key, fresh=True)
 
 
 def prefetched(side: Any, key: str) -> tuple[bool, Any]:

@@ -25,18 +25,50 @@ Emit = Callable[[dict], Any]
 
 
 class RecentRooms:
-    """Bounded LRU of recent room digests, shared by the collector and the exchange threads."""
+    """Bounded LRU of recent room digests, shared by the collector and the exchange threads.
+
+    A room sent again (a rebootstrap resends the same room id) is marked at its send, on the
+    serving thread (`sending`): from then on the room's earlier digest no longer answers for
+    it, and only the digest of that latest send does, once the collector puts it. Decode asks
+    after the new transfer landed, so after the mark: it gets "not found" (and asks again)
+    until the new digest is in, never the earlier transfer's, whose bytes may differ."""
 
     def __init__(self, capacity: int):
         self.capacity = max(1, int(capacity))
         self._items: OrderedDict[str, RoomDigest] = OrderedDict()
+        self._sending: OrderedDict[str, int] = OrderedDict()  # key -> its latest send, digest not in yet
+        self._sends = 0
         self._lock = threading.Lock()
         self.evicted = 0
 
-    def put(self, digest: RoomDigest) -> None:
+    def sending(self, key: str) -> int:
+        """A send of `key` is being digested: the number `put` and `unsent` name it by."""
         with self._lock:
-            self._items[digest.key] = digest
-            self._items.move_to_end(digest.key)
+            self._sends += 1
+            self._items.pop(key, None)  # an earlier transfer's digest: no answer for this one
+            self._sending[key] = self._sends  # in flight: a few (each goes at its put), so never reordered
+            if len(self._sending) > self.capacity:  # digests that never came (a failed batch)
+                self._sending.popitem(last=False)
+            return self._sends
+
+    def unsent(self, key: str, send: int) -> None:
+        """The send's digest will not come (not submitted): the room has no answer."""
+        with self._lock:
+            if self._sending.get(key) == send:
+                del self._sending[key]
+
+    def put(self, digest: RoomDigest, send: int | None = None) -> None:
+        """Keep `digest`; of send `send` (`sending`), kept only if no later send of its room
+        was marked since (the collector is behind: the later one's digest answers)."""
+        key = digest.key
+        with self._lock:
+            latest = self._sending.get(key)
+            if latest is not None and send is not None:
+                if send != latest:
+                    return
+                del self._sending[key]
+            self._items[key] = digest
+            self._items.move_to_end(key)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
                 self.evicted += 1
@@ -67,7 +99,8 @@ class PrefillMonitor:
         self.engine = engine
         self.emit = emit
         self.metrics = metrics
-        self.recent = RecentRooms(table_size)
+        self.table = RecentRooms(table_size)  # this monitor's digests, marked at each send
+        self.recent = self.table  # what the exchange asks (a side routes further pools' keys beside it)
         self._sent_metrics: tuple | None = None  # `_send_counters`, made at the first batch
 
     def rooms_sent(self, rooms: Sequence[tuple[RoomId, Any, int]],
@@ -80,13 +113,30 @@ class PrefillMonitor:
         key becomes the record's ``rid``.
         """
         requests = [RoomRequest(rid.key, pages, n_tokens) for rid, pages, n_tokens in rooms]
-        # The send path asks ready() right after NIXL's sync, to fill the in-band slot:
-        # the batch's event is recorded right behind the kernel, so that works.
-        return self.engine.submit(requests, partial(self._on_result, tuple(extras) if extras else None))
+        sends = tuple(self.table.sending(r.key) for r in requests)
+        pending = None
+        try:
+            # The send path asks ready() right after NIXL's sync, to fill the in-band slot:
+            # the batch's event is recorded right behind the kernel, so that works.
+            pending = self.engine.submit(requests, partial(self._on_result, tuple(extras) if extras else None, sends))
+        finally:
+            if pending is None:  # a full queue, or the submit raised: no digest of these sends comes
+                for request, send in zip(requests, sends):
+                    self.table.unsent(request.key, send)
+        return pending
 
     def room_sent(self, room: RoomId, pages: Any, n_tokens: int, extra: dict | None = None) -> PendingDigest | None:
         """`rooms_sent` of one room: one launch, no request object, no table."""
-        return self.engine.submit_room(room.key, pages, n_tokens, partial(self._on_result, (extra,) if extra else None))
+        key = room.key
+        send = self.table.sending(key)
+        pending = None
+        try:
+            pending = self.engine.submit_room(key, pages, n_tokens,
+                                              partial(self._on_result, (extra,) if extra else None, (send,)))
+        finally:
+            if pending is None:
+                self.table.unsent(key, send)
+        return pending
 
     def lookup(self, key: str) -> RoomDigest | None:
         """The full digest of a recent room, for the exchange; None once evicted."""
@@ -101,7 +151,7 @@ class PrefillMonitor:
                                   counter_add(m.digest_bytes.labels(stage="prefill_send")))
         return self._sent_metrics
 
-    def _on_result(self, extras: Sequence[dict | None] | None, batch: BatchResult) -> None:
+    def _on_result(self, extras: Sequence[dict | None] | None, sends: Sequence[int], batch: BatchResult) -> None:
         """A batch's digests (collector thread): counted, kept for the exchange, recorded with
         each room's extras (counted first: whoever sees a record sees its counts)."""
         digests = batch.digests
@@ -113,8 +163,8 @@ class PrefillMonitor:
             digest_bytes(batch.bytes_digested)
             if batch.gpu_seconds is not None:
                 self.metrics.digest_gpu_seconds.labels(stage="prefill_send").observe(batch.gpu_seconds)
-        for digest, extra in zip(digests, extras):
-            self.recent.put(digest)
+        for digest, extra, send in zip(digests, extras, sends):
+            self.table.put(digest, send)
             room = RoomId.from_key(digest.key)
             safe_invoke(
                 "prefill.emit",

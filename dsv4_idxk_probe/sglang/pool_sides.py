@@ -77,9 +77,6 @@ class PoolRoutedRooms:
     def evicted(self) -> int:
         return self.main.evicted + sum(t.evicted for t in self.pools.values())
 
-    def put(self, digest: Any) -> None:
-        self.main.put(digest)
-
     def get(self, key: str) -> Any:
         room, sep, pool = key.rpartition("@pool")
         if not sep:

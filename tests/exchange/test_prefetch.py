@@ -267,3 +267,27 @@ def test_an_answer_that_lands_while_it_is_polled_is_handed_out_once_and_forgotte
     second = prefetcher.poll("7/0")
     assert first in ((False, None), (True, "digest"))
     assert [first, second].count((True, "digest")) == 1 and "7/0" not in prefetcher._futures
+
+
+def test_a_room_landing_again_is_fetched_afresh():
+    """A rebootstrap resends the same room id. Its first transfer's fetch, done and never read
+    (the room was retracted before enforce judged it), answered for that transfer: enforce
+    judged the second by it and dropped a clean room whose bytes were recomputed."""
+    answers = iter(("first transfer's digest", "second transfer's digest"))
+    prefetcher = Prefetcher(lambda key: next(answers))
+    try:
+        prefetcher.start("7/0")
+        for _ in range(3000):
+            if prefetcher._futures["7/0"][0].done():
+                break
+            threading.Event().wait(0.01)
+        prefetcher.start("7/0")  # a poll's restart keeps what is under way
+        prefetcher.start("7/0", fresh=True)  # the room landed again
+        for _ in range(3000):
+            done, digest = prefetcher.poll("7/0")
+            if done:
+                break
+            threading.Event().wait(0.01)
+        assert (done, digest) == (True, "second transfer's digest")
+    finally:
+        prefetcher.close()

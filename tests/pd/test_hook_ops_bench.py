@@ -35,11 +35,12 @@ def test_a_one_room_hook_call_is_a_launch_and_little_else(hook_ops, tmp_path):
     method, the room's state at receipt, the engine's submit and launch, the hand-off
     (and the bench's own lambda); the journal, the tables, the records and the metrics
     are the collector's. It was 25-33 Python functions (bench/RESULTS.md) before those
-    moved off the serving thread."""
+    moved off the serving thread. A send marks its room in prefill's table (one call more,
+    2026-12-08): a room sent again is never answered with its earlier transfer's digest."""
     assert hook_ops.main(["--calls", "5", "--layers", "2", "--pages", "3", "--diagnosis", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "hook_ops.json").read_text())
     most = {"decode allocation (room_allocated)": 5, "decode receipt (room_received)": 6,
-            "decode finish of one room (room_finished)": 5, "prefill send (slice, room_sent)": 5}
+            "decode finish of one room (room_finished)": 5, "prefill send (slice, room_sent)": 6}
     for call, python_calls in most.items():
         assert report[call]["python_calls"] <= python_calls, (call, report[call])
 

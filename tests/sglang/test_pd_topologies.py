@@ -218,6 +218,47 @@ def test_enforce_holds_a_room_whose_digest_is_still_being_fetched_and_drops_it_l
         runtime.close()
 
 
+@pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
+                    reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
+def test_enforce_keeps_a_clean_rebootstrapped_room_whose_first_fetch_was_never_read(worlds, monkeypatch):
+    """Mooncake-like sends, enforce on. The room lands (its fetch starts), is retracted
+    before its first prebuilt batch (`pause_generation(retract)`: never judged, its fetch
+    never read), and is sent again under the same room id and length with other bytes
+    (recomputed under new weights), landing intact. Enforce judged it by the first
+    transfer's fetch and dropped it (found by review)."""
+    runtime, sink, _ = make_runtime(mode="enforce", exchange={"bind": "127.0.0.1", "timeout_ms": 5_000})
+    patcher = _patch(runtime)
+    try:
+        prefill, _ = worlds
+        _slow_digests(monkeypatch, runtime, prefill)
+        send_room(prefill)
+        sink.wait_for(1, stage="prefill_send")
+        first = _receive(runtime, worlds)
+        assert sink.wait_for(1, stage="decode_recv")[0]["verdict"] == "match"
+        pd_decode.on_retract(runtime, [first.req])
+        for buf in prefill.index_k:  # the same tokens, recomputed: other bytes
+            buf[pdworld.PREFILL_PAGES[1:]] ^= 0x01
+        send_room(prefill)
+        sink.wait_for(2, stage="prefill_send")
+        again = _receive(runtime, worlds, dreq=_with_receiver(pdworld.decode_req(ROOM, DECODE_ROW)))
+        assert sink.wait_for(2, stage="decode_recv")[1]["verdict"] == "match"
+        aborted = []
+        scheduler = pdworld.standin(
+            pdworld.scheduler_class(), kv_checksum_computer=None, attn_tp_cpu_group=None, waiting_queue=[],
+            _handle_kv_checksum_mismatch=lambda req, msg: aborted.append(req.rid),
+        )
+        deadline = time.monotonic() + 10
+        reqs = [again.req]
+        while reqs and time.monotonic() < deadline:  # held while its fetch runs, then judged
+            scheduler._verify_kv_checksums(SimpleNamespace(reqs=reqs, filter_batch=lambda keep_indices: None))
+            reqs, scheduler.waiting_queue[:] = list(scheduler.waiting_queue), []
+            time.sleep(0.05)
+        assert aborted == [] and reqs == []
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
 # %% fix 4: prefill PP 2 -> decode PP 1
 
 
