@@ -60,9 +60,12 @@ def combine_stage_digests(key: str, digests: Sequence[RoomDigest], layout: Any) 
 
     Stages whose signatures do not match `layout`, whose token counts, segments
     or page counts differ, or whose layers overlap yield a digest with a
-    signature that compares as "not comparable"."""
+    signature that compares as "not comparable". A stage's digest of no layers
+    (a further pool that stage does not have) is left out."""
     if not digests:
         return None
+    # a stage holding none of this pool's layers answers with no layers: it adds nothing
+    digests = [d for d in digests if d.layer_ids] or digests[:1]
     first = digests[0]
     comparable = all(
         d.signature == layout_signature(layout, d.layer_ids)

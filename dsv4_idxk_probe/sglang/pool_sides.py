@@ -30,6 +30,8 @@ import logging
 from functools import partial
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from ..digest.engine import DigestEngine
 from ..exchange.stages import StageEndpoints
 from ..pd.coverage import skip_reason
@@ -66,11 +68,20 @@ def tagged_emit(emit: Callable[[dict], Any], pool: IndexPool) -> Callable[[dict]
 
 class PoolRoutedRooms:
     """Prefill's table of recent room digests, answering pool keys from each pool's table:
-    the exchange server asks one table (the C4 monitor's) for every key."""
+    the exchange server asks one table (the C4 monitor's) for every key.
 
-    def __init__(self, main: RecentRooms, pools: dict[int, RecentRooms]):
+    A PP stage holds only some layers, and SGLang makes a further pool only on the stages
+    that hold its layers (V4.1 with PP 2: stage 0 may have no ratio-1 or ratio-2 pool). Decode
+    asks every stage for each pool key and combines their answers; a stage holding none of
+    a pool's layers answers a room it sent with an empty digest (no layers, `empty_digest`),
+    which the combination leaves out (`combine_stage_digests`). Before, it answered "not
+    found", and the pool was `unverified` on every room. `held`: the ratios of every further
+    pool this stage has, read or not (a pool it has but cannot read is never called empty)."""
+
+    def __init__(self, main: RecentRooms, pools: dict[int, RecentRooms], held: Sequence[int] = ()):
         self.main = main
         self.pools = pools
+        self.held = frozenset(int(r) for r in (*held, *pools))
         self.capacity = main.capacity
 
     @property
@@ -81,13 +92,26 @@ class PoolRoutedRooms:
         room, sep, pool = key.rpartition("@pool")
         if not sep:
             return self.main.get(key)
-        table = self.pools.get(int(pool)) if pool.isdigit() else None
-        digest = table.get(room) if table is not None else None
+        if not pool.isdigit():
+            return None
+        ratio = int(pool)
+        table = self.pools.get(ratio)
+        if table is None:
+            sent = self.main.get(room) if ratio not in self.held else None
+            return empty_digest(sent, key) if sent is not None else None
+        digest = table.get(room)
         # the client checks that the answer names the key it asked for
         return dataclasses.replace(digest, key=key) if digest is not None else None
 
     def __len__(self) -> int:
         return len(self.main)
+
+
+def empty_digest(sent: Any, key: str) -> Any:
+    """A room's digest of a pool this stage holds no layer of: no layers, the room's tokens and pages."""
+    return dataclasses.replace(sent, key=key, layer_ids=(),
+                               layer_segment=np.zeros((0, len(sent.segments)), dtype=np.uint64),
+                               pages=np.zeros_like(sent.pages))
 
 
 class PoolSide:

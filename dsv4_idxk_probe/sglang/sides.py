@@ -87,10 +87,11 @@ class PrefillSide(PrefillAssembly):
         except BaseException:
             _close_partial(self)
             raise
+        # every prefill side answers pool keys: a PP stage without a pool answers its rooms empty
+        self.monitor.recent = PoolRoutedRooms(self.monitor.recent, {p.ratio: p.monitor.recent for p in self.pool_sides},
+                                              held=[p.ratio for p in pools])
         if self.pool_sides:
-            main = self.monitor
-            main.recent = PoolRoutedRooms(main.recent, {p.ratio: p.monitor.recent for p in self.pool_sides})
-            self.monitor = PrefillFanOut(main, self.pool_sides, self.page_id_stride)
+            self.monitor = PrefillFanOut(self.monitor, self.pool_sides, self.page_id_stride)
         self.pools = tuple(pools)
         self.runtime = runtime
         self.geometry = geometry

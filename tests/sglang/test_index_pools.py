@@ -163,6 +163,72 @@ def test_a_clean_v41_room_matches_in_every_pool(v41, stages):
     assert sorted((r["pool"], r["layout"]) for r in sent) == [(1, "fp4_r1"), (2, "fp4_r2")]
 
 
+@pytest.mark.parametrize("fault", [None, 1, 2], ids=["clean", "ratio_1_fault", "ratio_2_fault"])
+def test_a_pp_prefill_whose_first_stage_has_no_low_ratio_pool_is_verified_in_every_pool(published, fault):
+    """Prefill PP 2 over layers [0, 3) and [3, 6): SGLang makes the ratio-1 and ratio-2
+    pools (layers 4 and 5) on the second stage only. The first answered those pools' keys
+    "not found", so decode read both `unverified` (`no_exchange`) on every room, each fetch
+    waiting out a retry (found by review); it now answers them with no layers."""
+    stages = [v41world.make_pool(seed, layers) for seed, layers in ((1, (0, 3)), (3, (3, 6)))]
+    assert set(stages[0].index_pools) == {4} and set(stages[1].index_pools) == {4, 1, 2}
+    decode_pool = v41world.make_pool(2)
+    v41world.transfer_stages(stages, decode_pool)
+    if fault is not None:
+        k = v41world.rows_per_page(decode_pool, fault)
+        indexer_row_buffers(decode_pool.index_pools[fault])[0][v41world.DECODE_PAGES[2] * k, 7] ^= 0x10
+    runtimes = []
+    try:
+        prefills = []
+        for pool in stages:
+            runtime, _, _ = make_runtime()
+            runtimes.append(runtime)
+            prefills.append(build_side(runtime, "prefill", pool, v41world.kv_args_of(pool), host="127.0.0.1"))
+        runtime, sink, registry = make_runtime()
+        runtimes.append(runtime)
+        decode = build_side(runtime, "decode", decode_pool, v41world.kv_args_of(decode_pool))
+        n = v41world.ROOM_TOKENS
+        for prefill in prefills:
+            prefill.monitor.room_sent(RoomId(ROOM), v41world.sent_tokens(v41world.PREFILL_PAGES[1:], n), n)
+        endpoints = StageEndpoints([("127.0.0.1", p.server.port) for p in prefills], decode.layout)
+        for prefill in prefills:  # each stage's digests are in before decode asks
+            for engine in (prefill.engine, *(side.engine for side in prefill.pool_sides)):
+                collected(engine, 30)
+        decode.remember_peer(RoomId(ROOM).key, endpoints)
+        decode.monitor.room_received(RoomId(ROOM), torch.tensor(v41world.DECODE_PAGES[1:]), n, None, {"rid": "r"})
+        c4 = sink.wait_for(1, stage="decode_recv", kind="room")[0]
+        pools = {r["pool"]: r for r in sink.wait_for(2, stage="decode_recv", kind="index_pool")}
+    finally:
+        for runtime in runtimes:
+            runtime.close()
+    assert c4["verdict"] == "match"
+    for ratio, record in pools.items():
+        if ratio == fault:
+            loc = record["localisation"]
+            assert (record["verdict"], loc["pool"], loc["layers"], loc["pages"]) == ("mismatch", ratio, [3 + ratio], [k])
+        else:
+            assert record["verdict"] == "match", record
+    assert _coverage(registry, "unverified", "no_exchange") == 0
+
+
+def test_a_stage_answers_empty_only_for_a_pool_it_does_not_have_and_a_room_it_sent():
+    import numpy as np
+
+    from dsv4_idxk_probe.digest.result import RoomDigest
+    from dsv4_idxk_probe.pd.prefill import RecentRooms
+    from dsv4_idxk_probe.sglang.pool_sides import PoolRoutedRooms
+
+    main = RecentRooms(8)
+    main.put(RoomDigest("5/0", 9, 300, (1, 3), ("payload", "scale"), np.ones((2, 2), dtype=np.uint64),
+                        np.ones(2, dtype=np.uint64)))
+    routed = PoolRoutedRooms(main, {}, held=[1])  # has a ratio-1 pool it cannot read; no ratio-2 pool
+    empty = routed.get("5/0@pool2")
+    assert (empty.key, empty.layer_ids, empty.layer_segment.shape, empty.n_tokens) == ("5/0@pool2", (), (0, 2), 300)
+    assert not empty.pages.any()
+    assert routed.get("5/0@pool1") is None  # its layers are here, unread: never called empty
+    assert routed.get("6/0@pool2") is None  # a room not sent (yet): not found, asked again
+    assert routed.get("5/0@poolx") is None
+
+
 def test_bytes_of_an_unreadable_low_ratio_pool_are_counted_unverified_per_room(v41):
     runtime, sink, registry, prefill, decode = _sides_r1_unreadable(v41)
     try:

@@ -29,15 +29,19 @@ def sent_tokens(pages: list[int], n_tokens: int) -> torch.Tensor:
     return locs[:n_tokens]
 
 
-def make_pool(seed: int):
+def make_pool(seed: int, layers: tuple[int, int] | None = None):
+    """The pool, every index buffer random. `layers`: (start, end), a PP stage's pool of those
+    layers only (SGLang makes a further pool only on the stages holding its layers)."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
+    start, end = layers if layers is not None else (None, None)
     pool = DeepSeekV4TokenToKVPool(
         max_num_reqs=4, swa_size=1024, c4_size=512, c128_size=16, c4_state_pool_size=64,
         c128_state_pool_size=64, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
         c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
-        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(RATIOS), device="cpu",
-        enable_memory_saver=False, compression_ratios=RATIOS, kv_source_layers=KV_SOURCES, full_size=8 * PAGE,
+        qk_rope_head_dim=64, indexer_head_dim=128, layer_num=len(RATIOS) if layers is None else end - start,
+        device="cpu", enable_memory_saver=False, compression_ratios=RATIOS, kv_source_layers=KV_SOURCES,
+        full_size=8 * PAGE, start_layer=start, end_layer=end,
     )
     g = torch.Generator().manual_seed(seed)
     for indexer in pool.index_pools.values():
@@ -55,6 +59,23 @@ def kv_args_of(pool):
 
 def rows_per_page(pool, ratio: int) -> int:
     return 1 if ratio == 4 else PAGE // (ratio * pool.index_pools[ratio].page_size)
+
+
+def transfer_stages(stage_pools, decode_pool) -> None:
+    """`transfer` from a PP prefill's stage pools: each stage's layers of each pool go to
+    the same global layers of decode's pool."""
+    from dsv4_idxk_probe.sglang.index_k import pool_layer_ids
+
+    for ratio, dst_pool in decode_pool.index_pools.items():
+        k = rows_per_page(decode_pool, ratio)
+        dst_layers, dst_bufs = pool_layer_ids(decode_pool, ratio), indexer_row_buffers(dst_pool)
+        for stage in stage_pools:
+            if ratio not in stage.index_pools:
+                continue
+            for layer, src in zip(pool_layer_ids(stage, ratio), indexer_row_buffers(stage.index_pools[ratio])):
+                dst = dst_bufs[dst_layers.index(layer)]
+                for p, d in zip(PREFILL_PAGES[1:], DECODE_PAGES[1:]):
+                    dst[d * k : (d + 1) * k] = src[p * k : (p + 1) * k]
 
 
 def transfer(prefill_pool, decode_pool) -> None:
