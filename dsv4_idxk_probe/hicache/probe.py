@@ -543,18 +543,19 @@ class HiCacheProbe:
         """The storage tier (L3) filled these host pages: their bytes carry no digest here, so
         they are counted unverified (`digest_lost`) on path l3, and their loads likewise."""
         self.invalidate_rows(state, host_rows)
-        if self.restore is not None and is_index_k_pool(state.geom.name):
-            self._count_on_copy_path("l3", "unverified", "digest_lost",
-                                     len(host_rows) * state.geom.layers * state.geom.item_bytes)
+        restore = self.restore
+        if restore is not None and is_index_k_pool(state.geom.name):  # a pool not verified says why
+            reason = "digest_lost" if restore.pool(state) is not None else restore.why_not(state)
+            self._count_on_copy_path("l3", "unverified", reason, len(host_rows) * state.geom.layers * state.geom.item_bytes)
 
     # -- restore verification ----------------------------------------------------------
 
-    def count_unprobed(self, pool_name: str, direction: str, nbytes: int) -> None:
-        """A copy of a pool that could not be registered (its failure counted and logged):
-        an index-K pool's bytes count unverified, `probe_error`, on the copy's path."""
+    def count_unprobed(self, pool_name: str, path: str, nbytes: int) -> None:
+        """A move of a pool that could not be registered (its failure counted and logged):
+        an index-K pool's bytes count unverified, `probe_error`, on the move's path (a copy's
+        `hicache_backup` or `hicache_load`, a storage-tier page's `l3`)."""
         if self.restore is None or not is_index_k_pool(pool_name):
             return
-        path = "hicache_backup" if direction == "d2h" else "hicache_load"
         self._count_on_copy_path(path, "unverified", "probe_error", nbytes)
         self._start_flusher()  # no registered pool may have started it
 

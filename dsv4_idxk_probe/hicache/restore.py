@@ -445,7 +445,7 @@ class RestoreVerifier:
         nbytes = state.geom.layers * state.geom.item_bytes
         if carried is None or carried[1] != page_version or self._far_behind(pool):
             self.forget_rows(state, [row])
-            self._count("l3", "unverified", "digest_lost", nbytes)
+            self._count("l3", "unverified", "digest_lost" if pool is not None else self.why_not(state), nbytes)
             return False
         digests = carried[0]
 

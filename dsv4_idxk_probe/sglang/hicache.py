@@ -145,7 +145,17 @@ def _count_unprobed(probe, pool, direction, host_indices, layer) -> None:
         name = str(pool.pool_name)
     except Exception:
         return  # the pool says too little of itself to count (its failure is counted)
-    probe.count_unprobed(name, direction, nbytes)
+    probe.count_unprobed(name, "hicache_backup" if direction == "d2h" else "hicache_load", nbytes)
+
+
+def _count_l3_unprobed(probe, pool, n_rows: int) -> None:
+    """Host pages the storage tier filled in a pool the probe could not register: as a copy's."""
+    if pool is not None and id(pool) in probe.unusable and n_rows:
+        try:
+            nbytes, name = int(n_rows) * int(pool.layer_num) * int(pool.item_bytes), str(pool.pool_name)
+        except Exception:
+            return
+        probe.count_unprobed(name, "l3", nbytes)
 
 
 def _around(probe: HiCacheProbe, site: str, call, wrapped, args, kwargs, outer: bool):
@@ -232,16 +242,31 @@ def make_pool_init_wrapper(runtime):
     return wrapper
 
 
-def _invalidate(probe, pool, rows) -> None:
+def _known_state(probe, pool):
+    """The pool's registration, made now if the storage tier reaches it before any copy (a
+    pool built before the probe was installed: its first touch may be a prefetch); None for
+    a pool that cannot be registered (`_state` remembers it, and says why once)."""
     state = probe.state_of(pool)
+    if state is None and id(pool) not in probe.unusable:
+        try:
+            state = _state(probe, pool)
+        except Exception:
+            return None
+    return state
+
+
+def _invalidate(probe, pool, rows) -> None:
+    state = _known_state(probe, pool)
     if state is not None:
         probe.invalidate_rows(state, rows)
 
 
 def _storage_wrote(probe, pool, rows) -> None:
-    state = probe.state_of(pool)
+    state = _known_state(probe, pool)
     if state is not None:
         probe.storage_wrote(state, rows)
+    else:
+        _count_l3_unprobed(probe, pool, len(rows))
 
 
 def _follows_host_writes(probe) -> bool:
@@ -301,7 +326,7 @@ def _sidecar_key(backend, pool_name, key) -> str:
 
 
 def _l3_state(probe, host_pool):
-    state = probe.state_of(host_pool)
+    state = _known_state(probe, host_pool)
     if state is None or probe.restore is None or not is_index_k_pool(state.geom.name):
         return None
     return state
@@ -377,6 +402,10 @@ def _l3_read(probe, page_before, backend, pool_name, key, host_pool, page_offset
     probe.restore.storage_read(state, row, data, version if version == before else None, generation)
 
 
+def _l3_read_unprobed(probe, pool_name, key, host_pool, *_a, **_k) -> None:
+    _count_l3_unprobed(probe, host_pool, 1)
+
+
 def _read_sidecar(backend, sidecar: str, nbytes: int):
     """The sidecar's bytes, None when there is none of this size. A sidecar of the earlier
     format is taken away: ``get`` would refuse it (a short read) at every read of the page,
@@ -428,6 +457,8 @@ def make_l3_read_wrapper(runtime):
             local.l3_read -= 1
         if result and before is not None:
             safe_invoke("hicache.l3_read", _l3_read, probe, before, instance, *args, **kwargs)
+        elif result:
+            safe_invoke("hicache.l3_read", _l3_read_unprobed, probe, *args, **kwargs)
         return result
 
     return wrapper
@@ -468,6 +499,8 @@ def _zero_copy_read(probe, backend, transfers, results) -> None:
         pool = _zero_copy_pool(backend, transfer.name)
         hits = results.get(transfer.name) if isinstance(results, dict) else None
         state = _l3_state(probe, pool) if pool is not None else None
+        if state is None and hits and transfer.host_indices is not None:
+            _count_l3_unprobed(probe, pool, sum(1 for hit in hits if hit))
         if state is None or not hits or not any(hits) or transfer.host_indices is None:
             continue
         if transfer.host_indices.numel() != len(hits) * state.geom.page_size:

@@ -567,3 +567,54 @@ def test_a_file_system_without_inode_generations_still_versions_files(storage, m
     assert again[1] == 0 and again != first
     assert l3_files.holding(path, [np.full(4096, 2, dtype=np.uint8)]) == again
     assert l3_files.holding(path, [np.full(4096, 1, dtype=np.uint8)]) is None
+
+
+def test_a_page_read_into_a_pool_no_copy_registered_yet_is_counted_on_l3(hicache, make_pool, storage):
+    """A pool built before the probe was installed, first touched by a storage-tier read (a
+    page an earlier run stored): the pool registers at that read, as at a copy. Before, the
+    read counted nothing on `l3` (found by review)."""
+    pool = make_pool("fp8_indexer")  # built before the probe is installed
+    offset = 5 * pool.slot_page_size
+    assert storage._write_page(POOL, "page-5", pool, offset)  # no probe: no sidecar
+    env = hicache()
+    assert storage._read_page(POOL, "page-5", pool, offset)
+    settle(env)
+    assert env.samples("coverage_bytes", path="l3") == {
+        (("outcome", "unverified"), ("reason", "digest_lost")): LAYERS * pool.item_bytes}
+
+
+def test_a_page_read_into_a_pool_that_cannot_be_registered_is_counted_on_l3(hicache, make_pool, storage,
+                                                                             monkeypatch):
+    from dsv4_idxk_probe.sglang import hicache as adapter
+
+    pool = make_pool("fp8_indexer")
+    offset = 5 * pool.slot_page_size
+    assert storage._write_page(POOL, "page-5", pool, offset)
+    env = hicache()
+
+    def broken(_pool):
+        raise ValueError("a pool the probe cannot read")
+
+    monkeypatch.setattr(adapter, "pool_geometry", broken)
+    assert storage._read_page(POOL, "page-5", pool, offset)
+    settle(env)
+    assert env.samples("coverage_bytes", path="l3") == {
+        (("outcome", "unverified"), ("reason", "probe_error")): LAYERS * pool.item_bytes}
+
+
+def test_a_page_read_into_a_pool_whose_rows_are_not_digested_says_why(hicache, make_pool, storage, monkeypatch):
+    """Its copies count `layout_unknown`; its storage-tier pages counted `digest_lost`, as if
+    a digest had been kept and lost (found by review)."""
+    from dsv4_idxk_probe.hicache import restore as restore_module
+
+    monkeypatch.setattr(restore_module.RestoreVerifier, "_make", lambda self, state: None)
+    env = hicache()
+    pool = make_pool("fp8_indexer")
+    backup(pool)
+    offset = 5 * pool.slot_page_size
+    assert storage._write_page(POOL, "page-5", pool, offset)
+    assert storage._read_page(POOL, "page-5", pool, offset)
+    pool.set_from_flat_data_page(offset, pool.get_data_page(offset, flat=True))  # another backend's read
+    settle(env)
+    assert env.samples("coverage_bytes", path="l3") == {
+        (("outcome", "unverified"), ("reason", "layout_unknown")): 2 * LAYERS * pool.item_bytes}
