@@ -421,6 +421,7 @@ class Collector:
         gpu_seconds = None
         if ticket.started is not None and ticket.done is not None:
             gpu_seconds = ticket.started.elapsed_time(ticket.done) / 1000.0
+        ticket.unread = tuple(out_of_range)  # before the room digests: they tell a reader it may read both
         ticket.final_rooms = np.array(room_values, dtype=np.uint64)
         room_contents = self._hand_back(ticket, out_of_range)
         return BatchResult(digests, plan.n_cells, sum(room_bytes), gpu_seconds, tuple(room_bytes),

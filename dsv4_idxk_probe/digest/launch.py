@@ -98,6 +98,7 @@ class PendingDigest:
     staging: Staging | None = None  # to give back once done
     keepalive: Any = ()  # device inputs that must outlive the kernel
     final_rooms: np.ndarray | None = None  # a private copy, once collected
+    unread: Sequence[int] | None = None  # per room: its rows never read (out of range); set with the room digests
     counted: bool = True  # False for the engine's own warm-up batches
     error: str | None = None  # recording `done` failed (or the collector dropped the batch): why
     flags: np.ndarray | None = None  # uint8 [n_cells]: 1 where the row's page id was out of range
@@ -172,10 +173,21 @@ class PendingDigest:
         if self.folds is not None:
             n_segments = self.owner._n_segments
             blocks = [fold_block(self.plan, self.folds, i, n_segments) for i in range(len(self.plan.page_counts))]
+            self.unread = [unread for _, _, unread in blocks]
             return np.array([pages.sum(dtype=np.uint64) if not unread else secrets.randbits(64)
                              for _, pages, unread in blocks], dtype=np.uint64)
+        self.unread = unread = out_of_range_counts(self.plan, self.flags)
         return np.array([self.plan.block(self.cells, i).sum(dtype=np.uint64) if not n else secrets.randbits(64)
-                         for i, n in enumerate(out_of_range_counts(self.plan, self.flags))], dtype=np.uint64)
+                         for i, n in enumerate(unread)], dtype=np.uint64)
+
+    def whole_room_digest(self, i: int = 0) -> int | None:
+        """Room `i`'s digest, or None where some of its rows were never read (a page id out of
+        range): its `room_digests` value is then random, so that it matches nothing, and it
+        must judge nothing either (enforce's drop, the in-band slot). Readable when
+        `room_digests` is."""
+        value = int(self.room_digests[i])
+        unread = self.unread
+        return None if unread is not None and unread[i] else value
 
 
 def _known_tables(rooms: list, n_layers: int) -> tuple[list, int]:

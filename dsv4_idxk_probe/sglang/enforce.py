@@ -153,6 +153,12 @@ def enforce_batch(runtime: Any, scheduler: Any, batch: Any, judge: Judge) -> Non
         runtime.log.error(message)
         if safe_invoke("decode.enforce_abort", _abort, scheduler, req, message, fallback=False):
             removed.add(i)
+        elif safe_invoke("decode.enforce_abort", _finished, req, fallback=False):
+            # the abort raised past marking it finished: out of the batch, as SGLang's path takes it
+            # (kept, SGLang's prebuilt step would assert on checkpointing a finished request)
+            removed.add(i)
+            runtime.log.error("dsv4-idxk-probe: SGLang's abort of room %s raised after finishing it (counted)",
+                              room_of(req))
         elif safe_invoke("decode.enforce_abort", _finish_with_abort, req, fallback=False):
             # SGLang's abort raised (by design where SGLANG_IS_IN_CI is set): it stays in this batch
             # to be finished by SGLang as an abort after this step (answered with the error, freed)
@@ -183,4 +189,11 @@ def _finish_with_abort(req: Any) -> bool:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     req.to_finish = FINISH_ABORT("KV checksum mismatch", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    # its pages are checkpointed into the prefix cache in this step and at its release unless barred:
+    # later rooms matching that prefix would reuse the corrupt bytes, and decode digests after the prefix
+    req.skip_radix_cache_insert = True
     return True
+
+
+def _finished(req: Any) -> bool:
+    return bool(req.finished())

@@ -499,7 +499,8 @@ def mismatch_flags(runtime: Any, reqs: list) -> list[int]:
         if pending is None or expected is None or expected[1] != side.signature or expected[2] != n_tokens:
             continue
         if pending.wait():  # else the digest failed (counted): the request is kept, not judged
-            flags[i] = enforce.DROP if int(pending.room_digests[0]) != expected[0] else enforce.KEEP
+            observed = pending.whole_room_digest(0)  # None: rows it could not read (a probe fault): not judged
+            flags[i] = enforce.DROP if observed is not None and observed != expected[0] else enforce.KEEP
     return flags
 
 

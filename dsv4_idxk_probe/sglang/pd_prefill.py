@@ -53,8 +53,13 @@ class InbandWrite:
         self.port = port  # the exchange's port, carried in the digest's header (pd/inband.py)
 
     def commit(self) -> None:
-        """Copy the (ready) room digest into the plan's digest slots (1-4 on 0.5.18-0.5.23)."""
-        value = InbandDigest(int(self.pending.room_digests[0]), self.signature, self.n_tokens)
+        """Copy the (ready) room digest into the plan's digest slots (1-4 on 0.5.18-0.5.23). A
+        digest of rows it could not read goes nowhere: the slots keep the port alone, and decode
+        asks the exchange, whose digest of it compares as not comparable."""
+        room = self.pending.whole_room_digest(0)
+        if room is None:
+            return
+        value = InbandDigest(room, self.signature, self.n_tokens)
         self.row[row_slot_plan(self.row).digest] = np.array(value.to_slots(self.port), dtype=np.uint64)
 
 

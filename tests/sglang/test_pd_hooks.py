@@ -164,6 +164,22 @@ def test_prefill_hook_fills_inband_slots_before_aux_leaves(worlds, patched):
     assert int(row[5]) == runtime.sides["prefill"].endpoint_slot != 0
 
 
+def test_prefill_puts_no_digest_of_rows_it_could_not_read_in_band(worlds, patched):
+    """A page id past the index-K buffers (a probe fault) makes the room's digest a random
+    value, so that it matches nothing: in band, with the side's signature, a clean room would
+    have been dropped by decode's enforce (found by review). The slots keep the port alone."""
+    prefill, _ = worlds
+    runtime, sink, _ = patched
+    last = slice(pdworld.PREFIX_TOKENS + 2 * pdworld.PAGE, pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS)
+    prefill.req_to_token_pool.req_to_token[1, last] += 40 * pdworld.PAGE  # page ids past the 12-page buffers
+    req = send_room(prefill)
+    (row,) = req.disagg_kv_sender.kv_mgr.aux_rows
+    record = sink.wait_for(1, stage="prefill_send")[0]
+    assert record["digest"] is not None  # digested (its unread rows counted), yet nothing in band
+    inband = InbandDigest.from_slots(row[1:5])
+    assert inband is None or inband.room_digest == 0, inband
+
+
 def test_prefill_clears_stale_slots_for_skipped_rooms(worlds, patched):
     prefill, _ = worlds
     prefill.metadata.bootstrap_room[PREFILL_ROW, 1:6] = 77  # a previous room's leftovers
@@ -273,6 +289,10 @@ class _NotYetReady:
     def room_digests(self):
         assert self.passed, "read before the stream passed the digest"
         return self.pending.room_digests
+
+    def whole_room_digest(self, i=0):
+        assert self.passed, "read before the stream passed the digest"
+        return self.pending.whole_room_digest(i)
 
 
 def _slow_digests(monkeypatch, runtime, prefill):
@@ -538,11 +558,15 @@ def test_room_aborted_by_commit_is_skipped(worlds, patched):
 
 @pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
                     reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
-@pytest.mark.parametrize("abort_raises", [False, True], ids=["abort", "abort_raises"])
+@pytest.mark.parametrize("abort_raises", [False, True, "finished"], ids=["abort", "abort_raises", "abort_raises_finished"])
 def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises):
     """A room whose SGLang abort raised (by design where SGLANG_IS_IN_CI is set) is finished by
     SGLang as an abort after this step (`to_finish`: answered with the error, freed): it was
-    kept and served (and, taken out of the batch unanswered, never answered nor freed)."""
+    kept and served (and, taken out of the batch unanswered, never answered nor freed). Kept
+    in the batch, it is barred from the prefix cache: SGLang's prebuilt step checkpoints each
+    room of the batch into it, and later rooms matching that prefix would reuse the corrupt
+    bytes unjudged (found by review). An abort that raised after finishing the room takes it
+    out of the batch (SGLang's step would assert on checkpointing a finished room)."""
     runtime, sink, _ = make_runtime(mode="enforce")
     patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
     runtime.patcher = patcher
@@ -551,20 +575,23 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises)
         prefill, decode = worlds
         good = _decode_flow(worlds, (runtime, sink, None))
         side = runtime.sides["decode"]
-        bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7))
+        bad = SimpleNamespace(req=SimpleNamespace(rid="other", bootstrap_room=7, skip_radix_cache_insert=False))
+        bad.req.finished = lambda: getattr(bad.req, "finished_reason", None) is not None
         pending = SimpleNamespace(ready=lambda: True, wait=lambda: True, done=None,
-                                  room_digests=np.array([5], dtype=np.uint64))
+                                  room_digests=np.array([5], dtype=np.uint64), whole_room_digest=lambda i=0: 5)
         bad.req._dsv4_idxk_recv = (pending, InbandDigest(6, side.signature, 10), 10)
         # A receipt digest whose device call failed: its cells were never written, so
         # it is not judged (kept), whatever they hold.
         failed = SimpleNamespace(req=SimpleNamespace(rid="failed", bootstrap_room=8))
         broken = SimpleNamespace(ready=lambda: False, wait=lambda: False, done=None,
-                                 room_digests=np.array([5], dtype=np.uint64))
+                                 room_digests=np.array([5], dtype=np.uint64), whole_room_digest=lambda i=0: 5)
         failed.req._dsv4_idxk_recv = (broken, InbandDigest(6, side.signature, 10), 10)
         aborted, kept = [], []
 
         def abort(req, msg):
             aborted.append(req.rid)
+            if abort_raises == "finished":
+                req.finished_reason = "aborted"  # SGLang's `prepare_abort` ran, then something after it raised
             if abort_raises:
                 raise RuntimeError(msg)
 
@@ -575,12 +602,48 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises)
         batch = SimpleNamespace(reqs=[good.req, bad.req, failed.req], filter_batch=lambda keep_indices: kept.extend(keep_indices))
         scheduler._verify_kv_checksums(batch)
         finish = getattr(bad.req, "to_finish", None)
-        if abort_raises:
+        if abort_raises == "finished":
+            assert (aborted, kept, finish, bad.req.skip_radix_cache_insert) == (["other"], [0, 2], None, False)
+        elif abort_raises:
             assert (aborted, kept) == (["other"], [])  # kept in the batch: every rank alike
             assert (type(finish).__name__, finish.message, int(finish.status_code)) == (
                 "FINISH_ABORT", "KV checksum mismatch", 500)
+            assert bad.req.skip_radix_cache_insert is True
         else:
             assert (aborted, kept, finish) == (["other"], [0, 2], None)
+    finally:
+        patcher.unpatch()
+        runtime.close()
+
+
+@pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
+                    reason="no `_verify_kv_checksums` before SGLang 0.5.21: enforce observes only there (docs/releases.md)")
+def test_enforce_never_drops_a_room_whose_receipt_digest_could_not_read_its_rows(worlds):
+    """A page id past decode's index-K buffers (a probe fault): the monitor records
+    `not_comparable`, and enforce dropped the room on the digest's random value (found by
+    review). A probe fault never aborts a request: it is kept, not judged."""
+    runtime, sink, _ = make_runtime(mode="enforce")
+    patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
+    runtime.patcher = patcher
+    patcher.patch()
+    try:
+        prefill, decode = worlds
+        send_room(prefill)
+        pdworld.transfer_index_k(prefill, decode)
+        dreq = _with_receiver(pdworld.decode_req(ROOM, DECODE_ROW))
+        kv_indices = decode.req_to_token_pool.req_to_token[
+            1, pdworld.PREFIX_TOKENS : pdworld.PREFIX_TOKENS + pdworld.ROOM_TOKENS].clone()
+        kv_indices[2 * pdworld.PAGE :] += 40 * pdworld.PAGE  # the last page's ids past the 12-page buffers
+        pdworld.publish_pages(runtime, decode, dreq, kv_indices, decode_prefix_len=pdworld.PREFIX_TOKENS)
+        pdworld.aux_transfer(prefill, decode, PREFILL_ROW, DECODE_ROW)
+        pdworld.transfer_queue(decode)._commit_transfer_to_req(dreq)
+        aborted, kept = [], []
+        scheduler = pdworld.standin(pdworld.scheduler_class(), kv_checksum_computer=None, attn_tp_cpu_group=None,
+                                    waiting_queue=[], _handle_kv_checksum_mismatch=lambda req, msg: aborted.append(req.rid))
+        scheduler._verify_kv_checksums(SimpleNamespace(reqs=[dreq.req], filter_batch=lambda keep_indices: kept.append(1)))
+        record = sink.wait_for(1, stage="decode_recv")[0]
+        assert record["verdict"] == "not_comparable"
+        assert (aborted, kept, scheduler.waiting_queue) == ([], [], [])
     finally:
         patcher.unpatch()
         runtime.close()

@@ -192,6 +192,9 @@ class _Ready:
     def ready(self):
         return True
 
+    def whole_room_digest(self, i=0):
+        return int(self.room_digests[i])
+
 
 @pytest.fixture
 def upstream_checksum_slots(monkeypatch):
