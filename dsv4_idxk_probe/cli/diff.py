@@ -30,8 +30,11 @@ EXIT_STATUS = """exit status of diff:
   1  a mismatch, a HiCache round-trip diagnosis, or a room decode found mismatching live
      that these logs cannot judge (one side's logs missing); with --strict also a
      not-comparable or unverified room
-  2  bad input: a path that names nothing, no room records, skipped lines, or one side's
-     logs missing (prefill's or decode's: add them); a mismatch still exits 1"""
+  2  bad input: a path that names nothing, no room records, skipped lines, one side's
+     logs missing (prefill's or decode's: add them), no room logged by both sides, or
+     prefill records of one room, attempt and length with other digests (clusters
+     sharing room ids without a `cluster` label; a rebootstrap at the same length);
+     a mismatch still exits 1"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +127,10 @@ def side_warning(analysis: Analysis) -> str | None:
     elif seen["missing"] == "decode":
         parts.append(f"no decode records in these logs: {seen['prefill_rooms']:,} rooms prefill sent "
                      "cannot be verified (add the decode pods' room logs)")
+    elif seen["missing"] == "pairs":
+        parts.append(f"no room in these logs has records of both sides: the {seen['decode_rooms']:,} rooms decode "
+                     f"logged and the {seen['prefill_rooms']:,} prefill sent are other rooms, none verified (add the "
+                     "logs of the pods that served the same rooms, of the same time)")
     if live["rooms"]:
         parts.append(f"decode's live verdict was MISMATCH for {live['rooms']:,} rooms ({live['records']:,} records) "
                      "that these logs cannot judge: treat them as corrupt until both sides' logs say otherwise")

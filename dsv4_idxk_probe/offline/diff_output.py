@@ -20,17 +20,19 @@ def sides(analysis: Analysis) -> dict[str, Any]:
     """Whether both sides' logs are here, and what decode said live where the logs cannot judge.
 
     `missing` is "prefill" when decode logged rooms and no key has a prefill record, "decode"
-    when prefill logged rooms and decode none, else None. `live_mismatch` counts the rooms
+    when prefill logged rooms and decode none, "pairs" when both logged rooms and none of
+    them has records of both sides (other pods' logs, another time, a `cluster` label or an
+    attempt that differs: nothing was compared), else None. `live_mismatch` counts the rooms
     (and decode records) whose live verdict was `mismatch` while the logs leave them
     `unverified` (no prefill record to compare with): decode found corruption the logs
     cannot confirm, which `diff` must not pass as an all-clear (the on-call often has only
     the alerting pod's logs). Read from the judged rooms both engines hand over: the rooms
     the fleet engine judged in SQL all had both sides and matched."""
     clean = getattr(analysis, "clean_rooms", 0)
-    with_prefill = clean + analysis.prefill_only
+    both = clean  # rooms with records of both sides
     live_rooms = live_records = 0
     for room in analysis.rooms.values():
-        with_prefill += room.has_prefill
+        both += room.has_prefill
         n = 0
         for s in room.stages:
             if s.live_verdict == "mismatch" and s.verdict == "unverified":
@@ -39,11 +41,14 @@ def sides(analysis: Analysis) -> dict[str, Any]:
             live_rooms += 1
             live_records += n
     decode_rooms = len(analysis.rooms) + clean
+    with_prefill = both + analysis.prefill_only
     missing = None
     if decode_rooms and not with_prefill:
         missing = "prefill"
     elif analysis.prefill_only and not decode_rooms:
         missing = "decode"
+    elif decode_rooms and not both:  # both sides logged, never the same room: nothing was compared
+        missing = "pairs"
     return {"missing": missing, "decode_rooms": decode_rooms, "prefill_rooms": with_prefill,
             "live_mismatch": {"rooms": live_rooms, "records": live_records}}
 
@@ -51,7 +56,8 @@ def sides(analysis: Analysis) -> dict[str, Any]:
 def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
     """0 every verified room matches; 1 a mismatch, a broken HiCache round trip, or a live
     mismatch the logs cannot judge (strict: also a not-comparable or unverified room);
-    2 no room records, skipped lines, or one side's logs missing (docs/roomlog.md)."""
+    2 no room records, skipped lines, one side's logs missing, no room of both sides, or
+    conflicting prefill records (docs/roomlog.md)."""
     verdicts = analysis.room_verdicts()
     if verdicts["mismatch"] or analysis.roundtrip_n or analysis.restore_n:  # a HiCache row broken upstream of the digests too
         return 1
@@ -60,8 +66,8 @@ def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
         return 1
     if not analysis.rooms and not analysis.prefill_only:
         return 2
-    if analysis.n_errors or seen["missing"]:
-        return 2
+    if analysis.n_errors or seen["missing"] or analysis.summary()["conflicting_prefill_records"]:
+        return 2  # conflicting prefill records: rooms the logs cannot judge (two clusters unlabelled, ...)
     if strict and (verdicts["not_comparable"] or verdicts["unverified"]):
         return 1
     return 0

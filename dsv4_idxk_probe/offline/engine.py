@@ -11,6 +11,7 @@ tool says so once on stderr; the fleet-only options then exit 2 (docs/fleet.md).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -34,11 +35,16 @@ INSTALL = "pip install 'dsv4-idxk-probe[fleet]'"
 
 
 def parse_time(text: str) -> float:
-    """Unix seconds, or an ISO 8601 time (UTC when it names no zone)."""
+    """Unix seconds, or an ISO 8601 time (UTC when it names no zone); a finite number (`nan`
+    compared false with every record's time, and the window silently kept some rooms only)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite time")
+        return value
     try:
         value = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:

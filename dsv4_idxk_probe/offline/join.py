@@ -116,6 +116,7 @@ class Joiner:
         self.prefill_skipped: set[Key] = set()
         self.prefill_rids: dict[Key, str] = {}  # only rooms whose record named one
         self.deferred: list[tuple[Key, StageResult, Packed | None]] = []
+        self.conflicted: set[tuple[Key, int | None]] = set()  # (key, tokens) prefill sent with two digests
         self.stage_index: dict[Key, dict] = {}  # rooms of more than _SCAN stages: (stage, step, transfer) -> digest hash(es)
         self.stage_digests: dict[Key, int | list] = {}  # rooms of up to _SCAN stages: their digests' hashes
         self.to_diagnose: set[Key] = set()  # rooms with a mismatch decode could not localise (`_complete`)
@@ -255,10 +256,27 @@ class Joiner:
                 self.a.duplicates += 1
             else:
                 self.a.conflicts += 1  # keep the first; the summary says how many disagreed
+                self.conflicted.add((key, tokens))  # its stages of that length are judged against neither
             return
         sent[tokens] = packed
         if verdict == "skipped":
             self.prefill_skipped.add(key)
+
+    def _unjudge_conflicts(self) -> None:
+        """Stages of a length prefill sent with two digests (the same room, attempt and length: a
+        rebootstrap recomputed under new weights, or two logs that disagree) are judged against
+        neither: which send a decode record belongs to is not in the logs, and keeping the first
+        read made the verdict depend on the order of the files. Not comparable, never a match."""
+        for key, tokens in self.conflicted:
+            room = self.a.rooms.get(key)
+            for result in room.stages if room is not None else ():
+                if result.tokens == tokens and result.verdict in ("match", "mismatch"):
+                    live = result.live_verdict
+                    if live != result.verdict and live in DECISIVE and result.verdict in DECISIVE:
+                        self.a.live_disagreements -= 1  # counted against a verdict taken back
+                    result.verdict, result.comparison = "not_comparable", None
+                    result.reason = "prefill sent this room twice at this length with other digests"
+                    self.to_diagnose.discard(key)
 
     def _judge(self, key: Key, room: RoomResult, result: StageResult, observed: Packed | None) -> None:
         sent = self.prefill.get(key, {})
@@ -295,6 +313,7 @@ class Joiner:
         for key, result, packed in self.deferred:
             self._judge(key, self.a.rooms[key], result, packed)
         self.deferred.clear()
+        self._unjudge_conflicts()
         self._complete()
         self.stage_index.clear()
         self.stage_digests.clear()

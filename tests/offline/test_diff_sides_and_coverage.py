@@ -114,6 +114,48 @@ def test_both_sides_say_nothing_about_sides(tmp_path, capsys):
     assert "WARNING" not in got["out"] + got["err"]
 
 
+def test_both_sides_of_other_rooms_verify_nothing_and_say_so(tmp_path, capsys):
+    """Prefill's logs of some rooms, decode's of others (other pods, another time): every room
+    unverified. It exited 0, with no warning (found by review)."""
+    prefill, _ = live_mismatch_logs([RoomPlan(1), RoomPlan(2), RoomPlan(3)])
+    _, decode = live_mismatch_logs([RoomPlan(7), RoomPlan(8)])
+    got = diff(capsys, tmp_path, write_side(tmp_path / "p", "prefill", prefill),
+               write_side(tmp_path / "d", "decode", decode))
+    assert got["status"] == 2
+    assert got["json"]["sides"]["missing"] == "pairs"
+    assert "no room in these logs has records of both sides: the 2 rooms decode logged and the 3" in got["out"]
+
+
+def test_a_room_prefill_sent_twice_at_one_length_with_other_digests_is_judged_against_neither(tmp_path, capsys):
+    """Two prefill records of one room, attempt and length, other digests (a rebootstrap
+    recomputed under new weights, or two logs that disagree): the first read was kept, so
+    the files' order decided between `match` and `mismatch` (found by review)."""
+    prefill, decode = live_mismatch_logs([RoomPlan(1), RoomPlan(2)])
+    other, _ = room_records(RoomPlan(1), seed=5)  # another send of room 1: other bytes, the same length
+    first = write_side(tmp_path / "p1", "prefill", prefill)
+    second = write_side(tmp_path / "p2", "prefill", [rec for rec in other if rec.get("stage") == "prefill_send"])
+    decoded = write_side(tmp_path / "d", "decode", decode)
+    verdicts = []
+    for order in ((first, second), (second, first)):
+        got = diff(capsys, tmp_path, *order, decoded)
+        rooms = {room["room"]: room for room in got["json"]["rooms"]}
+        verdicts.append((got["status"], {stage["verdict"] for stage in rooms["1"]["stages"]}))
+        assert got["json"]["summary"]["conflicting_prefill_records"] == 1
+    assert verdicts[0] == verdicts[1] == (2, {"not_comparable"})  # the logs cannot judge it: incomplete input
+
+
+@pytest.mark.parametrize("option, value", [("--since", "nan"), ("--until", "inf"), ("--until", "1e400")])
+def test_a_time_window_that_is_not_finite_is_refused(tmp_path, capsys, option, value):
+    """`--since nan` compared false with every record's time: the window kept some rooms
+    only, a mismatch among the others went unseen, and diff exited 0 (found by review)."""
+    prefill, decode = live_mismatch_logs(FAULTED)
+    logs = (write_side(tmp_path / "p", "prefill", prefill), write_side(tmp_path / "d", "decode", decode))
+    with pytest.raises(SystemExit) as exited:
+        run(["diff", *map(str, logs), option, value])
+    assert exited.value.code == 2
+    assert f"argument {option}: '{value}' is not a finite time" in capsys.readouterr().err
+
+
 def test_live_mismatch_of_a_room_whose_prefill_record_is_missing_exits_1(tmp_path, capsys):
     """Both sides present, but the faulted room's prefill record is lost: decode's word stands."""
     prefill, decode = live_mismatch_logs(FAULTED)
