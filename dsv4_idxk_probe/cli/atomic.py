@@ -9,7 +9,9 @@ meant to be read by others.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -17,8 +19,21 @@ SHARED_MODE = 0o644
 
 
 def write_atomically(path: str | os.PathLike, data: bytes | str, *, mode: int = SHARED_MODE) -> None:
-    """Replace `path` with `data` (text is written as UTF-8); raises OSError, leaving no temp file."""
+    """Replace `path` with `data` (text is written as UTF-8); raises OSError, leaving no temp file.
+
+    A symlink is written through (the file it names is replaced, the link stays). Anything
+    but a regular file there (a device, a FIFO, a directory) is refused: the rename would put
+    a plain file in its place (`-o /dev/full` replaced the device node)."""
     target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (only a file is replaced)", str(path))
     payload = data.encode("utf-8", errors="backslashreplace") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent.resolve())
     try:

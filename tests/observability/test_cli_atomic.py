@@ -33,3 +33,24 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypat
         write_atomically(target, b"lost")
     assert target.read_bytes() == b"kept"
     assert [p.name for p in tmp_path.iterdir()] == ["rules.yml"]
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_path):
+    """`report -o /dev/full` printed "wrote", and the rename put a plain file where the device
+    node was (found by review); a FIFO or a directory likewise."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "folder").mkdir()
+    for path in (fifo, tmp_path / "folder"):
+        with pytest.raises(OSError, match="not a regular file"):
+            write_atomically(path, b"x")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and (tmp_path / "folder").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "pipe"]  # no temp file left
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
+    real, link = tmp_path / "real.html", tmp_path / "link.html"
+    real.write_text("old")
+    link.symlink_to(real)
+    write_atomically(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"
