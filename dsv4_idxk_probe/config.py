@@ -260,7 +260,10 @@ def load_config(env: Mapping[str, str] | None = None) -> ProbeConfig:
         config = replace(config, mode=requested)
     targets = env.get(ev.DSV4_IDXK_PROBE_TARGETS, "").strip()
     if targets:
-        config = replace(config, targets=tuple(t.strip() for t in targets.split(",") if t.strip()))
+        names = tuple(t.strip() for t in targets.split(",") if t.strip())
+        if not names:  # ",,,": the probe would patch nothing while `check` said all was well
+            raise ConfigError(f"environment: {ev.DSV4_IDXK_PROBE_TARGETS} names no target table, got {targets!r}")
+        config = replace(config, targets=names)
     secret_file = env.get(EXCHANGE_SECRET_FILE_ENV, "").strip()
     if secret_file:
         config = replace(config, exchange=replace(config.exchange, secret_file=secret_file))

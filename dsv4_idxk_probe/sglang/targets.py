@@ -272,8 +272,8 @@ def parse_table(text: str, source: str) -> TargetTable:
     if not isinstance(document, dict) or "targets" not in document:
         raise TargetFileError(f"{source}: the top level must be a mapping with a 'targets' list")
     entries = document["targets"] or []
-    if not isinstance(entries, list):
-        raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: targets must be a list")
+    if not isinstance(entries, list) or not entries:  # an empty table patches nothing, and `check` passed it
+        raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: targets must be a non-empty list")
     releases = document.get("releases", [])
     if not isinstance(releases, list) or not all(isinstance(r, str) and release_tuple(r) for r in releases):
         raise TargetFileError(f"{source}:{document.get(_LINE, '?')}: releases must be a list of versions "

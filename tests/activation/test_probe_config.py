@@ -104,6 +104,13 @@ def test_fault_injection_is_refused_in_enforce_mode():
     assert load_config(env(DSV4_IDXK_PROBE_FAULTS="faults.yaml")).mode == "observe"
 
 
+def test_a_targets_variable_that_names_no_table_is_refused():
+    """",,," left the probe patching nothing while `check` said 0/0 targets resolve, exit 0
+    (found by review)."""
+    with pytest.raises(ConfigError, match="DSV4_IDXK_PROBE_TARGETS names no target table, got ',, ,'"):
+        load_config(env(DSV4_IDXK_PROBE_TARGETS=",, ,"))
+
+
 def test_targets_variable_overrides_the_file(tmp_path):
     config = load_config(env(tmp_path, "targets: [sglang-0.5.23]\n", DSV4_IDXK_PROBE_TARGETS="fork-prefill2-decode2, x/y.yaml"))
     assert config.targets == ("fork-prefill2-decode2", "x/y.yaml")

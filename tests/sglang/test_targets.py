@@ -134,6 +134,13 @@ def test_bad_table_names_file_line_and_field(entry, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("body", ["targets: []\n", "targets:\n"])
+def test_a_table_of_no_targets_is_refused(body):
+    """It patched nothing, and `check --targets` passed it (found by review)."""
+    with pytest.raises(TargetFileError, match="t.yaml:1: targets must be a non-empty list"):
+        parse_target_table(body, "t.yaml")
+
+
 @pytest.mark.parametrize("name", ["sglang", "fork-prefill2-decode2"])
 def test_every_shipped_hook_is_one_the_allowlist_accepts(name):
     from dsv4_idxk_probe.sglang.targets import hook_problem, read_table, shipped_target_path
