@@ -124,13 +124,18 @@ def _require_word_multiple(source: str, where: str, value: int) -> int:
     return value
 
 
+def _names(keys: set) -> str:
+    """Mapping keys for a message, sorted: a YAML key may be any scalar (1, null), not only a str."""
+    return "[" + ", ".join(sorted(map(repr, keys))) + "]" if keys else ""
+
+
 def parse_layout(name: str, spec: Any, source: str = "<layout>") -> RowLayout:
     """Build a `RowLayout` from one YAML mapping, checking every field."""
     where = f"layouts.{name}"
     if not isinstance(spec, Mapping):
         raise LayoutError(f"{source}: {where} must be a mapping, got {type(spec).__name__}")
     known = {"description", "slots", "tokens_per_slot", "segments", "row_bytes"}
-    unknown = sorted(set(spec) - known)
+    unknown = _names(set(spec) - known)
     if unknown:
         raise LayoutError(f"{source}: {where} has unknown field(s) {unknown}; known: {sorted(known)}")
     for field in ("slots", "tokens_per_slot", "segments"):
@@ -148,7 +153,7 @@ def parse_layout(name: str, spec: Any, source: str = "<layout>") -> RowLayout:
         seg_where = f"{where}.segments[{i}]"
         if not isinstance(seg, Mapping):
             raise LayoutError(f"{source}: {seg_where} must be a mapping")
-        unknown = sorted(set(seg) - {"name", "slot_bytes", "offset"})
+        unknown = _names(set(seg) - {"name", "slot_bytes", "offset"})
         if unknown:
             raise LayoutError(f"{source}: {seg_where} has unknown field(s) {unknown}")
         seg_name = seg.get("name")

@@ -44,6 +44,11 @@ def test_user_layout_file_adds_a_layout(tmp_path):
         ({"slots": 2, "tokens_per_slot": 4, "segments": [{"name": "p", "slot_bytes": 4}, {"name": "p", "slot_bytes": 4}]}, "used twice"),
         ({"slots": 2, "tokens_per_slot": 4, "row_bytes": 4, "segments": [{"name": "p", "slot_bytes": 4}]}, "row_bytes 4 is smaller"),
         ({"slots": 2, "tokens_per_slot": 4, "colour": 1, "segments": [{"name": "p", "slot_bytes": 4}]}, "unknown field(s) ['colour']"),
+        # keys of other YAML types beside a string (a TypeError in sorting them, found by review)
+        ({"slots": 2, "tokens_per_slot": 4, 1: "a", "b": 2, "segments": [{"name": "p", "slot_bytes": 4}]},
+         "unknown field(s) ['b', 1]"),
+        ({"slots": 2, "tokens_per_slot": 4, "segments": [{"name": "p", "slot_bytes": 4, None: 1, "b": 2}]},
+         "segments[0] has unknown field(s) ['b', None]"),
         ({"slots": 0, "tokens_per_slot": 4, "segments": [{"name": "p", "slot_bytes": 4}]}, "layouts.x.slots must be >= 1"),
         # `diff` refuses longer segment names: every record of the layout was a bad line to it
         ({"slots": 2, "tokens_per_slot": 4, "segments": [{"name": "p" * 257, "slot_bytes": 4}]},
