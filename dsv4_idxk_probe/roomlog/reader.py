@@ -107,8 +107,12 @@ def expand_inputs(args: Iterable[str]) -> list[Path]:
 
 
 def _log_files_in(directory: Path) -> list[Path]:
-    """Log files anywhere under `directory` (prefill/ and decode/ may sit side by side)."""
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name.endswith(_LOG_SUFFIXES))
+    """Log files anywhere under `directory` (prefill/ and decode/ may sit side by side); a
+    folder that cannot be listed is an `InputError` naming it (an unreadable subfolder raised)."""
+    try:
+        return sorted(p for p in directory.rglob("*") if p.is_file() and p.name.endswith(_LOG_SUFFIXES))
+    except OSError as exc:
+        raise InputError(f"{directory}: cannot list {exc.filename or directory}: {exc.strerror or exc}") from None
 
 
 def _open(path: Path):

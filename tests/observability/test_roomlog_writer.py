@@ -391,3 +391,19 @@ def test_two_processes_with_the_same_file_stem_lose_no_record(tmp_path):
     assert sorted(rooms) == sorted(f"{tag}-{i}" for tag in ("a", "b") for i in range(n)), (
         f"{2 * n - len(set(rooms))} of {2 * n} records lost, {len(rooms) - len(set(rooms))} duplicated; {outs}")
     assert outs == [{"written": n, "dropped": 0}] * 2
+
+
+def test_a_folder_that_cannot_be_listed_is_named_not_raised(tmp_path, monkeypatch):
+    """`diff /proc/1` ended in an internal error (exit 3): its cwd cannot be listed (found by review)."""
+    from pathlib import Path
+
+    from dsv4_idxk_probe.roomlog.reader import InputError, expand_inputs
+
+    (tmp_path / "logs").mkdir()
+
+    def refused(self, pattern):
+        raise PermissionError(13, "Permission denied", str(self / "secret"))
+
+    monkeypatch.setattr(Path, "rglob", refused)
+    with pytest.raises(InputError, match="logs: cannot list .*secret: Permission denied"):
+        expand_inputs([str(tmp_path / "logs")])
