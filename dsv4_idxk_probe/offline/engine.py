@@ -67,10 +67,46 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, per_instance: bool 
     if per_instance:
         group.add_argument("--per-instance", action="store_true",
                            help="a summary per writer instance (table, and `instances` in --json)")
-    group.add_argument("--memory-limit", default=fleet.DEFAULT_MEMORY_LIMIT, metavar="SIZE",
-                       help=f"DuckDB's memory limit; it spills to --temp-dir beyond it ({fleet.DEFAULT_MEMORY_LIMIT})")
-    group.add_argument("--threads", type=int, metavar="N", help="DuckDB threads (default: all cores)")
-    group.add_argument("--temp-dir", metavar="DIR", help="where DuckDB's database and spill files go (default: $TMPDIR)")
+    group.add_argument("--memory-limit", type=memory_limit, default=fleet.DEFAULT_MEMORY_LIMIT, metavar="SIZE",
+                       help=f"DuckDB's memory limit, at least 64MB; it spills to --temp-dir beyond it "
+                            f"({fleet.DEFAULT_MEMORY_LIMIT})")
+    group.add_argument("--threads", type=thread_count, metavar="N",
+                       help=f"DuckDB threads, 1-{MAX_THREADS} (default: all cores)")
+    group.add_argument("--temp-dir", type=writable_dir, metavar="DIR",
+                       help="where DuckDB's database and spill files go, a writable folder (default: $TMPDIR)")
+
+
+MAX_THREADS = 1024  # DuckDB makes a state per thread: 100,000 ran for minutes on a 60 KB input
+MIN_MEMORY_BYTES = 64 << 20  # below that DuckDB cannot run the join at all
+
+
+def memory_limit(text: str) -> str:
+    """DuckDB's spelling of a size (512MB, 4GiB), checked here: an unreadable or tiny one was
+    an internal error (exit 3), after the run had started."""
+    size = fleet.table_route.size_bytes(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (such as 512MB or 4GiB)")
+    if size < MIN_MEMORY_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 64MB, too little for the join")
+    return text.strip()
+
+
+def thread_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and {MAX_THREADS}")
+    return value
+
+
+def writable_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder this user can write")
+    return text
 
 
 def _fleet_only(args: argparse.Namespace) -> list[str]:

@@ -235,3 +235,19 @@ def test_per_instance_keeps_two_clusters_rooms_apart(tmp_path):
     assert rows[("p-west:1", "prefill")] == (2, 2, {"match": 1, "mismatch": 1})
     assert rows[("d-east:1", "decode")] == (2 * per_room, 2, {"match": 2})
     assert rows[("d-west:1", "decode")] == (2 * per_room, 2, {"match": 1, "mismatch": 1})
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--memory-limit", "garbage", "'garbage' is not a size (such as 512MB or 4GiB)"),
+    ("--memory-limit", "1KB", "'1KB' is below 64MB, too little for the join"),
+    ("--threads", "-1", "'-1' is not between 1 and 1024"),
+    ("--threads", "100000", "'100000' is not between 1 and 1024"),
+    ("--temp-dir", "/nonexistent-folder", "'/nonexistent-folder' is not a folder"),
+])
+def test_bad_fleet_options_are_refused_before_the_run(tmp_path, capsys, option, value, message):
+    """Each was an internal error (exit 3) once DuckDB met it, leaving its temp folder
+    behind; 100,000 threads ran for minutes on a small input (found by review)."""
+    with pytest.raises(SystemExit) as exited:
+        run(["diff", str(tmp_path), "--per-instance", option, value])
+    assert exited.value.code == 2
+    assert f"argument {option}: {message}" in capsys.readouterr().err

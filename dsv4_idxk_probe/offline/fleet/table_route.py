@@ -61,10 +61,16 @@ def budget_bytes(memory_limit: str) -> int:
     """The table's memory budget: half again `--memory-limit` (DuckDB's spelling: 1GB,
     512MiB, ...), since no DuckDB runs beside it (the DuckDB route peaks at about the limit
     plus ~0.2 GB of Python); 1.5 GiB when the limit cannot be read."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)\s*", str(memory_limit).lower())
+    size = size_bytes(memory_limit)
+    return 3 << 29 if size is None else size * 3 // 2
+
+
+def size_bytes(text: str) -> int | None:
+    """Bytes of a size in DuckDB's spelling (1GB, 512MiB, 4096), None when it is not one."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)\s*", str(text).lower())
     if not m or m.group(2) not in _UNITS:
-        return 3 << 29
-    return int(float(m.group(1)) * _UNITS[m.group(2)] * 3 / 2)
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def resident_bytes() -> int | None:
