@@ -84,8 +84,11 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError:  # pathlib's answer to ~user of no known user, or ~ with no home
         return _fail(f"--out {args.out!r} starts with a '~' whose home directory is unknown here")
     base = getattr(args, "runbook_base_url", None)
-    if base is not None and (not base.startswith(("https://", "http://")) or any(c.isspace() or c in "\"'" for c in base)):
-        return _fail(f"--runbook-base-url must be an http(s) URL without spaces or quotes, got {base!r}")
+    if base is not None and (not base.startswith(("https://", "http://")) or "{{" in base
+                             or any(c.isspace() or c in "\"'" or not c.isprintable() for c in base)):
+        # a control character made files YAML parsers refuse; "{{" Prometheus reads as a template
+        return _fail(f"--runbook-base-url must be an http(s) URL without spaces, quotes, control characters or "
+                     f"'{{{{', got {base!r}")
     sources = []
     for inside, _ in ASSETS:
         try:

@@ -141,8 +141,11 @@ def test_assets_points_the_runbook_links_where_they_are_published(tmp_path, caps
     assert assets.RUNBOOK_BASE in ALERTS.read_text() and assets.RUNBOOK_BASE in ALERT_TESTS.read_text()
 
 
-def test_assets_refuses_a_runbook_base_that_is_not_a_url(tmp_path, capsys):
-    assert run_assets(tmp_path, "--runbook-base-url", "wiki/runbooks") == 2
+@pytest.mark.parametrize("base", ["wiki/runbooks", "https://x/\x1b[31m", "https://x/\x85y", "https://x/{{.Labels.alertname}}"])
+def test_assets_refuses_a_runbook_base_that_is_not_a_url(tmp_path, capsys, base):
+    """A control character made rule files YAML parsers refuse, and "{{" a Prometheus template
+    (both found by review)."""
+    assert run_assets(tmp_path, "--runbook-base-url", base) == 2
     assert "--runbook-base-url" in capsys.readouterr().err
     assert not (tmp_path / "prometheus").exists()
 
