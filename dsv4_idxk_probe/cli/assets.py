@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from ..offline.printable import printable
 from .atomic import write_atomically
 
 HELP = "write the Grafana dashboard, Prometheus rules and PodMonitor for your monitoring stack into a folder"
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"dsv4-idxk-probe assets: {message}", file=sys.stderr)
+    print(f"dsv4-idxk-probe assets: {printable(message)}", file=sys.stderr)
     return 2
 
 
@@ -100,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
             _write(out / relative, data)
         except OSError as exc:
             return _fail(f"cannot write {out / relative}: {exc.strerror or exc}")
-        print(out / relative)
+        print(printable(out / relative))
     print(f"{len(ASSETS)} files written; mount grafana/provisioning/* under /etc/grafana/provisioning/ and copy "
           "grafana/dashboards/ to the provider's path, or apply kubernetes/* with the Prometheus Operator "
           "(see docs/observability.md)", file=sys.stderr)

@@ -19,6 +19,7 @@ import argparse
 import sys
 import sysconfig
 from pathlib import Path
+from ..offline.printable import printable
 from .atomic import write_atomically
 
 HELP = "install the .pth hook that loads the probe into SGLang builds without the plugin loader"
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"dsv4-idxk-probe install-hook: {message}", file=sys.stderr)
+    print(f"dsv4-idxk-probe install-hook: {printable(message)}", file=sys.stderr)
     return 2
 
 
@@ -54,30 +55,32 @@ def main(args: argparse.Namespace) -> int:
     target = site / PTH_NAME
     if args.uninstall:
         if not target.exists():
-            print(f"{target}: not installed, nothing to remove")
+            print(f"{printable(target)}: not installed, nothing to remove")
             return 0
         try:
             target.unlink()
         except OSError as exc:
             return _fail(f"cannot remove {target}: {exc.strerror or exc}")
-        print(f"removed {target}")
+        print(f"removed {printable(target)}")
         return 0
     source = shipped_pth()
     try:
         text = source.read_text(encoding="utf-8")
     except OSError as exc:
         return _fail(f"the package's hook {source} is unreadable ({exc.strerror or exc}); reinstall dsv4-idxk-probe")
-    if target.is_file() and target.read_text(encoding="utf-8", errors="replace") == text:
-        print(f"{target}: already installed")
+    # the size first: an existing file of another size is not ours, however large (it was read whole)
+    if (target.is_file() and target.stat().st_size == len(text.encode("utf-8"))
+            and target.read_text(encoding="utf-8", errors="replace") == text):
+        print(f"{printable(target)}: already installed")
         return 0
     try:
         write_atomically(target, text)
     except OSError as exc:
         return _fail(f"cannot write {target}: {exc.strerror or exc}")
-    print(f"installed {target}; it loads the probe only in processes where DSV4_IDXK_PROBE is set "
+    print(f"installed {printable(target)}; it loads the probe only in processes where DSV4_IDXK_PROBE is set "
           f"(remove it with --uninstall before uninstalling the package)")
     package_site = Path(__file__).resolve().parents[2]
     if package_site != site.resolve():
-        print(f"note: dsv4_idxk_probe itself is installed under {package_site}; the interpreter that reads "
-              f"{site} must be able to import it", file=sys.stderr)
+        print(f"note: dsv4_idxk_probe itself is installed under {printable(package_site)}; the interpreter that reads "
+              f"{printable(site)} must be able to import it", file=sys.stderr)
     return 0

@@ -155,3 +155,30 @@ def test_assets_to_the_home_of_an_unknown_user_exits_2_naming_the_option(tmp_pat
     assert run_assets("~dsv4-no-such-user-zz/assets") == 2
     err = capsys.readouterr().err
     assert err.startswith("dsv4-idxk-probe assets: --out '~dsv4-no-such-user-zz/assets'") and "home directory" in err
+
+
+def test_assets_prints_the_folder_it_was_given_escaped(tmp_path, capsys):
+    """An --out holding an escape sequence reached the terminal raw, in every line naming a
+    written file (found by review)."""
+    assert run_assets(tmp_path / "out\x1b[31m") == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "out\\x1b[31m" in out
+
+
+def test_install_hook_prints_its_folder_escaped_and_never_reads_a_foreign_file_whole(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from dsv4_idxk_probe.cli import install_hook
+
+    site = tmp_path / "site\x1b[2J"
+    site.mkdir()
+    (site / "dsv4_idxk_probe.pth").write_bytes(b"x" * (1 << 20))  # not ours: replaced, never read
+    read = []
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self.name) or real_read_text(self, *a, **k))
+    parser = argparse.ArgumentParser()
+    install_hook.add_arguments(parser)
+    assert install_hook.main(parser.parse_args(["--site-packages", str(site)])) == 0
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.out + captured.err and "site\\x1b[2J" in captured.out
+    assert read.count("dsv4_idxk_probe.pth") == 1  # the package's own, not the foreign file
