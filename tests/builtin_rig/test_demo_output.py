@@ -40,6 +40,16 @@ def test_the_verdict_table_fits_in_100_columns_and_keeps_what_it_says(tmp_path):
     assert "found where and when expected: 6/7" in flat and "40/40 digest points agree" in flat
 
 
+def test_a_fault_name_from_the_spec_reaches_the_terminal_escaped(tmp_path):
+    """A fault spec's name with an escape sequence was printed raw in the table (found by review)."""
+    check = _check(0)
+    check.record["name"] = "\x1b[31mRED\x1b]0;title\x07"
+    out = io.StringIO()
+    render(Verification(diff_status=0, diff_json=tmp_path / "d.json", checks=[check], unexplained=[],
+                        oracle_checked=1, verdicts={"match": 1}), 1, out)
+    assert "\x1b" not in out.getvalue() and "\\x1b[31mRED" in out.getvalue()
+
+
 class _Recorder:
     def __init__(self):
         self.counts: list[tuple[int, int]] = []

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+from ...offline.printable import printable
 from .verify import Verification, stage_label
 
 
@@ -45,15 +46,15 @@ def render(check: Verification, n_applied: int, out: TextIO) -> None:
         mark = "ok" if c.ok else "MISSED"
         if not c.record["applied"]:
             mark, expected = "n/a", "-"
-        rows.append((mark, c.label, str(c.record.get("rig_room") or c.record["room"]),
+        rows.append((mark, printable(c.label), str(c.record.get("rig_room") or c.record["room"]),  # a spec's name
                      _short(expected, 16), _short(c.seen, 16)))
         lines = []
         if c.localised != "-":
-            lines += _wrapped(c.localised, _DETAIL + "at ")
+            lines += _wrapped(printable(c.localised), _DETAIL + "at ")
         if c.diagnosed != "-":
-            lines += _wrapped(c.diagnosed, _DETAIL + "diagnosis: ")
+            lines += _wrapped(printable(c.diagnosed), _DETAIL + "diagnosis: ")
         if c.note:
-            lines += _wrapped(c.note, _DETAIL + "note: ")
+            lines += _wrapped(printable(c.note), _DETAIL + "note: ")
         details.append(lines)
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     widths[1] = min(widths[1], COLUMNS - 2 - 2 * 4 - sum(widths) + widths[1])  # the fault's name gives way
