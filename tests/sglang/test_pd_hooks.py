@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 from unittest import mock
 
@@ -66,6 +67,20 @@ def _patched(probe):
     assert {name for name, (s, _) in status.items() if s != "patched"} == set(), status
     yield runtime, sink, registry
     patcher.unpatch()
+
+
+@contextmanager
+def _enforcing():
+    """A runtime in enforce mode with the PD hooks on SGLang's classes, taken off after."""
+    runtime, sink, registry = make_runtime(mode="enforce")
+    patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
+    runtime.patcher = patcher
+    patcher.patch()
+    try:
+        yield runtime, sink
+    finally:
+        patcher.unpatch()
+        runtime.close()
 
 
 #: The backends whose real sender the prefill flow runs: (module, manager, sender).
@@ -567,11 +582,7 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises)
     room of the batch into it, and later rooms matching that prefix would reuse the corrupt
     bytes unjudged (found by review). An abort that raised after finishing the room takes it
     out of the batch (SGLang's step would assert on checkpointing a finished room)."""
-    runtime, sink, _ = make_runtime(mode="enforce")
-    patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
-    runtime.patcher = patcher
-    patcher.patch()
-    try:
+    with _enforcing() as (runtime, sink):
         prefill, decode = worlds
         good = _decode_flow(worlds, (runtime, sink, None))
         side = runtime.sides["decode"]
@@ -611,9 +622,6 @@ def test_enforce_drops_mismatching_room_and_keeps_the_rest(worlds, abort_raises)
             assert bad.req.skip_radix_cache_insert is True
         else:
             assert (aborted, kept, finish) == (["other"], [0, 2], None)
-    finally:
-        patcher.unpatch()
-        runtime.close()
 
 
 @pytest.mark.skipif(not pdworld.HAS_VERIFY_KV_CHECKSUMS,
@@ -622,11 +630,7 @@ def test_enforce_never_drops_a_room_whose_receipt_digest_could_not_read_its_rows
     """A page id past decode's index-K buffers (a probe fault): the monitor records
     `not_comparable`, and enforce dropped the room on the digest's random value (found by
     review). A probe fault never aborts a request: it is kept, not judged."""
-    runtime, sink, _ = make_runtime(mode="enforce")
-    patcher = Patcher(runtime, [t for t in load_targets(["sglang"]) if t.name.startswith("pd.")], route="wrapt")
-    runtime.patcher = patcher
-    patcher.patch()
-    try:
+    with _enforcing() as (runtime, sink):
         prefill, decode = worlds
         send_room(prefill)
         pdworld.transfer_index_k(prefill, decode)
@@ -644,9 +648,6 @@ def test_enforce_never_drops_a_room_whose_receipt_digest_could_not_read_its_rows
         record = sink.wait_for(1, stage="decode_recv")[0]
         assert record["verdict"] == "not_comparable"
         assert (aborted, kept, scheduler.waiting_queue) == ([], [], [])
-    finally:
-        patcher.unpatch()
-        runtime.close()
 
 
 @pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "not_agreed"])
