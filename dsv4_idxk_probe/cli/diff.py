@@ -21,6 +21,7 @@ from ..offline.diff_output import exit_status, sides
 from ..offline.join import analyse
 from ..offline.printable import printable
 from ..offline.results import Analysis, RoomResult
+from ..roomlog.ridcap import rids_as_read
 from ..vocabulary import DECODE_STAGES, SEVERITY, VERDICTS
 
 HELP = "join prefill and decode room logs by (room, attempt) and report where index-K diverged"
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
 def _report(analysis, args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     if args.rid:
-        analysis.select_rids(args.rid)
+        analysis.select_rids(rids_as_read(args.rid))
         if not analysis.rooms and not analysis.prefill_only:
             print(f"dsv4-idxk-probe diff: no room in these logs has rid {printable(', '.join(args.rid))}", file=sys.stderr)
             return 2

@@ -15,6 +15,7 @@ from ..offline import engine
 from ..offline.join import analyse
 from ..offline.printable import printable
 from ..offline.report_html import render
+from ..roomlog.ridcap import rids_as_read
 from .atomic import write_atomically
 
 HELP = "write an HTML report: each bad room (when, which pod, both rids, cells, what next) and timelines"
@@ -49,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _render(analysis, args: argparse.Namespace) -> int:
     if args.rid:
-        analysis.select_rids(args.rid)
+        analysis.select_rids(rids_as_read(args.rid))
         if not analysis.rooms and not analysis.prefill_only:
             print(f"{PREFIX} no room in these logs has rid {printable(', '.join(args.rid))}", file=sys.stderr)
             return 2

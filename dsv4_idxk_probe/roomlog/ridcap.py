@@ -33,6 +33,12 @@ def rid_marker(kept: str, length: int, unit: str) -> str:
     return f"{kept}... (rid cut to {MAX_RID_CHARS} characters; {length:,} {unit} in the log)"
 
 
+def rids_as_read(rids: list[str]) -> list[str]:
+    """Rids asked for (`--rid`), and each long one as the reader cut it: a rid over
+    MAX_RID_CHARS characters was never found by its full text."""
+    return [*rids, *(rid_marker(r[:MAX_RID_CHARS], len(r), "characters") for r in rids if len(r) > MAX_RID_CHARS)]
+
+
 def cap_rid(record: dict, raw_length: int | None = None) -> bool:
     """Cut the record's top-level `rid` to MAX_RID_CHARS characters and a marker; True if cut.
     `raw_length`: the rid's length in the line's bytes, when `squeeze_long_line` cut it first."""

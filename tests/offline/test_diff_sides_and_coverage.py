@@ -144,6 +144,19 @@ def test_a_room_prefill_sent_twice_at_one_length_with_other_digests_is_judged_ag
     assert verdicts[0] == verdicts[1] == (2, {"not_comparable"})  # the logs cannot judge it: incomplete input
 
 
+def test_a_long_rid_is_found_by_its_full_text(tmp_path, capsys):
+    """Rids over 256 characters are cut when read; `--rid` with the full rid found no room and
+    exited 2 (found by review)."""
+    long_rid = "client-" + "r" * 993
+    prefill, decode = live_mismatch_logs([RoomPlan(1), RoomPlan(2)])
+    for rec in prefill + decode:
+        if rec["room"] == "1":
+            rec["rid"] = long_rid
+    logs = (write_side(tmp_path / "p", "prefill", prefill), write_side(tmp_path / "d", "decode", decode))
+    got = diff(capsys, tmp_path, *logs, extra=("--rid", long_rid))
+    assert got["status"] == 0 and [room["room"] for room in got["json"]["rooms"]] == ["1"]
+
+
 @pytest.mark.parametrize("option, value", [("--since", "nan"), ("--until", "inf"), ("--until", "1e400")])
 def test_a_time_window_that_is_not_finite_is_refused(tmp_path, capsys, option, value):
     """`--since nan` compared false with every record's time: the window kept some rooms
