@@ -12,6 +12,8 @@ import argparse
 import importlib.util
 import sys
 
+from ..offline.argtypes import whole_number
+
 HELP = "run SGLang's PD servers here with injected faults and show what the probe finds (make demo)"
 
 
@@ -21,23 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="sglang: SGLang 0.5.23's launch_server prefill and decode plus its router (default); "
            "builtin: the probe's own two-process rig (GPU benchmarks, fast tests)")
     a("--overlap", action="store_true", help="sglang rig: SGLang's overlap event loops instead of the normal ones")
-    a("--concurrency", type=int, default=4, help="sglang rig: requests in flight at once (4)")
-    a("--rooms", type=int, default=None, help="requests to run (sglang rig 48, builtin 200)")
-    a("--layers", type=int, default=8, help="C4 layers, 1..61 (8)")
+    a("--concurrency", type=whole_number(1, 1024), default=4, help="sglang rig: requests in flight at once (4)")
+    a("--rooms", type=whole_number(1, 1_000_000), default=None, help="requests to run (sglang rig 48, builtin 200)")
+    a("--layers", type=whole_number(1, 61), default=8, help="C4 layers, 1..61 (8)")
     a("--layout", default="fp8", help="index-K row layout: fp8, fp4, bf16 or one from configs/layouts.yaml (fp8)")
-    a("--seed", type=int, default=0, help="seed for room lengths, prefixes, steps and random fault targets (0)")
+    a("--seed", type=whole_number(0, 2**32 - 1), default=0, help="seed for room lengths, prefixes, steps and random fault targets (0)")
     a("--faults", metavar="FILE", help="fault spec (docs/faults.md); default: the shipped configs/faults/demo.yaml")
     a("--no-faults", action="store_true", help="inject nothing: every room must match")
     a("--probe-config", metavar="FILE", help="probe config for both processes; default: one written into the run folder")
     a("--log-dir", default="probe-logs", help="parent of the run folder (./probe-logs)")
-    a("--metrics-port", type=int, default=0, help="port for both processes' metrics (0: any free port; -1: none)")
+    a("--metrics-port", type=whole_number(-1, 65535), default=0, help="port for both processes' metrics (0: any free port; -1: none)")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where index-K buffers live (auto: cuda if present)")
-    a("--prefill-gpu", type=int, default=0, help="CUDA device index of prefill's buffers (0)")
-    a("--decode-gpu", type=int, default=0, help="CUDA device index of decode's buffers (0)")
+    a("--prefill-gpu", type=whole_number(0, 1023), default=0, help="CUDA device index of prefill's buffers (0)")
+    a("--decode-gpu", type=whole_number(0, 1023), default=0, help="CUDA device index of decode's buffers (0)")
     a("--pool-source", choices=("auto", "sglang", "builtin"), default="auto",
       help="who allocates the buffers: SGLang's DeepSeekV4IndexerPool when importable (auto), or the built-in copy")
-    a("--max-running", type=int, default=16, help="rooms decode holds at once (16)")
-    a("--step-interval", type=int, default=None,
+    a("--max-running", type=whole_number(1, 1_000_000), default=16, help="rooms decode holds at once (16)")
+    a("--step-interval", type=whole_number(0, 1_000_000), default=None,
       help="decode_step digest every N decode batches (sglang rig) or steps (builtin), in the written probe config (4 / 8)")
     a("--plain", action="store_true", help="plain progress lines instead of a live bar")
 
@@ -71,8 +73,8 @@ def _sglang(args: argparse.Namespace) -> int:
               f"(make demo installs them): {exc}", file=sys.stderr)
         return 2
     opts = SGLangDemoOptions(
-        rooms=args.rooms or 48, seed=args.seed, faults=args.faults, no_faults=args.no_faults, log_dir=args.log_dir,
-        step_interval=args.step_interval or 4, concurrency=args.concurrency, overlap=args.overlap,
+        rooms=48 if args.rooms is None else args.rooms, seed=args.seed, faults=args.faults, no_faults=args.no_faults, log_dir=args.log_dir,
+        step_interval=4 if args.step_interval is None else args.step_interval, concurrency=args.concurrency, overlap=args.overlap,
     )
     from .progress import Progress
 
@@ -96,11 +98,11 @@ def _builtin(args: argparse.Namespace) -> int:
     from ..testbed.builtin.rig import RigError
 
     opts = DemoOptions(
-        rooms=args.rooms or 200, layers=args.layers, layout=args.layout, seed=args.seed, faults=args.faults,
+        rooms=200 if args.rooms is None else args.rooms, layers=args.layers, layout=args.layout, seed=args.seed, faults=args.faults,
         no_faults=args.no_faults, probe_config=args.probe_config, log_dir=args.log_dir,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, device=args.device,
         prefill_gpu=args.prefill_gpu, decode_gpu=args.decode_gpu, pool_source=args.pool_source,
-        max_running=args.max_running, step_interval=args.step_interval or 8, plain=True if args.plain else None,
+        max_running=args.max_running, step_interval=8 if args.step_interval is None else args.step_interval, plain=True if args.plain else None,
     )
     try:
         return run_demo(opts)

@@ -25,6 +25,7 @@ import tempfile
 from ..background import every
 from ..roomlog.reader import InputError, expand_inputs
 from . import fleet, remote
+from .argtypes import whole_number
 from .diff_output import write_json
 from .join import analyse
 from .printable import printable, printable_logs
@@ -70,7 +71,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, per_instance: bool 
     group.add_argument("--memory-limit", type=memory_limit, default=fleet.DEFAULT_MEMORY_LIMIT, metavar="SIZE",
                        help=f"DuckDB's memory limit, at least 64MB; it spills to --temp-dir beyond it "
                             f"({fleet.DEFAULT_MEMORY_LIMIT})")
-    group.add_argument("--threads", type=thread_count, metavar="N",
+    group.add_argument("--threads", type=whole_number(1, MAX_THREADS), metavar="N",
                        help=f"DuckDB threads, 1-{MAX_THREADS} (default: all cores)")
     group.add_argument("--temp-dir", type=writable_dir, metavar="DIR",
                        help="where DuckDB's database and spill files go, a writable folder (default: $TMPDIR)")
@@ -89,16 +90,6 @@ def memory_limit(text: str) -> str:
     if size < MIN_MEMORY_BYTES:
         raise argparse.ArgumentTypeError(f"{text!r} is below 64MB, too little for the join")
     return text.strip()
-
-
-def thread_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and {MAX_THREADS}")
-    return value
 
 
 def writable_dir(text: str) -> str:

@@ -7,6 +7,8 @@ import io
 import time
 from contextlib import contextmanager
 
+import pytest
+
 from dsv4_idxk_probe.cli.main import run
 from dsv4_idxk_probe.testbed.faults.summary import render
 from dsv4_idxk_probe.testbed.faults.verify import FaultCheck, Verification
@@ -102,3 +104,14 @@ def test_the_demos_metric_samples_are_shown_without_sglangs_labels():
     shown = without_sglang_labels(sample)
     assert shown == 'dsv4_idxk_probe_rooms_verified_total{stage="decode_finish",verdict="match"} 4.0'
     assert len(shown) <= 100 < len(sample)
+
+
+@pytest.mark.parametrize("option, value", [("--metrics-port", "99999"), ("--seed", "-1"), ("--step-interval", "-2"),
+                                           ("--rooms", "0"), ("--layers", "62")])
+def test_a_demo_option_out_of_its_range_is_a_usage_error(capsys, option, value):
+    """Each ended in an internal error (exit 3), some only after the servers had started;
+    `--rooms 0` became the default silently (found by review)."""
+    with pytest.raises(SystemExit) as exited:
+        run(["demo", "--rig", "builtin", option, value])
+    assert exited.value.code == 2
+    assert f"argument {option}: '{value}' is not between" in capsys.readouterr().err
