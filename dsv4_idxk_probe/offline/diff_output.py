@@ -66,7 +66,7 @@ def exit_status(analysis: Analysis, *, strict: bool = False) -> int:
         return 1
     if not analysis.rooms and not analysis.prefill_only:
         return 2
-    if analysis.n_errors or seen["missing"] or analysis.summary()["conflicting_prefill_records"]:
+    if analysis.n_errors or seen["missing"] or analysis.prefill_conflicts():
         return 2  # conflicting prefill records: rooms the logs cannot judge (two clusters unlabelled, ...)
     if strict and (verdicts["not_comparable"] or verdicts["unverified"]):
         return 1

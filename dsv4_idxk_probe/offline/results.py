@@ -290,6 +290,11 @@ class Analysis:
                 out += [dict(cell, room=room.room, stage=first.label) for cell in first.diagnosis]
         return out
 
+    def prefill_conflicts(self) -> int:
+        """Prefill records of a key and transfer with another digest (the summary's count, and
+        `exit_status`'s, without building the summary)."""
+        return self.conflicts
+
     def summary(self) -> dict[str, Any]:
         t = self.tally
         cells = self.diagnoses()
@@ -305,7 +310,7 @@ class Analysis:
             "rooms_without_decode_finish": t.rooms_without_finish,
             "live_verdict_disagreements": self.live_disagreements,
             "duplicate_records": self.duplicates,
-            "conflicting_prefill_records": self.conflicts,
+            "conflicting_prefill_records": self.prefill_conflicts(),
             "conflicting_decode_records": self.decode_conflicts,
             "bad_lines": self.n_errors,
             "hicache_branches": [

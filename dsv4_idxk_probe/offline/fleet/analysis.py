@@ -74,8 +74,10 @@ class FleetAnalysis(Analysis):
         base["rooms_without_decode_finish"] += x.get("open", 0)
         base["live_verdict_disagreements"] += x.get("live", 0)
         base["duplicate_records"] += x.get("duplicates", 0)
-        base["conflicting_prefill_records"] += x.get("conflicts", 0)
         return base
+
+    def prefill_conflicts(self) -> int:
+        return super().prefill_conflicts() + self.extra.get("conflicts", 0)  # the Python rooms' and SQL's
 
     def room_verdicts(self) -> Counter:
         out = Counter(super().room_verdicts())
